@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh Debian 12 machine of this kind: Debian packages the tests need,
+# rust-src for the toolchain pinned in rust-toolchain.toml (it builds the probes with -Z build-std),
+# and bpf-linker built against that toolchain's own LLVM, cached under $BATON_CACHE.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf 'setup: %s\n' "$*" >&2; }
+die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "needs root (installs Debian packages, loads eBPF, mounts FUSE): run it with sudo"
+
+DEB_PKGS=(containerd runc fuse3 libfuse3-dev pkg-config busybox-static iproute2 procps)
+missing=()
+for p in "${DEB_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq || die "apt-get update failed: the Debian package mirror is not reachable"
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+    || die "apt-get install ${missing[*]} failed (see the output above)"
+fi
+
+command -v rustup >/dev/null || die "rustup not found: install Rust with rustup first"
+TOOLCHAIN=$(sed -n 's/^channel *= *"\(.*\)"/\1/p' rust-toolchain.toml)
+[ -n "$TOOLCHAIN" ] || die "rust-toolchain.toml names no channel"
+rustup toolchain list | grep -q "^$TOOLCHAIN" || rustup toolchain install "$TOOLCHAIN" --profile minimal \
+  || die "cannot install Rust toolchain $TOOLCHAIN"
+for c in rust-src clippy rustfmt; do
+  rustup component list --toolchain "$TOOLCHAIN" --installed | grep -q "^$c" \
+    || rustup component add "$c" --toolchain "$TOOLCHAIN" >/dev/null \
+    || die "rustup component add $c --toolchain $TOOLCHAIN failed: the probes need rust-src for -Z build-std=core"
+done
+
+BATON_CACHE=${BATON_CACHE:-/var/cache/baton}
+BPF_LINKER_VERSION=0.13.0
+LINKER_ROOT="$BATON_CACHE/bpf-linker-$BPF_LINKER_VERSION-$TOOLCHAIN"
+if [ ! -x "$LINKER_ROOT/bin/bpf-linker" ]; then
+  sysroot=$(rustc +"$TOOLCHAIN" --print sysroot)
+  llvm_so=$(ls "$sysroot"/lib/libLLVM.so.*-rust-* 2>/dev/null | head -n1)
+  [ -n "$llvm_so" ] || die "no libLLVM.so.*-rust-* in $sysroot/lib: cannot build bpf-linker against the toolchain's LLVM"
+  major=$(basename "$llvm_so" | sed -n 's/^libLLVM\.so\.\([0-9]*\)\..*/\1/p')
+  prefix="$BATON_CACHE/llvm-prefix-$TOOLCHAIN"
+  mkdir -p "$prefix/lib"
+  ln -sf "$llvm_so" "$prefix/lib/libLLVM.so"
+  say "building bpf-linker $BPF_LINKER_VERSION against $(basename "$llvm_so") (a few minutes, once)"
+  LLVM_PREFIX="$prefix" RUSTFLAGS="-C link-arg=-Wl,-rpath,$sysroot/lib" \
+    cargo +"$TOOLCHAIN" install bpf-linker --locked --version "$BPF_LINKER_VERSION" \
+      --no-default-features --features "llvm-$major" --root "$LINKER_ROOT" \
+    || die "building bpf-linker failed: needs crates.io and the toolchain's libLLVM ($llvm_so)"
+fi
+# A plain `cargo build` finds bpf-linker on PATH (cargo puts ~/.cargo/bin there).
+mkdir -p "$HOME/.cargo/bin"
+ln -sf "$LINKER_ROOT/bin/bpf-linker" "$HOME/.cargo/bin/bpf-linker"
+echo "$LINKER_ROOT/bin"
