@@ -1,0 +1,235 @@
+//! The event schema shared by the kernel-side probes (`baton-probes`) and user space (`baton-tracer`):
+//! the `#[repr(C)]` records sent through the ring buffer and the keys and values of the probes' maps.
+//!
+//! This is the one definition of that schema. Both sides compile this file; the records are plain old data
+//! with explicit padding so that their layout is the same on the BPF target and on the host.
+#![no_std]
+
+/// Bytes of an ioctl's parameter struct captured at syscall exit (`_IOC_SIZE` or the UVM size, clamped).
+pub const DATA_CAP: usize = 256;
+/// Bytes captured behind the one nested pointer that matters (alloc params, control params, XFER inner params).
+pub const NESTED_CAP: usize = 256;
+/// Longest device-directory prefix the probes match in open paths (e.g. `/dev/`).
+pub const PREFIX_CAP: usize = 64;
+/// Number of device-directory prefixes the probes compare an opened path against.
+pub const PREFIX_SLOTS: u32 = 4;
+/// Bytes of an opened path the probes look at: a prefix plus the device file's name.
+pub const PATH_CAP: usize = 96;
+/// Bytes of the device file's name kept in an open record (`nvidiactl`, `nvidia-uvm-tools`, ...).
+pub const NAME_CAP: usize = 24;
+
+/// Names of the maps in the eBPF object, used by user space to find them.
+pub mod maps {
+    /// Ring buffer of records for user space.
+    pub const EVENTS: &str = "EVENTS";
+    /// `FdKey` -> `FdInfo`: the NVIDIA device fds of each process.
+    pub const NV_FDS: &str = "NV_FDS";
+    /// tgid -> u32: processes holding NVIDIA fds or mappings (munmap, fork, exec and exit are reported for them).
+    pub const NV_PROCS: &str = "NV_PROCS";
+    /// cgroup v2 id -> u32: the watched cgroups.
+    pub const WATCHED: &str = "WATCHED";
+    /// index -> `Prefix`: device-directory prefixes matched in open paths.
+    pub const PREFIXES: &str = "PREFIXES";
+    /// index 0 -> `Config`.
+    pub const CONFIG: &str = "CONFIG";
+    /// Per-CPU counters, indexed by `Counter`.
+    pub const COUNTERS: &str = "COUNTERS";
+}
+
+/// Per-CPU counters kept by the probes.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// Records dropped because the ring buffer was full.
+    RingbufDrops = 0,
+    /// Parameter reads from user memory that failed.
+    ReadFailures = 1,
+    /// Syscalls whose enter half could not be stored (pending map full).
+    PendingFull = 2,
+}
+
+/// Number of `Counter` slots.
+pub const COUNTER_SLOTS: u32 = 3;
+
+/// What a record describes; the first field of every record.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordKind {
+    /// An ioctl on an NVIDIA fd (`IoctlRecord`).
+    Ioctl = 1,
+    /// An NVIDIA device file was opened (`FdRecord`, name set).
+    Open = 2,
+    /// An NVIDIA fd was closed (`FdRecord`).
+    Close = 3,
+    /// An NVIDIA fd was duplicated: `fd` is the new fd, `aux` the old one (`FdRecord`).
+    Dup = 4,
+    /// An NVIDIA fd was mapped: `addr`/`len` is the mapping (`FdRecord`).
+    Mmap = 5,
+    /// A process holding NVIDIA fds unmapped `addr`/`len` (`FdRecord`, fd = -1).
+    Munmap = 6,
+    /// A process holding NVIDIA fds called exec (`FdRecord`).
+    Exec = 7,
+    /// A process holding NVIDIA fds exited (`FdRecord`).
+    Exit = 8,
+    /// A process holding NVIDIA fds forked: `aux` is the child's pid (`FdRecord`).
+    Fork = 9,
+}
+
+impl RecordKind {
+    /// The kind for a raw value read from a record, if it is one.
+    pub const fn from_u32(v: u32) -> Option<Self> {
+        Some(match v {
+            1 => Self::Ioctl,
+            2 => Self::Open,
+            3 => Self::Close,
+            4 => Self::Dup,
+            5 => Self::Mmap,
+            6 => Self::Munmap,
+            7 => Self::Exec,
+            8 => Self::Exit,
+            9 => Self::Fork,
+            _ => return None,
+        })
+    }
+}
+
+/// Fields every record starts with.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Header {
+    /// A `RecordKind` value.
+    pub kind: u32,
+    /// Thread group id (the pid user space sees).
+    pub pid: u32,
+    /// Thread id.
+    pub tid: u32,
+    /// cgroup v2 id of the calling task.
+    pub cgroup_id_lo: u32,
+    /// cgroup v2 id, high half (split to keep the header free of padding).
+    pub cgroup_id_hi: u32,
+    /// Explicit padding.
+    pub _pad: u32,
+    /// CLOCK_MONOTONIC time of the syscall's exit (or of the event), ns.
+    pub ts_ns: u64,
+}
+
+impl Header {
+    /// The cgroup v2 id.
+    pub const fn cgroup_id(&self) -> u64 {
+        ((self.cgroup_id_hi as u64) << 32) | self.cgroup_id_lo as u64
+    }
+}
+
+/// An ioctl on an NVIDIA fd, captured at syscall exit.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct IoctlRecord {
+    /// Common fields.
+    pub hdr: Header,
+    /// The fd.
+    pub fd: i32,
+    /// The ioctl command.
+    pub cmd: u32,
+    /// `baton_nvidia::fdkind::FdKind` of the fd.
+    pub fd_kind: u8,
+    /// Device minor for `nvidiaN`.
+    pub minor: u8,
+    /// Explicit padding.
+    pub _pad: [u8; 2],
+    /// Valid bytes in `data`.
+    pub data_len: u16,
+    /// Valid bytes in `nested`.
+    pub nested_len: u16,
+    /// The syscall's return value.
+    pub ret: i64,
+    /// The argument pointer.
+    pub arg: u64,
+    /// Time from syscall enter to exit, ns.
+    pub latency_ns: u64,
+    /// The parameter struct at `arg`, read at exit.
+    pub data: [u8; DATA_CAP],
+    /// The params behind the nested pointer that matters for this call.
+    pub nested: [u8; NESTED_CAP],
+}
+
+/// A change to the set of NVIDIA fds or mappings of a process.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct FdRecord {
+    /// Common fields.
+    pub hdr: Header,
+    /// The fd concerned (-1 when none).
+    pub fd: i32,
+    /// Kind-specific: old fd for `Dup`, child pid for `Fork`.
+    pub aux: i32,
+    /// `FdKind` of the fd (Open, Dup).
+    pub fd_kind: u8,
+    /// Device minor (Open, Dup).
+    pub minor: u8,
+    /// Explicit padding.
+    pub _pad: [u8; 6],
+    /// Mapping address (Mmap, Munmap).
+    pub addr: u64,
+    /// Mapping length (Mmap, Munmap); file offset is not needed.
+    pub len: u64,
+    /// Device file name for `Open`, NUL padded.
+    pub name: [u8; NAME_CAP],
+}
+
+/// Key of `NV_FDS`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FdKey {
+    /// Thread group id.
+    pub tgid: u32,
+    /// File descriptor.
+    pub fd: u32,
+}
+
+/// Value of `NV_FDS`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FdInfo {
+    /// `FdKind` value.
+    pub kind: u8,
+    /// Device minor for `nvidiaN`.
+    pub minor: u8,
+    /// Explicit padding.
+    pub _pad: [u8; 2],
+}
+
+/// A device-directory prefix (`PREFIXES` value): an opened path that starts with it and continues with an
+/// NVIDIA device name is tracked.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Prefix {
+    /// Bytes in use in `bytes` (0 = slot unused).
+    pub len: u32,
+    /// The prefix, e.g. `/dev/`.
+    pub bytes: [u8; PREFIX_CAP],
+}
+
+/// Global settings (`CONFIG[0]`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Config {
+    /// Non-zero: every process is traced, whatever its cgroup.
+    pub watch_all: u32,
+    /// Offset of `child_pid` in this kernel's `sched:sched_process_fork` record (read from tracefs by user
+    /// space: the layout changed across kernels).
+    pub fork_child_pid_offset: u32,
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    //! `aya::Pod` for the types user space reads from or writes to the maps.
+    use super::{Config, FdInfo, FdKey, Prefix};
+    // SAFETY: plain #[repr(C)] integers with explicit padding: every bit pattern is valid.
+    unsafe impl aya::Pod for FdKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for FdInfo {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for Prefix {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for Config {}
+}

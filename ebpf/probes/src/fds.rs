@@ -1,0 +1,383 @@
+//! Following NVIDIA device fds: open/openat of a device path, dup/dup2/dup3/fcntl(F_DUPFD*), close, and
+//! mmap/munmap of those fds.
+use aya_ebpf::{
+    helpers::bpf_probe_read_user_str_bytes, macros::tracepoint, programs::TracePointContext,
+};
+use baton_nvidia::fdkind::{self, FdKind};
+use baton_probe_common::{
+    Counter, FdInfo, FdKey, FdRecord, NAME_CAP, PATH_CAP, PREFIX_CAP, PREFIX_SLOTS, RecordKind,
+};
+
+use crate::{
+    maps::{NV_FDS, NV_PROCS, PATH_BUF, PENDING, PREFIXES, Pending, Sys},
+    util::{arg, count, current_is_watched, header, ids, now_ns},
+};
+
+/// fcntl commands that duplicate an fd.
+const F_DUPFD: u64 = 0;
+const F_DUPFD_CLOEXEC: u64 = 1030;
+
+/// Pending flag: a dup2/dup3 whose target was an NVIDIA fd that the call closes.
+const DUP_CLOSES_TARGET: u8 = 1;
+
+/// Sends an fd record. `name` is only set for opens.
+#[inline(always)]
+pub fn emit_fd(
+    kind: RecordKind,
+    fd: i32,
+    aux: i32,
+    info: FdInfo,
+    addr: u64,
+    len: u64,
+    name: &[u8; NAME_CAP],
+) {
+    let Some(mut entry) = crate::maps::EVENTS.reserve::<FdRecord>(0) else {
+        count(Counter::RingbufDrops);
+        return;
+    };
+    entry.write(FdRecord {
+        hdr: header(kind, now_ns()),
+        fd,
+        aux,
+        fd_kind: info.kind,
+        minor: info.minor,
+        _pad: [0; 6],
+        addr,
+        len,
+        name: *name,
+    });
+    entry.submit(0);
+}
+
+/// The NVIDIA fd `fd` of the current process, if it is one.
+#[inline(always)]
+fn nv_fd(tgid: u32, fd: u64) -> Option<FdInfo> {
+    let key = FdKey {
+        tgid,
+        fd: fd as u32,
+    };
+    // SAFETY: the value is copied out at once.
+    unsafe { NV_FDS.get(&key).copied() }
+}
+
+/// Records that `tgid` now holds NVIDIA fds.
+#[inline(always)]
+fn track(tgid: u32, fd: u32, info: FdInfo) {
+    let _ = NV_FDS.insert(&FdKey { tgid, fd }, &info, 0);
+    let _ = NV_PROCS.insert(&tgid, &1, 0);
+}
+
+#[inline(always)]
+fn pending(sys: Sys, fd: i32, info: FdInfo) -> Pending {
+    Pending {
+        ts_ns: now_ns(),
+        arg: 0,
+        len: 0,
+        cmd: 0,
+        fd,
+        sys,
+        kind: info.kind,
+        minor: info.minor,
+        flags: 0,
+        name: [0; NAME_CAP],
+    }
+}
+
+/// If `buf` (NUL-terminated) starts with one of the configured device-directory prefixes followed by an NVIDIA
+/// device name, that name and its kind.
+#[inline(always)]
+fn match_device(buf: &[u8; PATH_CAP]) -> Option<([u8; NAME_CAP], FdInfo)> {
+    for slot in 0..PREFIX_SLOTS {
+        let Some(prefix) = PREFIXES.get(slot) else {
+            continue;
+        };
+        let plen = prefix.len as usize;
+        if plen == 0 || plen > PREFIX_CAP {
+            continue;
+        }
+        let mut same = true;
+        for i in 0..PREFIX_CAP {
+            if i >= plen {
+                break;
+            }
+            if buf[i] != prefix.bytes[i] {
+                same = false;
+                break;
+            }
+        }
+        if !same {
+            continue;
+        }
+        let mut name = [0u8; NAME_CAP];
+        let mut nlen = 0;
+        for j in 0..NAME_CAP {
+            let idx = plen + j;
+            if idx >= PATH_CAP {
+                break;
+            }
+            let c = buf[idx];
+            if c == 0 {
+                break;
+            }
+            name[j] = c;
+            nlen = j + 1;
+        }
+        let (kind, minor) = fdkind::classify_name(&name[..nlen])?;
+        if kind == FdKind::Unknown {
+            return None;
+        }
+        return Some((
+            name,
+            FdInfo {
+                kind: kind as u8,
+                minor,
+                _pad: [0; 2],
+            },
+        ));
+    }
+    None
+}
+
+#[inline(always)]
+fn try_enter_open(path: u64) -> Option<()> {
+    if !current_is_watched() {
+        return None;
+    }
+    let buf = PATH_BUF.get_ptr_mut(0)?;
+    // SAFETY: per-CPU scratch buffer, used only within this program run.
+    let buf = unsafe { &mut *buf };
+    // SAFETY: reads a NUL-terminated string from the caller's memory into our buffer; failure is handled.
+    unsafe { bpf_probe_read_user_str_bytes(path as *const u8, buf) }.ok()?;
+    let (name, info) = match_device(buf)?;
+    let (_, tid) = ids();
+    let mut p = pending(Sys::Open, -1, info);
+    p.name = name;
+    if PENDING.insert(&tid, &p, 0).is_err() {
+        count(Counter::PendingFull);
+    }
+    Some(())
+}
+
+#[tracepoint]
+pub fn sys_enter_openat(ctx: TracePointContext) -> u32 {
+    let _ = try_enter_open(arg(&ctx, 1));
+    0
+}
+
+#[tracepoint]
+pub fn sys_enter_open(ctx: TracePointContext) -> u32 {
+    let _ = try_enter_open(arg(&ctx, 0));
+    0
+}
+
+/// Takes the current thread's pending entry if it belongs to `sys`.
+#[inline(always)]
+pub fn take_pending(sys: Sys) -> Option<Pending> {
+    let (_, tid) = ids();
+    // SAFETY: the value is copied out before the entry is removed.
+    let p = unsafe { PENDING.get(&tid).copied() }?;
+    let _ = PENDING.remove(&tid);
+    (p.sys == sys).then_some(p)
+}
+
+#[inline(always)]
+fn try_exit_open(ret: i64) -> Option<()> {
+    let p = take_pending(Sys::Open)?;
+    if ret < 0 {
+        return None;
+    }
+    let (tgid, _) = ids();
+    let info = FdInfo {
+        kind: p.kind,
+        minor: p.minor,
+        _pad: [0; 2],
+    };
+    track(tgid, ret as u32, info);
+    emit_fd(RecordKind::Open, ret as i32, -1, info, 0, 0, &p.name);
+    Some(())
+}
+
+#[tracepoint]
+pub fn sys_exit_openat(ctx: TracePointContext) -> u32 {
+    let _ = try_exit_open(arg(&ctx, 0) as i64);
+    0
+}
+
+#[tracepoint]
+pub fn sys_exit_open(ctx: TracePointContext) -> u32 {
+    let _ = try_exit_open(arg(&ctx, 0) as i64);
+    0
+}
+
+#[tracepoint]
+pub fn sys_enter_close(ctx: TracePointContext) -> u32 {
+    let fd = arg(&ctx, 0);
+    let (tgid, _) = ids();
+    if let Some(info) = nv_fd(tgid, fd) {
+        let _ = NV_FDS.remove(&FdKey {
+            tgid,
+            fd: fd as u32,
+        });
+        emit_fd(RecordKind::Close, fd as i32, -1, info, 0, 0, &[0; NAME_CAP]);
+    }
+    0
+}
+
+/// Enter half of dup-like calls: `old` is duplicated, onto `target` when the call names one.
+#[inline(always)]
+fn try_enter_dup(old: u64, target: Option<u64>) -> Option<()> {
+    let (tgid, tid) = ids();
+    let p = if let Some(info) = nv_fd(tgid, old) {
+        pending(Sys::Dup, old as i32, info)
+    } else {
+        // dup2/dup3 onto an NVIDIA fd closes it.
+        let t = target?;
+        let info = nv_fd(tgid, t)?;
+        let mut p = pending(Sys::Dup, t as i32, info);
+        p.flags = DUP_CLOSES_TARGET;
+        p
+    };
+    if PENDING.insert(&tid, &p, 0).is_err() {
+        count(Counter::PendingFull);
+    }
+    Some(())
+}
+
+#[inline(always)]
+fn try_exit_dup(ret: i64) -> Option<()> {
+    let p = take_pending(Sys::Dup)?;
+    if ret < 0 {
+        return None;
+    }
+    let (tgid, _) = ids();
+    let info = FdInfo {
+        kind: p.kind,
+        minor: p.minor,
+        _pad: [0; 2],
+    };
+    if p.flags == DUP_CLOSES_TARGET {
+        let _ = NV_FDS.remove(&FdKey {
+            tgid,
+            fd: p.fd as u32,
+        });
+        emit_fd(RecordKind::Close, p.fd, -1, info, 0, 0, &[0; NAME_CAP]);
+    } else {
+        track(tgid, ret as u32, info);
+        emit_fd(
+            RecordKind::Dup,
+            ret as i32,
+            p.fd,
+            info,
+            0,
+            0,
+            &[0; NAME_CAP],
+        );
+    }
+    Some(())
+}
+
+#[tracepoint]
+pub fn sys_enter_dup(ctx: TracePointContext) -> u32 {
+    let _ = try_enter_dup(arg(&ctx, 0), None);
+    0
+}
+
+#[tracepoint]
+pub fn sys_enter_dup2(ctx: TracePointContext) -> u32 {
+    let _ = try_enter_dup(arg(&ctx, 0), Some(arg(&ctx, 1)));
+    0
+}
+
+#[tracepoint]
+pub fn sys_enter_dup3(ctx: TracePointContext) -> u32 {
+    let _ = try_enter_dup(arg(&ctx, 0), Some(arg(&ctx, 1)));
+    0
+}
+
+#[tracepoint]
+pub fn sys_enter_fcntl(ctx: TracePointContext) -> u32 {
+    let cmd = arg(&ctx, 1);
+    if cmd == F_DUPFD || cmd == F_DUPFD_CLOEXEC {
+        let _ = try_enter_dup(arg(&ctx, 0), None);
+    }
+    0
+}
+
+#[tracepoint]
+pub fn sys_exit_dup(ctx: TracePointContext) -> u32 {
+    let _ = try_exit_dup(arg(&ctx, 0) as i64);
+    0
+}
+
+#[tracepoint]
+pub fn sys_exit_dup2(ctx: TracePointContext) -> u32 {
+    let _ = try_exit_dup(arg(&ctx, 0) as i64);
+    0
+}
+
+#[tracepoint]
+pub fn sys_exit_dup3(ctx: TracePointContext) -> u32 {
+    let _ = try_exit_dup(arg(&ctx, 0) as i64);
+    0
+}
+
+#[tracepoint]
+pub fn sys_exit_fcntl(ctx: TracePointContext) -> u32 {
+    let _ = try_exit_dup(arg(&ctx, 0) as i64);
+    0
+}
+
+#[tracepoint]
+pub fn sys_enter_mmap(ctx: TracePointContext) -> u32 {
+    let fd = arg(&ctx, 4);
+    let (tgid, tid) = ids();
+    if let Some(info) = nv_fd(tgid, fd) {
+        let mut p = pending(Sys::Mmap, fd as i32, info);
+        p.len = arg(&ctx, 1);
+        if PENDING.insert(&tid, &p, 0).is_err() {
+            count(Counter::PendingFull);
+        }
+    }
+    0
+}
+
+#[tracepoint]
+pub fn sys_exit_mmap(ctx: TracePointContext) -> u32 {
+    let ret = arg(&ctx, 0);
+    if let Some(p) = take_pending(Sys::Mmap) {
+        // Errors come back as -4095..-1.
+        if (ret as i64) < 0 && (ret as i64) >= -4095 {
+            return 0;
+        }
+        let info = FdInfo {
+            kind: p.kind,
+            minor: p.minor,
+            _pad: [0; 2],
+        };
+        emit_fd(RecordKind::Mmap, p.fd, -1, info, ret, p.len, &[0; NAME_CAP]);
+    }
+    0
+}
+
+#[tracepoint]
+pub fn sys_enter_munmap(ctx: TracePointContext) -> u32 {
+    let (tgid, _) = ids();
+    // SAFETY: presence check only.
+    if unsafe { NV_PROCS.get(&tgid).is_some() } {
+        let info = FdInfo {
+            kind: 0,
+            minor: 0,
+            _pad: [0; 2],
+        };
+        emit_fd(
+            RecordKind::Munmap,
+            -1,
+            -1,
+            info,
+            arg(&ctx, 0),
+            arg(&ctx, 1),
+            &[0; NAME_CAP],
+        );
+    }
+    0
+}

@@ -1,0 +1,148 @@
+//! Capturing ioctls on NVIDIA fds: the enter half remembers the call, the exit half reads the parameter struct
+//! (the driver writes its RM status into it) and the one nested buffer that matters, and sends the record.
+use aya_ebpf::{
+    cty::c_void, helpers::generated::bpf_probe_read_user, macros::tracepoint,
+    programs::TracePointContext,
+};
+use baton_nvidia::{class, escape, fdkind::FdKind, ioc, params, uvm};
+use baton_probe_common::{Counter, DATA_CAP, FdKey, IoctlRecord, NAME_CAP, NESTED_CAP, RecordKind};
+
+use crate::{
+    fds::take_pending,
+    maps::{EVENTS, NV_FDS, PENDING, Pending, Sys},
+    util::{arg, count, header, ids, now_ns},
+};
+
+#[tracepoint]
+pub fn sys_enter_ioctl(ctx: TracePointContext) -> u32 {
+    let fd = arg(&ctx, 0);
+    let (tgid, tid) = ids();
+    let key = FdKey {
+        tgid,
+        fd: fd as u32,
+    };
+    // SAFETY: the value is copied out at once.
+    let Some(info) = (unsafe { NV_FDS.get(&key).copied() }) else {
+        return 0;
+    };
+    let p = Pending {
+        ts_ns: now_ns(),
+        arg: arg(&ctx, 2),
+        len: 0,
+        cmd: arg(&ctx, 1) as u32,
+        fd: fd as i32,
+        sys: Sys::Ioctl,
+        kind: info.kind,
+        minor: info.minor,
+        flags: 0,
+        name: [0; NAME_CAP],
+    };
+    if PENDING.insert(&tid, &p, 0).is_err() {
+        count(Counter::PendingFull);
+    }
+    0
+}
+
+#[tracepoint]
+pub fn sys_exit_ioctl(ctx: TracePointContext) -> u32 {
+    if let Some(p) = take_pending(Sys::Ioctl) {
+        send_ioctl(&p, arg(&ctx, 0) as i64);
+    }
+    0
+}
+
+/// Reads `len` (clamped to `cap`) bytes of user memory at `src` into `dst`; returns the bytes read.
+#[inline(always)]
+fn read_user(dst: *mut u8, cap: usize, src: u64, len: u32) -> u16 {
+    let mut n = len as usize;
+    if n > cap {
+        n = cap;
+    }
+    if n == 0 || src == 0 {
+        return 0;
+    }
+    // SAFETY: `dst` points at `cap` writable bytes of a reserved ring-buffer record and `n <= cap`; the helper
+    // reads user memory safely and reports faults.
+    let r = unsafe { bpf_probe_read_user(dst.cast::<c_void>(), n as u32, src as *const c_void) };
+    if r < 0 {
+        count(Counter::ReadFailures);
+        return 0;
+    }
+    n as u16
+}
+
+#[inline(always)]
+fn u32_at(data: &[u8; DATA_CAP], off: usize) -> u32 {
+    if off + 4 > DATA_CAP {
+        return 0;
+    }
+    u32::from_ne_bytes([data[off], data[off + 1], data[off + 2], data[off + 3]])
+}
+
+#[inline(always)]
+fn u64_at(data: &[u8; DATA_CAP], off: usize) -> u64 {
+    (u32_at(data, off) as u64) | ((u32_at(data, off + 4) as u64) << 32)
+}
+
+/// Where the nested buffer of a frontend call lives and how long it is, from the captured params.
+#[inline(always)]
+fn nested_source(nr: u32, data: &[u8; DATA_CAP], data_len: u16) -> Option<(u64, u32)> {
+    let have = data_len as usize;
+    match nr {
+        escape::RM_ALLOC if have >= params::rm_alloc::P_ALLOC_PARMS_OFFSET as usize + 8 => {
+            let cls = u32_at(data, params::rm_alloc::H_CLASS_OFFSET as usize);
+            if !class::is_memory(cls) {
+                return None;
+            }
+            let ptr = u64_at(data, params::rm_alloc::P_ALLOC_PARMS_OFFSET as usize);
+            Some((ptr, params::memory_alloc::SIZE))
+        }
+        escape::RM_CONTROL if have >= params::nvos54::SIZE as usize => Some((
+            u64_at(data, params::nvos54::PARAMS_OFFSET as usize),
+            u32_at(data, params::nvos54::PARAMS_SIZE_OFFSET as usize),
+        )),
+        escape::IOCTL_XFER_CMD if have >= params::xfer::SIZE as usize => Some((
+            u64_at(data, params::xfer::PTR_OFFSET as usize),
+            u32_at(data, params::xfer::SIZE_OFFSET as usize),
+        )),
+        _ => None,
+    }
+}
+
+#[inline(always)]
+fn send_ioctl(p: &Pending, ret: i64) {
+    let Some(mut entry) = EVENTS.reserve::<IoctlRecord>(0) else {
+        count(Counter::RingbufDrops);
+        return;
+    };
+    let rec = entry.as_mut_ptr();
+    let is_uvm = p.kind == FdKind::Uvm as u8 || p.kind == FdKind::UvmTools as u8;
+    let size = if is_uvm {
+        uvm::capture_size(p.cmd)
+    } else {
+        ioc::size(p.cmd)
+    };
+    let now = now_ns();
+    // SAFETY: `rec` points at a reserved, writable IoctlRecord; fields are written through raw pointers before
+    // the record is submitted, and the arrays are only read where `read_user` filled them.
+    unsafe {
+        (*rec).hdr = header(RecordKind::Ioctl, now);
+        (*rec).fd = p.fd;
+        (*rec).cmd = p.cmd;
+        (*rec).fd_kind = p.kind;
+        (*rec).minor = p.minor;
+        (*rec)._pad = [0; 2];
+        (*rec).ret = ret;
+        (*rec).arg = p.arg;
+        (*rec).latency_ns = now.wrapping_sub(p.ts_ns);
+        let data_len = read_user((*rec).data.as_mut_ptr(), DATA_CAP, p.arg, size);
+        (*rec).data_len = data_len;
+        (*rec).nested_len = 0;
+        if !is_uvm {
+            if let Some((ptr, len)) = nested_source(ioc::nr(p.cmd), &(*rec).data, data_len) {
+                (*rec).nested_len = read_user((*rec).nested.as_mut_ptr(), NESTED_CAP, ptr, len);
+            }
+        }
+    }
+    entry.submit(0);
+}
