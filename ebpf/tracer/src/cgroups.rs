@@ -1,0 +1,262 @@
+//! cgroup v2 ids and paths, and the container names derived from them.
+//!
+//! `bpf_get_current_cgroup_id()` returns the kernfs id of the task's cgroup v2 directory, which is that
+//! directory's inode number. On a hybrid host the v2 tree is mounted at /sys/fs/cgroup/unified; on a pure v2
+//! host at /sys/fs/cgroup. The root is found from /proc/self/mountinfo unless the caller names one.
+use std::{
+    collections::HashMap,
+    fs,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+};
+
+/// Errors of this module.
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    /// No cgroup2 file system is mounted.
+    #[error(
+        "no cgroup v2 hierarchy is mounted (looked in /proc/self/mountinfo): per-container attribution needs one"
+    )]
+    NoCgroup2,
+    /// A path could not be read.
+    #[error("cannot read cgroup {path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A path is not under the v2 root.
+    #[error("{path} is not a cgroup v2 directory under {root}")]
+    NotUnderRoot {
+        /// The path given.
+        path: PathBuf,
+        /// The v2 root.
+        root: PathBuf,
+    },
+}
+
+/// The mount point of the cgroup v2 hierarchy, from /proc/self/mountinfo.
+pub fn find_v2_root() -> Result<PathBuf, CgroupError> {
+    let text = fs::read_to_string("/proc/self/mountinfo").map_err(|source| CgroupError::Io {
+        path: "/proc/self/mountinfo".into(),
+        source,
+    })?;
+    text.lines()
+        .filter_map(|line| {
+            let (pre, post) = line.split_once(" - ")?;
+            (post.split_whitespace().next()? == "cgroup2")
+                .then(|| pre.split_whitespace().nth(4).map(PathBuf::from))?
+        })
+        .min_by_key(|p| p.as_os_str().len())
+        .ok_or(CgroupError::NoCgroup2)
+}
+
+/// Maps cgroup v2 ids to paths (relative to the v2 root, starting with `/`) and back.
+#[derive(Debug)]
+pub struct CgroupIndex {
+    root: PathBuf,
+    by_id: HashMap<u64, String>,
+}
+
+impl CgroupIndex {
+    /// An index of the hierarchy mounted at `root`, scanned once.
+    pub fn new(root: PathBuf) -> Self {
+        let mut idx = Self {
+            root,
+            by_id: HashMap::new(),
+        };
+        idx.rescan();
+        idx
+    }
+
+    /// The v2 root this index walks.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Walks the whole hierarchy again (cgroups come and go with containers).
+    pub fn rescan(&mut self) {
+        self.by_id.clear();
+        let mut stack = vec![self.root.clone()];
+        while let Some(dir) = stack.pop() {
+            if let Ok(meta) = fs::metadata(&dir) {
+                self.by_id.insert(meta.ino(), self.relative(&dir));
+            }
+            let Ok(entries) = fs::read_dir(&dir) else {
+                continue;
+            };
+            stack.extend(
+                entries
+                    .flatten()
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .map(|e| e.path()),
+            );
+        }
+    }
+
+    fn relative(&self, dir: &Path) -> String {
+        let rel = dir.strip_prefix(&self.root).unwrap_or(dir);
+        format!("/{}", rel.display())
+    }
+
+    /// The path of cgroup `id`, rescanning once if it is not known yet.
+    pub fn path_of(&mut self, id: u64) -> Option<&str> {
+        if !self.by_id.contains_key(&id) {
+            self.rescan();
+        }
+        self.by_id.get(&id).map(String::as_str)
+    }
+
+    /// Every known (id, path).
+    pub fn entries(&self) -> impl Iterator<Item = (u64, &str)> {
+        self.by_id.iter().map(|(id, p)| (*id, p.as_str()))
+    }
+
+    /// The id of a cgroup given as a path relative to the root (`/default/c1`) or absolute under it.
+    pub fn id_of_path(&self, path: &Path) -> Result<u64, CgroupError> {
+        let abs = if path.starts_with(&self.root) {
+            path.to_path_buf()
+        } else {
+            self.root.join(path.strip_prefix("/").unwrap_or(path))
+        };
+        let meta = fs::metadata(&abs).map_err(|source| CgroupError::Io {
+            path: abs.clone(),
+            source,
+        })?;
+        if !meta.is_dir() {
+            return Err(CgroupError::NotUnderRoot {
+                path: path.into(),
+                root: self.root.clone(),
+            });
+        }
+        Ok(meta.ino())
+    }
+}
+
+/// The cgroup v2 id of a process, from /proc/PID/cgroup's `0::` line.
+pub fn cgroup_id_of_pid(root: &Path, pid: i32) -> Option<u64> {
+    let text = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let rel = text.lines().find_map(|l| l.strip_prefix("0::"))?;
+    fs::metadata(root.join(rel.trim_start_matches('/')))
+        .ok()
+        .map(|m| m.ino())
+}
+
+/// Creates the cgroup `rel` (a path relative to the v2 `root`) and its parents; returns its absolute path.
+pub fn create(root: &Path, rel: &str) -> Result<PathBuf, CgroupError> {
+    let path = root.join(rel.trim_start_matches('/'));
+    fs::create_dir_all(&path).map_err(|source| CgroupError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    Ok(path)
+}
+
+/// Moves process `pid` into the cgroup at `path` (absolute).
+pub fn move_pid(path: &Path, pid: u32) -> Result<(), CgroupError> {
+    let procs = path.join("cgroup.procs");
+    fs::write(&procs, pid.to_string()).map_err(|source| CgroupError::Io {
+        path: procs,
+        source,
+    })
+}
+
+/// A command that runs `program args...` inside the cgroup at `path` (absolute) from its first instruction:
+/// a shell moves itself into the cgroup, then execs the program, so nothing runs outside it.
+pub fn command_in(path: &Path, program: &Path, args: &[String]) -> std::process::Command {
+    let mut cmd = std::process::Command::new("/bin/sh");
+    cmd.arg("-c")
+        .arg(r#"echo $$ > "$0/cgroup.procs" && exec "$@""#)
+        .arg(path)
+        .arg(program)
+        .args(args);
+    cmd
+}
+
+/// Removes an empty cgroup (after its processes exited); missing is fine.
+pub fn remove(path: &Path) -> Result<(), CgroupError> {
+    match fs::remove_dir(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(CgroupError::Io {
+            path: path.into(),
+            source: e,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// A short, human name for the container a cgroup path belongs to, following the naming of containerd
+/// (`/<namespace>/<id>`), the CRI plugin with the cgroupfs driver (`/kubepods/<qos>/pod<uid>/<id>`) or the
+/// systemd driver (`.../cri-containerd-<id>.scope`), and Docker (`/docker/<id>`, `docker-<id>.scope`). Falls
+/// back to the path itself.
+pub fn container_name(path: &str) -> String {
+    let last = path.rsplit('/').next().unwrap_or(path);
+    for (prefix, suffix) in [
+        ("cri-containerd-", ".scope"),
+        ("docker-", ".scope"),
+        ("crio-", ".scope"),
+    ] {
+        if let Some(id) = last
+            .strip_prefix(prefix)
+            .and_then(|s| s.strip_suffix(suffix))
+        {
+            return short_id(id).to_owned();
+        }
+    }
+    let parts: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
+    match parts.as_slice() {
+        ["kubepods" | "kubepods.slice", .., pod, id] if pod.contains("pod") => {
+            short_id(id).to_owned()
+        }
+        ["docker", id] => short_id(id).to_owned(),
+        [ns, id] if !ns.ends_with(".slice") && !ns.ends_with(".scope") => format!("{ns}/{id}"),
+        _ if path.is_empty() || path == "/" => "/".to_owned(),
+        _ => path.to_owned(),
+    }
+}
+
+/// The first 12 characters of a 64-hex container id, as `docker ps` and `crictl ps` show them.
+fn short_id(id: &str) -> &str {
+    if id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        &id[..12]
+    } else {
+        id
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_runtime_conventions() {
+        let id = "0123456789abcdef".repeat(4);
+        assert_eq!(container_name("/default/trainer"), "default/trainer");
+        assert_eq!(
+            container_name(&format!("/kubepods/burstable/pod1234-56/{id}")),
+            "0123456789ab"
+        );
+        assert_eq!(
+            container_name(&format!(
+                "/kubepods.slice/kubepods-pod9.slice/cri-containerd-{id}.scope"
+            )),
+            "0123456789ab"
+        );
+        assert_eq!(container_name(&format!("/docker/{id}")), "0123456789ab");
+        assert_eq!(
+            container_name("/user.slice/user-0.slice/session-1.scope"),
+            "/user.slice/user-0.slice/session-1.scope"
+        );
+        assert_eq!(container_name("/"), "/");
+    }
+
+    #[test]
+    fn index_maps_ids_to_paths_on_a_tempdir_tree() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("default/c1")).unwrap();
+        let mut idx = CgroupIndex::new(dir.path().to_path_buf());
+        let id = idx.id_of_path(Path::new("/default/c1")).unwrap();
+        assert_eq!(idx.path_of(id), Some("/default/c1"));
+        assert!(idx.id_of_path(Path::new("/missing")).is_err());
+    }
+}

@@ -1,0 +1,219 @@
+//! Typed events parsed from the probes' ring-buffer records, with ioctls decoded through `baton-nvidia`.
+use baton_nvidia::{
+    decode::{self, Call, Decoded},
+    fdkind::FdKind,
+    layout::Layout,
+};
+use baton_probe_common::{
+    DATA_CAP, FdRecord, Header, IoctlRecord, NAME_CAP, NESTED_CAP, RecordKind,
+};
+
+/// One thing a traced process did to the NVIDIA driver.
+#[derive(Clone, Debug)]
+pub struct Event {
+    /// CLOCK_MONOTONIC time, ns.
+    pub ts_ns: u64,
+    /// cgroup v2 id of the caller.
+    pub cgroup_id: u64,
+    /// Process id.
+    pub pid: u32,
+    /// Thread id.
+    pub tid: u32,
+    /// What happened.
+    pub body: Body,
+}
+
+/// The kind-specific part of an event.
+#[derive(Clone, Debug)]
+pub enum Body {
+    /// An ioctl into the driver.
+    Ioctl(Box<Ioctl>),
+    /// A device file was opened.
+    Open {
+        /// The new fd.
+        fd: i32,
+        /// Which device.
+        kind: FdKind,
+        /// Device minor.
+        minor: u8,
+        /// Device file name (`nvidiactl`).
+        name: String,
+    },
+    /// An NVIDIA fd was closed.
+    Close {
+        /// The fd.
+        fd: i32,
+    },
+    /// An NVIDIA fd was duplicated.
+    Dup {
+        /// The new fd.
+        fd: i32,
+        /// The fd it duplicates.
+        old_fd: i32,
+        /// Which device.
+        kind: FdKind,
+        /// Device minor.
+        minor: u8,
+    },
+    /// A device file was mapped.
+    Mmap {
+        /// The fd mapped.
+        fd: i32,
+        /// Mapping address.
+        addr: u64,
+        /// Mapping length.
+        len: u64,
+    },
+    /// A holder unmapped a range.
+    Munmap {
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
+    /// A holder called exec.
+    Exec,
+    /// A holder exited.
+    Exit,
+    /// A holder forked.
+    Fork {
+        /// The child's pid.
+        child: u32,
+    },
+}
+
+/// A decoded ioctl.
+#[derive(Clone, Debug)]
+pub struct Ioctl {
+    /// The fd.
+    pub fd: i32,
+    /// Which device file it went to.
+    pub fd_kind: FdKind,
+    /// Device minor.
+    pub minor: u8,
+    /// The raw command.
+    pub cmd: u32,
+    /// The syscall's return value.
+    pub ret: i64,
+    /// Time in the driver, ns.
+    pub latency_ns: u64,
+    /// Decoded parameters, status and operation.
+    pub decoded: Decoded,
+}
+
+/// Errors parsing a record.
+#[derive(Debug, thiserror::Error)]
+pub enum ParseError {
+    /// The record is shorter than its kind needs.
+    #[error("ring-buffer record of {len} bytes is too short for kind {kind}")]
+    Short {
+        /// Bytes received.
+        len: usize,
+        /// The kind field.
+        kind: u32,
+    },
+    /// Unknown kind.
+    #[error("ring-buffer record of unknown kind {0}")]
+    UnknownKind(u32),
+}
+
+/// Copies a `#[repr(C)]` plain-old-data record out of the ring buffer's bytes.
+fn read_pod<T: Copy>(bytes: &[u8]) -> Option<T> {
+    if bytes.len() < size_of::<T>() {
+        return None;
+    }
+    // SAFETY: the length is checked above, the read is unaligned-safe, and T is one of the probe-common records:
+    // plain integers and byte arrays for which every bit pattern is valid.
+    Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) })
+}
+
+/// Parses one ring-buffer record.
+pub fn parse(bytes: &[u8], layout: &Layout) -> Result<Event, ParseError> {
+    let hdr: Header = read_pod(bytes).ok_or(ParseError::Short {
+        len: bytes.len(),
+        kind: 0,
+    })?;
+    let kind = RecordKind::from_u32(hdr.kind).ok_or(ParseError::UnknownKind(hdr.kind))?;
+    let short = ParseError::Short {
+        len: bytes.len(),
+        kind: hdr.kind,
+    };
+    let body = if kind == RecordKind::Ioctl {
+        let rec: IoctlRecord = read_pod(bytes).ok_or(short)?;
+        Body::Ioctl(Box::new(ioctl(&rec, layout)))
+    } else {
+        let rec: FdRecord = read_pod(bytes).ok_or(short)?;
+        fd_body(kind, &rec)
+    };
+    Ok(Event {
+        ts_ns: hdr.ts_ns,
+        cgroup_id: hdr.cgroup_id(),
+        pid: hdr.pid,
+        tid: hdr.tid,
+        body,
+    })
+}
+
+fn ioctl(rec: &IoctlRecord, layout: &Layout) -> Ioctl {
+    let fd_kind = FdKind::from_u8(rec.fd_kind);
+    let data = &rec.data[..usize::from(rec.data_len).min(DATA_CAP)];
+    let nested = &rec.nested[..usize::from(rec.nested_len).min(NESTED_CAP)];
+    let decoded = decode::decode(
+        &Call {
+            fd_kind,
+            cmd: rec.cmd,
+            data,
+            nested,
+        },
+        layout,
+    );
+    Ioctl {
+        fd: rec.fd,
+        fd_kind,
+        minor: rec.minor,
+        cmd: rec.cmd,
+        ret: rec.ret,
+        latency_ns: rec.latency_ns,
+        decoded,
+    }
+}
+
+fn fd_body(kind: RecordKind, rec: &FdRecord) -> Body {
+    let fd_kind = FdKind::from_u8(rec.fd_kind);
+    match kind {
+        RecordKind::Open => Body::Open {
+            fd: rec.fd,
+            kind: fd_kind,
+            minor: rec.minor,
+            name: name(&rec.name),
+        },
+        RecordKind::Close => Body::Close { fd: rec.fd },
+        RecordKind::Dup => Body::Dup {
+            fd: rec.fd,
+            old_fd: rec.aux,
+            kind: fd_kind,
+            minor: rec.minor,
+        },
+        RecordKind::Mmap => Body::Mmap {
+            fd: rec.fd,
+            addr: rec.addr,
+            len: rec.len,
+        },
+        RecordKind::Munmap => Body::Munmap {
+            addr: rec.addr,
+            len: rec.len,
+        },
+        RecordKind::Exec => Body::Exec,
+        RecordKind::Exit => Body::Exit,
+        RecordKind::Fork => Body::Fork {
+            child: rec.aux as u32,
+        },
+        // Ioctl records are parsed by `parse` before this is called.
+        RecordKind::Ioctl => Body::Exec,
+    }
+}
+
+fn name(raw: &[u8; NAME_CAP]) -> String {
+    let end = raw.iter().position(|b| *b == 0).unwrap_or(NAME_CAP);
+    String::from_utf8_lossy(&raw[..end]).into_owned()
+}

@@ -1,0 +1,18 @@
+//! User-space half of Baton's NVIDIA driver probes.
+//!
+//! [`Tracer`] loads the eBPF object that build.rs built from `ebpf/probes` and embedded here, attaches it,
+//! seeds its fd maps from /proc, and turns the ring-buffer records into decoded [`event::Event`]s while it
+//! keeps, per container (cgroup v2 id), a [`ledger::ContainerLedger`] of live RM objects, GPU memory and UVM
+//! state, and a [`fdtable::FdTable`] of the NVIDIA fds and mappings of every traced process.
+//!
+//! `baton trace` and the shim use it; issue C's release signal reads the ledger.
+pub mod cgroups;
+pub mod event;
+pub mod fdtable;
+pub mod ledger;
+pub mod probes;
+pub mod schema;
+pub mod seed;
+mod tracer;
+
+pub use tracer::{GpuState, Tracer, TracerConfig, TracerError};

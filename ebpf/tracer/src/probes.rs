@@ -1,0 +1,260 @@
+//! Loading the embedded eBPF object, attaching its tracepoints, and the typed handles on its maps.
+//!
+//! Programs and maps are owned by this process: they are detached and freed when the `Probes` value is dropped
+//! or the process exits, so no cleanup command is needed.
+use std::{fs, path::Path};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
+    programs::TracePoint,
+};
+use baton_probe_common::{
+    COUNTER_SLOTS, Config, Counter, FdInfo, FdKey, PREFIX_CAP, PREFIX_SLOTS, Prefix, maps,
+};
+
+/// The probes, built by build.rs.
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/baton-probes"));
+
+/// (program, tracepoint category, tracepoint name).
+const TRACEPOINTS: &[(&str, &str, &str)] = &[
+    ("sys_enter_openat", "syscalls", "sys_enter_openat"),
+    ("sys_exit_openat", "syscalls", "sys_exit_openat"),
+    ("sys_enter_open", "syscalls", "sys_enter_open"),
+    ("sys_exit_open", "syscalls", "sys_exit_open"),
+    ("sys_enter_close", "syscalls", "sys_enter_close"),
+    ("sys_enter_dup", "syscalls", "sys_enter_dup"),
+    ("sys_exit_dup", "syscalls", "sys_exit_dup"),
+    ("sys_enter_dup2", "syscalls", "sys_enter_dup2"),
+    ("sys_exit_dup2", "syscalls", "sys_exit_dup2"),
+    ("sys_enter_dup3", "syscalls", "sys_enter_dup3"),
+    ("sys_exit_dup3", "syscalls", "sys_exit_dup3"),
+    ("sys_enter_fcntl", "syscalls", "sys_enter_fcntl"),
+    ("sys_exit_fcntl", "syscalls", "sys_exit_fcntl"),
+    ("sys_enter_mmap", "syscalls", "sys_enter_mmap"),
+    ("sys_exit_mmap", "syscalls", "sys_exit_mmap"),
+    ("sys_enter_munmap", "syscalls", "sys_enter_munmap"),
+    ("sys_enter_ioctl", "syscalls", "sys_enter_ioctl"),
+    ("sys_exit_ioctl", "syscalls", "sys_exit_ioctl"),
+    ("sched_process_fork", "sched", "sched_process_fork"),
+    ("sched_process_exec", "sched", "sched_process_exec"),
+    ("sched_process_exit", "sched", "sched_process_exit"),
+];
+
+const TRACEFS: &str = "/sys/kernel/tracing";
+
+/// Why the probes could not be loaded; each message says what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    /// Not root.
+    #[error("needs root (loading eBPF programs needs CAP_BPF and CAP_PERFMON): run it with sudo")]
+    NeedsRoot,
+    /// tracefs is missing and could not be mounted.
+    #[error(
+        "tracefs is not mounted at {TRACEFS} and mounting it failed ({0}): mount -t tracefs nodev {TRACEFS}"
+    )]
+    NoTracefs(String),
+    /// The kernel refused the object or a program.
+    #[error("bpf() refused: {0}")]
+    Refused(String),
+    /// Attaching a tracepoint failed.
+    #[error(
+        "attaching tracepoint {category}:{name} failed: {detail} (does this kernel have syscall tracepoints? CONFIG_FTRACE_SYSCALLS)"
+    )]
+    Attach {
+        /// Category.
+        category: &'static str,
+        /// Name.
+        name: &'static str,
+        /// The error.
+        detail: String,
+    },
+    /// A map is missing from the object (a build mismatch).
+    #[error("map {0} missing from the embedded eBPF object: rebuild baton")]
+    MissingMap(&'static str),
+    /// A map operation failed.
+    #[error("bpf map {map}: {detail}")]
+    Map {
+        /// Map name.
+        map: &'static str,
+        /// The error.
+        detail: String,
+    },
+    /// A prefix is too long.
+    #[error("device prefix {0:?} is longer than {PREFIX_CAP} bytes")]
+    PrefixTooLong(String),
+    /// Too many prefixes.
+    #[error("at most {PREFIX_SLOTS} device prefixes can be traced")]
+    TooManyPrefixes,
+}
+
+/// Settings of the probe set.
+#[derive(Clone, Debug)]
+pub struct ProbeConfig {
+    /// Trace every process, whatever its cgroup.
+    pub watch_all: bool,
+    /// Device-directory prefixes (`/dev/`): opened paths made of a prefix and an NVIDIA device name are tracked.
+    pub prefixes: Vec<String>,
+}
+
+/// The loaded, attached probe set and its maps.
+pub struct Probes {
+    _ebpf: Ebpf,
+    /// Watched cgroups.
+    pub watched: HashMap<MapData, u64, u32>,
+    /// NVIDIA fds per process.
+    pub nv_fds: HashMap<MapData, FdKey, FdInfo>,
+    /// Processes holding NVIDIA fds.
+    pub nv_procs: HashMap<MapData, u32, u32>,
+    counters: PerCpuArray<MapData, u64>,
+}
+
+fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> ProbeError {
+    move |e| ProbeError::Map {
+        map,
+        detail: e.to_string(),
+    }
+}
+
+impl Probes {
+    /// Loads the object, fills its configuration and attaches every tracepoint; returns the probes and their
+    /// record stream.
+    pub fn load(cfg: &ProbeConfig) -> Result<(Self, RingBuf<MapData>), ProbeError> {
+        if !nix::unistd::geteuid().is_root() {
+            return Err(ProbeError::NeedsRoot);
+        }
+        ensure_tracefs()?;
+        let mut ebpf = EbpfLoader::new()
+            .load(OBJECT)
+            .map_err(|e| ProbeError::Refused(error_chain(&e)))?;
+        write_config(&mut ebpf, cfg)?;
+        for &(prog, category, name) in TRACEPOINTS {
+            let p: &mut TracePoint = ebpf
+                .program_mut(prog)
+                .ok_or_else(|| {
+                    ProbeError::Refused(format!("program {prog} missing from the object"))
+                })?
+                .try_into()
+                .map_err(|e: aya::programs::ProgramError| ProbeError::Refused(e.to_string()))?;
+            p.load()
+                .map_err(|e| ProbeError::Refused(format!("loading {prog}: {}", error_chain(&e))))?;
+            p.attach(category, name).map_err(|e| ProbeError::Attach {
+                category,
+                name,
+                detail: error_chain(&e),
+            })?;
+        }
+        let mut take = |name: &'static str| ebpf.take_map(name).ok_or(ProbeError::MissingMap(name));
+        let events = RingBuf::try_from(take(maps::EVENTS)?).map_err(map_err(maps::EVENTS))?;
+        let watched = HashMap::try_from(take(maps::WATCHED)?).map_err(map_err(maps::WATCHED))?;
+        let nv_fds = HashMap::try_from(take(maps::NV_FDS)?).map_err(map_err(maps::NV_FDS))?;
+        let nv_procs = HashMap::try_from(take(maps::NV_PROCS)?).map_err(map_err(maps::NV_PROCS))?;
+        let counters =
+            PerCpuArray::try_from(take(maps::COUNTERS)?).map_err(map_err(maps::COUNTERS))?;
+        Ok((
+            Self {
+                _ebpf: ebpf,
+                watched,
+                nv_fds,
+                nv_procs,
+                counters,
+            },
+            events,
+        ))
+    }
+
+    /// The sum over CPUs of a counter.
+    pub fn counter(&self, c: Counter) -> u64 {
+        debug_assert!((c as u32) < COUNTER_SLOTS);
+        self.counters
+            .get(&(c as u32), 0)
+            .map(|v| v.iter().sum())
+            .unwrap_or(0)
+    }
+}
+
+fn write_config(ebpf: &mut Ebpf, cfg: &ProbeConfig) -> Result<(), ProbeError> {
+    if cfg.prefixes.len() > PREFIX_SLOTS as usize {
+        return Err(ProbeError::TooManyPrefixes);
+    }
+    let config = Config {
+        watch_all: u32::from(cfg.watch_all),
+        fork_child_pid_offset: fork_child_pid_offset(),
+    };
+    let mut arr: Array<_, Config> = Array::try_from(
+        ebpf.map_mut(maps::CONFIG)
+            .ok_or(ProbeError::MissingMap(maps::CONFIG))?,
+    )
+    .map_err(map_err(maps::CONFIG))?;
+    arr.set(0, config, 0).map_err(map_err(maps::CONFIG))?;
+    let mut arr: Array<_, Prefix> = Array::try_from(
+        ebpf.map_mut(maps::PREFIXES)
+            .ok_or(ProbeError::MissingMap(maps::PREFIXES))?,
+    )
+    .map_err(map_err(maps::PREFIXES))?;
+    for (i, p) in cfg.prefixes.iter().enumerate() {
+        if p.len() > PREFIX_CAP {
+            return Err(ProbeError::PrefixTooLong(p.clone()));
+        }
+        let mut bytes = [0u8; PREFIX_CAP];
+        bytes[..p.len()].copy_from_slice(p.as_bytes());
+        arr.set(
+            i as u32,
+            Prefix {
+                len: p.len() as u32,
+                bytes,
+            },
+            0,
+        )
+        .map_err(map_err(maps::PREFIXES))?;
+    }
+    Ok(())
+}
+
+/// Mounts tracefs if it is not mounted: aya finds tracepoint ids there.
+fn ensure_tracefs() -> Result<(), ProbeError> {
+    if Path::new(TRACEFS).join("events").is_dir()
+        || Path::new("/sys/kernel/debug/tracing/events").is_dir()
+    {
+        return Ok(());
+    }
+    nix::mount::mount(
+        Some("nodev"),
+        TRACEFS,
+        Some("tracefs"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .map_err(|e| ProbeError::NoTracefs(e.to_string()))
+}
+
+/// Offset of `child_pid` in this kernel's sched_process_fork record (it moved when the comm fields became
+/// `__data_loc` strings); 0 when it cannot be read, which turns fork reporting off.
+fn fork_child_pid_offset() -> u32 {
+    let Ok(format) =
+        fs::read_to_string(Path::new(TRACEFS).join("events/sched/sched_process_fork/format"))
+    else {
+        return 0;
+    };
+    format
+        .lines()
+        .find(|l| l.contains(" child_pid;"))
+        .and_then(|l| l.split(';').find_map(|f| f.trim().strip_prefix("offset:")))
+        .and_then(|o| o.parse().ok())
+        .unwrap_or(0)
+}
+
+/// An error with its sources, one line (aya keeps the verifier log in the source chain).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    if s.contains("Operation not permitted") {
+        s.push_str(" (needs root with CAP_BPF/CAP_SYS_ADMIN; is kernel.unprivileged_bpf_disabled or lockdown in the way?)");
+    }
+    s
+}

@@ -1,0 +1,156 @@
+//! The JSON schema of trace events (`baton trace --json`): one object per event. This is the one definition
+//! of that schema; `baton trace`, tests and later the shim's event export all serialise through it.
+use baton_nvidia::{decode::Field, fdkind, status};
+use serde::Serialize;
+
+use crate::event::{Body, Event};
+
+/// One event as `baton trace --json` prints it.
+#[derive(Debug, Serialize)]
+pub struct TraceEvent<'a> {
+    /// CLOCK_MONOTONIC time, ns.
+    pub ts_ns: u64,
+    /// cgroup v2 id.
+    pub cgroup_id: u64,
+    /// Container name derived from the cgroup path.
+    pub container: &'a str,
+    /// Process id.
+    pub pid: u32,
+    /// Thread id.
+    pub tid: u32,
+    /// `ioctl`, `open`, `close`, `dup`, `mmap`, `munmap`, `exec`, `exit`, `fork`.
+    pub event: &'static str,
+    /// The fd, when the event has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fd: Option<i32>,
+    /// Device file: `ctl`, `nvidia0`, `uvm`, ...
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fd_kind: Option<String>,
+    /// Escape or UVM command name (ioctl).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub escape: Option<&'a str>,
+    /// Raw ioctl command.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cmd: Option<u32>,
+    /// RM status from the params struct (ioctl).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<u32>,
+    /// Its name (`NV_OK`, `NV_ERR_INVALID_CLASS`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status_name: Option<String>,
+    /// Syscall return value (ioctl).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ret: Option<i64>,
+    /// Time in the driver (ioctl), ns.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub latency_ns: Option<u64>,
+    /// Decoded parameter fields (ioctl).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fields: Option<&'a [Field]>,
+    /// Device file name (open).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<&'a str>,
+    /// Duplicated fd (dup).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub old_fd: Option<i32>,
+    /// Mapping address (mmap, munmap).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub addr: Option<u64>,
+    /// Mapping length (mmap, munmap).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub len: Option<u64>,
+    /// Child pid (fork).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub child: Option<u32>,
+}
+
+/// The name of an RM status, or its hex value.
+pub fn status_name(s: u32) -> String {
+    status::name(s).map_or_else(|| format!("0x{s:x}"), str::to_owned)
+}
+
+impl<'a> TraceEvent<'a> {
+    /// The JSON view of `e`, attributed to `container`.
+    pub fn new(e: &'a Event, container: &'a str) -> Self {
+        let mut t = TraceEvent {
+            ts_ns: e.ts_ns,
+            cgroup_id: e.cgroup_id,
+            container,
+            pid: e.pid,
+            tid: e.tid,
+            event: "",
+            fd: None,
+            fd_kind: None,
+            escape: None,
+            cmd: None,
+            status: None,
+            status_name: None,
+            ret: None,
+            latency_ns: None,
+            fields: None,
+            name: None,
+            old_fd: None,
+            addr: None,
+            len: None,
+            child: None,
+        };
+        match &e.body {
+            Body::Ioctl(io) => {
+                t.event = "ioctl";
+                t.fd = Some(io.fd);
+                t.fd_kind = Some(fdkind::label(io.fd_kind, io.minor));
+                t.escape = Some(&io.decoded.escape);
+                t.cmd = Some(io.cmd);
+                t.status = io.decoded.status;
+                t.status_name = io.decoded.status.map(status_name);
+                t.ret = Some(io.ret);
+                t.latency_ns = Some(io.latency_ns);
+                t.fields = Some(&io.decoded.fields);
+            }
+            Body::Open {
+                fd,
+                kind,
+                minor,
+                name,
+            } => {
+                t.event = "open";
+                t.fd = Some(*fd);
+                t.fd_kind = Some(fdkind::label(*kind, *minor));
+                t.name = Some(name);
+            }
+            Body::Close { fd } => {
+                t.event = "close";
+                t.fd = Some(*fd);
+            }
+            Body::Dup {
+                fd,
+                old_fd,
+                kind,
+                minor,
+            } => {
+                t.event = "dup";
+                t.fd = Some(*fd);
+                t.old_fd = Some(*old_fd);
+                t.fd_kind = Some(fdkind::label(*kind, *minor));
+            }
+            Body::Mmap { fd, addr, len } => {
+                t.event = "mmap";
+                t.fd = Some(*fd);
+                t.addr = Some(*addr);
+                t.len = Some(*len);
+            }
+            Body::Munmap { addr, len } => {
+                t.event = "munmap";
+                t.addr = Some(*addr);
+                t.len = Some(*len);
+            }
+            Body::Exec => t.event = "exec",
+            Body::Exit => t.event = "exit",
+            Body::Fork { child } => {
+                t.event = "fork";
+                t.child = Some(*child);
+            }
+        }
+        t
+    }
+}

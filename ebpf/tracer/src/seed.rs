@@ -1,0 +1,108 @@
+//! Seeding the fd maps from /proc for processes that opened NVIDIA devices before the probes were attached.
+use std::path::Path;
+
+use baton_nvidia::fdkind::{self, FdKind};
+
+use crate::fdtable::NvFd;
+
+/// An NVIDIA fd or mapping found in /proc.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Found {
+    /// An open fd.
+    Fd {
+        /// The fd.
+        fd: i32,
+        /// What it is.
+        nv: NvFd,
+        /// Device file name.
+        name: String,
+    },
+    /// A mapping of a device file.
+    Map {
+        /// Start address.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
+}
+
+/// If `path` is one of `prefixes` followed by an NVIDIA device name, what device it is.
+pub fn classify_path(path: &Path, prefixes: &[String]) -> Option<(NvFd, String)> {
+    let s = path.to_str()?;
+    prefixes.iter().find_map(|p| {
+        let name = s.strip_prefix(p.as_str())?;
+        let (kind, minor) = fdkind::classify_name(name.as_bytes())?;
+        (kind != FdKind::Unknown).then(|| (NvFd { kind, minor }, name.to_owned()))
+    })
+}
+
+/// The NVIDIA fds and device mappings of `pid`, read from /proc (empty if the process is gone).
+pub fn scan_process(pid: i32, prefixes: &[String]) -> Vec<Found> {
+    let Ok(proc) = procfs::process::Process::new(pid) else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    if let Ok(fds) = proc.fd() {
+        for fd in fds.flatten() {
+            if let procfs::process::FDTarget::Path(p) = &fd.target {
+                if let Some((nv, name)) = classify_path(p, prefixes) {
+                    found.push(Found::Fd {
+                        fd: fd.fd,
+                        nv,
+                        name,
+                    });
+                }
+            }
+        }
+    }
+    if let Ok(maps) = proc.maps() {
+        for m in maps {
+            if let procfs::process::MMapPath::Path(p) = &m.pathname {
+                if classify_path(p, prefixes).is_some() {
+                    found.push(Found::Map {
+                        addr: m.address.0,
+                        len: m.address.1 - m.address.0,
+                    });
+                }
+            }
+        }
+    }
+    found
+}
+
+/// Every pid on the host.
+pub fn all_pids() -> Vec<i32> {
+    procfs::process::all_processes()
+        .map(|it| it.flatten().map(|p| p.pid).collect())
+        .unwrap_or_default()
+}
+
+/// The thread group of `tid` (its pid), from /proc.
+pub fn tgid_of(tid: u32) -> Option<u32> {
+    procfs::process::Process::new(tid as i32)
+        .ok()?
+        .status()
+        .ok()
+        .map(|s| s.tgid as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_classify_only_under_a_prefix() {
+        let prefixes = vec!["/dev/".to_owned(), "/tmp/mock/".to_owned()];
+        let (nv, name) = classify_path(Path::new("/dev/nvidiactl"), &prefixes).unwrap();
+        assert_eq!((nv.kind, name.as_str()), (FdKind::Ctl, "nvidiactl"));
+        assert_eq!(
+            classify_path(Path::new("/tmp/mock/nvidia3"), &prefixes)
+                .unwrap()
+                .0
+                .minor,
+            3
+        );
+        assert!(classify_path(Path::new("/etc/nvidiactl"), &prefixes).is_none());
+        assert!(classify_path(Path::new("/dev/null"), &prefixes).is_none());
+    }
+}

@@ -1,0 +1,62 @@
+//! `baton`: strace for the NVIDIA driver, per container (`baton trace`), a self-contained demo on the mock
+//! driver (`baton demo`), and the probe benchmarks (`baton bench`).
+mod bench;
+mod demo;
+mod render;
+mod summary;
+mod trace;
+
+use clap::{Parser, Subcommand};
+
+/// Baton: GPU-aware container runtime tools.
+#[derive(Parser)]
+#[command(name = "baton", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Trace calls into the NVIDIA kernel driver, per container, like strace.
+    Trace(trace::TraceArgs),
+    /// Start the mock NVIDIA driver, run a mock CUDA workload, and trace it live (real devices if present).
+    Demo(demo::DemoArgs),
+    /// Measure the probes' cost and throughput; prints figures, asserts nothing.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("BATON_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("baton: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(async {
+        match cli.cmd {
+            Cmd::Trace(a) => trace::run(a).await,
+            Cmd::Demo(a) => demo::run(a).await,
+            Cmd::Bench(a) => bench::run(a).await,
+        }
+    });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("baton: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,44 @@
+//! strace-like one-line rendering of trace events.
+use baton_nvidia::fdkind;
+use baton_tracer::{
+    event::{Body, Event},
+    schema::status_name,
+};
+
+/// `HH:MM:SS.micro`-style relative time, container, pid/tid, call, decoded fields, result, latency.
+pub fn line(e: &Event, container: &str, t0_ns: u64) -> String {
+    let t = e.ts_ns.saturating_sub(t0_ns);
+    let head = format!(
+        "{:>4}.{:06} {container} {}/{}",
+        t / 1_000_000_000,
+        (t / 1000) % 1_000_000,
+        e.pid,
+        e.tid
+    );
+    match &e.body {
+        Body::Ioctl(io) => {
+            let fields: Vec<String> = io.decoded.fields.iter().map(ToString::to_string).collect();
+            let result = match (io.ret, io.decoded.status) {
+                (0, Some(s)) => status_name(s),
+                (0, None) => "0".to_owned(),
+                (r, _) => format!("{r} ({})", nix::errno::Errno::from_raw(-r as i32)),
+            };
+            format!(
+                "{head} {}({}, {}) -> {result} <{}.{:06}>",
+                io.decoded.escape,
+                fdkind::label(io.fd_kind, io.minor),
+                fields.join(" "),
+                io.latency_ns / 1_000_000_000,
+                (io.latency_ns / 1000) % 1_000_000,
+            )
+        }
+        Body::Open { fd, name, .. } => format!("{head} open({name}) = {fd}"),
+        Body::Close { fd } => format!("{head} close({fd})"),
+        Body::Dup { fd, old_fd, .. } => format!("{head} dup({old_fd}) = {fd}"),
+        Body::Mmap { fd, addr, len } => format!("{head} mmap(fd={fd}, len={len}) = 0x{addr:x}"),
+        Body::Munmap { addr, len } => format!("{head} munmap(0x{addr:x}, {len})"),
+        Body::Exec => format!("{head} exec"),
+        Body::Exit => format!("{head} exit"),
+        Body::Fork { child } => format!("{head} fork() = {child}"),
+    }
+}

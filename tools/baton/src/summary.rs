@@ -1,0 +1,137 @@
+//! `baton trace --summary`: per container, calls and latency per escape, errors, live objects by class and
+//! GPU memory, printed when tracing ends.
+use std::collections::BTreeMap;
+
+use baton_nvidia::class;
+use baton_tracer::{
+    Tracer,
+    event::{Body, Event},
+    schema::status_name,
+};
+
+/// Latencies and errors of one escape in one container.
+#[derive(Default)]
+struct Calls {
+    latencies: Vec<u64>,
+    errors: u64,
+}
+
+/// Counts gathered while tracing.
+#[derive(Default)]
+pub struct Summary {
+    by_container: BTreeMap<u64, BTreeMap<String, Calls>>,
+    errors: BTreeMap<u64, BTreeMap<String, u64>>,
+}
+
+impl Summary {
+    /// Counts one event.
+    pub fn add(&mut self, e: &Event) {
+        let Body::Ioctl(io) = &e.body else { return };
+        let calls = self
+            .by_container
+            .entry(e.cgroup_id)
+            .or_default()
+            .entry(io.decoded.escape.to_string())
+            .or_default();
+        calls.latencies.push(io.latency_ns);
+        let failed = io.ret != 0 || io.decoded.status.is_some_and(|s| s != 0);
+        if failed {
+            calls.errors += 1;
+            let what = match (io.ret, io.decoded.status) {
+                (0, Some(s)) => status_name(s),
+                (r, _) => format!("errno {}", -r),
+            };
+            *self
+                .errors
+                .entry(e.cgroup_id)
+                .or_default()
+                .entry(what)
+                .or_default() += 1;
+        }
+    }
+
+    /// The report, one block per container.
+    pub fn render(&self, tracer: &mut Tracer) -> String {
+        let mut out = String::new();
+        let mut ids: Vec<u64> = self.by_container.keys().copied().collect();
+        ids.extend(tracer.ledger().iter().map(|(id, _)| id));
+        ids.sort_unstable();
+        ids.dedup();
+        for id in ids {
+            let name = tracer.container_name(id);
+            out.push_str(&format!("\n== container {name} (cgroup {id})\n"));
+            out.push_str(&format!(
+                "{:<34} {:>8} {:>7} {:>12} {:>12}\n",
+                "call", "calls", "errors", "p50 us", "p99 us"
+            ));
+            for (esc, c) in self.by_container.get(&id).into_iter().flatten() {
+                let mut l = c.latencies.clone();
+                l.sort_unstable();
+                out.push_str(&format!(
+                    "{esc:<34} {:>8} {:>7} {:>12.1} {:>12.1}\n",
+                    l.len(),
+                    c.errors,
+                    percentile(&l, 50.0) as f64 / 1000.0,
+                    percentile(&l, 99.0) as f64 / 1000.0
+                ));
+            }
+            if let Some(errs) = self.errors.get(&id) {
+                let list: Vec<String> = errs.iter().map(|(k, v)| format!("{k} x{v}")).collect();
+                out.push_str(&format!("errors: {}\n", list.join(", ")));
+            }
+            let state = tracer.gpu_state(id);
+            if let Some(l) = tracer.ledger().container(id) {
+                let live: Vec<String> = l
+                    .live_by_class()
+                    .iter()
+                    .map(|(c, n)| {
+                        format!(
+                            "{}={n}",
+                            class::name(*c).map_or_else(|| format!("0x{c:x}"), str::to_owned)
+                        )
+                    })
+                    .collect();
+                out.push_str(&format!(
+                    "live objects: {} [{}]\nGPU memory held: {} bytes (all memory classes: {} bytes){}\n",
+                    l.live_objects(),
+                    live.join(" "),
+                    l.vram_bytes(),
+                    l.memory_bytes(),
+                    if l.partial { " (partial: some objects were allocated before tracing started)" } else { "" }
+                ));
+                out.push_str(&format!(
+                    "uvm: initialized={} registered_gpus={} va_spaces={}\n",
+                    l.uvm.initialized, l.uvm.gpus_registered, l.uvm.va_spaces_registered
+                ));
+            }
+            out.push_str(&format!(
+                "open NVIDIA fds: {}, device mappings: {}\n",
+                state.open_fds, state.mappings
+            ));
+        }
+        out
+    }
+}
+
+/// The `p`th percentile of sorted values (nearest rank); 0 for none.
+pub fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percentile;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<u64> = (1..=100).collect();
+        assert_eq!(percentile(&v, 50.0), 50);
+        assert_eq!(percentile(&v, 99.0), 99);
+        assert_eq!(percentile(&[7], 99.0), 7);
+        assert_eq!(percentile(&[], 50.0), 0);
+    }
+}

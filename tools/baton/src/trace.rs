@@ -1,0 +1,266 @@
+//! `baton trace`: attaches the probes, follows the selected containers, prints one line (or one JSON
+//! object) per driver call and, on exit, a per-container summary.
+use std::{collections::HashSet, io::Write, path::PathBuf, time::Duration};
+
+use anyhow::{Context, bail};
+use baton_nvidia::layout::DriverVersion;
+use baton_tracer::{Tracer, TracerConfig, cgroups, event::Event, schema::TraceEvent};
+use clap::Args;
+
+use crate::{render, summary::Summary};
+
+/// Options of `baton trace`.
+#[derive(Args, Clone, Debug, Default)]
+pub struct TraceArgs {
+    /// Trace containers with this name (containerd `namespace/id`, or a container id or its 12-character
+    /// prefix); repeatable. Containers started later are picked up.
+    #[arg(long = "container", short = 'c')]
+    pub containers: Vec<String>,
+    /// Trace this cgroup (v2 path relative to the cgroup root, e.g. /default/trainer); repeatable.
+    #[arg(long = "cgroup")]
+    pub cgroups: Vec<PathBuf>,
+    /// Trace the container (cgroup) of this process and show only its calls; repeatable.
+    #[arg(long = "pid", short = 'p')]
+    pub pids: Vec<u32>,
+    /// Trace every process on the node.
+    #[arg(long)]
+    pub all: bool,
+    /// One JSON object per event instead of text lines.
+    #[arg(long)]
+    pub json: bool,
+    /// Print a per-container summary when tracing ends.
+    #[arg(long)]
+    pub summary: bool,
+    /// No live lines (with --summary: only the summary, like strace -c).
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
+    /// Stop after this many seconds.
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Directory prefixes of the NVIDIA device files (default /dev/); repeatable, at most 4.
+    #[arg(long = "prefix")]
+    pub prefixes: Vec<String>,
+    /// Decode with the struct layouts of this driver version instead of the host's (e.g. 535.104.05).
+    #[arg(long)]
+    pub driver_version: Option<String>,
+    /// cgroup v2 mount point (found from /proc/self/mountinfo by default).
+    #[arg(long)]
+    pub cgroup_root: Option<PathBuf>,
+    /// Write events here instead of stdout.
+    #[arg(long, short = 'o')]
+    pub output: Option<PathBuf>,
+}
+
+/// Runs `baton trace` until Ctrl-C, SIGTERM or `--duration`.
+pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
+    let stop = async {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+        }
+    };
+    run_until(args, stop, |_| {}).await
+}
+
+/// What the selection options resolve to.
+struct Selection {
+    names: Vec<String>,
+    pids: HashSet<u32>,
+    watched: HashSet<u64>,
+}
+
+impl Selection {
+    /// Watches every cgroup whose container name or path matches a `--container` name.
+    fn refresh(&mut self, tracer: &mut Tracer) -> anyhow::Result<()> {
+        if self.names.is_empty() {
+            return Ok(());
+        }
+        tracer.cgroups_mut().rescan();
+        let matches: Vec<u64> = tracer
+            .cgroups_mut()
+            .entries()
+            .filter(|(_, path)| self.names.iter().any(|n| name_matches(n, path)))
+            .map(|(id, _)| id)
+            .collect();
+        for id in matches {
+            if self.watched.insert(id) {
+                tracer.watch_cgroup(id)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `--container name` selects the cgroup at `path`.
+fn name_matches(name: &str, path: &str) -> bool {
+    let cname = cgroups::container_name(path);
+    cname == name
+        || path
+            .trim_end_matches(".scope")
+            .ends_with(&format!("/{name}"))
+        || path
+            .trim_end_matches(".scope")
+            .ends_with(&format!("-{name}"))
+        || (name.len() >= 12 && cname.len() == 12 && name.starts_with(&cname))
+}
+
+/// Runs the tracer until `stop` completes; `on_event` sees every event (the demo uses it).
+pub async fn run_until(
+    args: TraceArgs,
+    stop: impl std::future::Future<Output = ()>,
+    mut on_event: impl FnMut(&Event),
+) -> anyhow::Result<()> {
+    if args.containers.is_empty() && args.cgroups.is_empty() && args.pids.is_empty() && !args.all {
+        bail!("nothing to trace: give --container NAME, --cgroup PATH, --pid PID or --all");
+    }
+    let driver_version = match &args.driver_version {
+        Some(v) => Some(
+            DriverVersion::parse(v)
+                .with_context(|| format!("--driver-version {v:?} is not X.Y[.Z]"))?,
+        ),
+        None => None,
+    };
+    let prefixes = if args.prefixes.is_empty() {
+        vec!["/dev/".to_owned()]
+    } else {
+        args.prefixes.clone()
+    };
+    let mut tracer = Tracer::start(TracerConfig {
+        watch_all: args.all,
+        prefixes,
+        cgroup_root: args.cgroup_root.clone(),
+        driver_version,
+    })?;
+    let mut sel = Selection {
+        names: args.containers.clone(),
+        pids: args.pids.iter().copied().collect(),
+        watched: HashSet::new(),
+    };
+    for path in &args.cgroups {
+        let id = tracer.cgroups_mut().id_of_path(path)?;
+        sel.watched.insert(id);
+        tracer.watch_cgroup(id)?;
+    }
+    for pid in &args.pids {
+        let root = tracer.cgroup_root().to_path_buf();
+        let id = cgroups::cgroup_id_of_pid(&root, *pid as i32)
+            .with_context(|| format!("no process {pid} (or it has no cgroup v2)"))?;
+        if sel.watched.insert(id) {
+            tracer.watch_cgroup(id)?;
+        }
+    }
+    sel.refresh(&mut tracer)?;
+
+    let mut out: Box<dyn Write> = match &args.output {
+        Some(p) => Box::new(
+            std::fs::File::create(p).with_context(|| format!("cannot create {}", p.display()))?,
+        ),
+        None => Box::new(std::io::stdout().lock()),
+    };
+    let mut summary = Summary::default();
+    let t0 = now_monotonic_ns();
+    let deadline = async {
+        match args.duration {
+            Some(s) => tokio::time::sleep(Duration::from_secs_f64(s)).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(stop, deadline);
+    let mut rescan = tokio::time::interval(Duration::from_millis(500));
+    let mut reported_drops = 0;
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            _ = &mut deadline => break,
+            _ = rescan.tick() => {
+                sel.refresh(&mut tracer)?;
+                reported_drops = report_drops(&tracer, reported_drops);
+            }
+            batch = tracer.next_events() => {
+                for e in batch? {
+                    if !sel.pids.is_empty() && !sel.pids.contains(&e.pid) {
+                        continue;
+                    }
+                    on_event(&e);
+                    summary.add(&e);
+                    if !args.quiet {
+                        emit(&mut out, &e, &mut tracer, args.json, t0)?;
+                    }
+                }
+                out.flush()?;
+            }
+        }
+    }
+    for e in tracer.drain_now()? {
+        on_event(&e);
+        summary.add(&e);
+        if !args.quiet && (sel.pids.is_empty() || sel.pids.contains(&e.pid)) {
+            emit(&mut out, &e, &mut tracer, args.json, t0)?;
+        }
+    }
+    report_drops(&tracer, reported_drops);
+    if args.summary {
+        writeln!(out, "{}", summary.render(&mut tracer))?;
+    }
+    out.flush()?;
+    Ok(())
+}
+
+fn emit(
+    out: &mut dyn Write,
+    e: &Event,
+    tracer: &mut Tracer,
+    json: bool,
+    t0: u64,
+) -> anyhow::Result<()> {
+    let name = tracer.container_name(e.cgroup_id);
+    if json {
+        serde_json::to_writer(&mut *out, &TraceEvent::new(e, &name))?;
+        writeln!(out)?;
+    } else {
+        writeln!(out, "{}", render::line(e, &name, t0))?;
+    }
+    Ok(())
+}
+
+/// Prints the number of events lost since the last report to stderr; returns the new total.
+fn report_drops(tracer: &Tracer, before: u64) -> u64 {
+    let now = tracer.dropped();
+    if now > before {
+        eprintln!(
+            "baton trace: {} events lost: the ring buffer was full (the consumer is too slow: use --json -o FILE, or fewer containers)",
+            now - before
+        );
+    }
+    now
+}
+
+/// CLOCK_MONOTONIC now, ns: the clock the probes stamp events with.
+pub fn now_monotonic_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::name_matches;
+
+    #[test]
+    fn container_names_match_ids_and_paths() {
+        let id = "0123456789abcdef".repeat(4);
+        assert!(name_matches("default/trainer", "/default/trainer"));
+        assert!(name_matches("trainer", "/default/trainer"));
+        assert!(name_matches(
+            &id,
+            &format!("/kubepods/besteffort/pod1/{id}")
+        ));
+        assert!(name_matches(
+            "0123456789ab",
+            &format!("/kubepods.slice/x.slice/cri-containerd-{id}.scope")
+        ));
+        assert!(!name_matches("train", "/default/trainer"));
+    }
+}
