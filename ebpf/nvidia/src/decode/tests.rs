@@ -1,0 +1,719 @@
+//! Decoder tests: structs are built from the layout constants (never hard-coded bytes) for every band.
+
+use super::*;
+use crate::layout::DriverVersion;
+use crate::params::uvm as puvm;
+use proptest::prelude::*;
+
+const CLIENT: u32 = 0xc1d0_0001;
+const DEVICE: u32 = 0xcaf0_0002;
+const MEMORY: u32 = 0xcaf0_0010;
+
+fn put32(buf: &mut [u8], off: u32, v: u32) {
+    buf[off as usize..off as usize + 4].copy_from_slice(&v.to_ne_bytes());
+}
+
+fn put64(buf: &mut [u8], off: u32, v: u64) {
+    buf[off as usize..off as usize + 8].copy_from_slice(&v.to_ne_bytes());
+}
+
+fn layout(major: u32) -> Layout {
+    Layout::for_version(DriverVersion::new(major, 0, 0))
+}
+
+fn esc(nr: u32, size: u32) -> u32 {
+    ioc::iowr(ioc::NV_IOCTL_MAGIC, nr, size)
+}
+
+fn frontend<'a>(cmd: u32, data: &'a [u8], nested: &'a [u8]) -> Call<'a> {
+    Call {
+        fd_kind: FdKind::Ctl,
+        cmd,
+        data,
+        nested,
+    }
+}
+
+fn field<'a>(d: &'a Decoded, name: &str) -> Option<&'a Value> {
+    d.fields.iter().find(|f| f.name == name).map(|f| &f.value)
+}
+
+/// An NV_ESC_RM_ALLOC params struct for `al`, with `status` at its band's offset.
+fn rm_alloc_struct(al: &AllocLayout, class: u32, status: u32) -> Vec<u8> {
+    let mut b = vec![0u8; al.size as usize];
+    put32(&mut b, rm_alloc::H_ROOT_OFFSET, CLIENT);
+    put32(&mut b, rm_alloc::H_OBJECT_PARENT_OFFSET, CLIENT);
+    put32(&mut b, rm_alloc::H_OBJECT_NEW_OFFSET, DEVICE);
+    put32(&mut b, rm_alloc::H_CLASS_OFFSET, class);
+    put64(&mut b, rm_alloc::P_ALLOC_PARMS_OFFSET, 0x7fff_0000_1000);
+    if let Some(off) = al.params_size {
+        put32(&mut b, off, 128);
+    }
+    if let Some(off) = al.flags {
+        put32(&mut b, off, 0x5);
+    }
+    put32(&mut b, al.status, status);
+    b
+}
+
+#[test]
+fn rm_alloc_every_band_and_struct() {
+    for major in [515, 520, 525, 530, 535, 550, 580, 595] {
+        let l = layout(major);
+        for size in [l.nvos21_size, l.nvos64_size] {
+            let al = l.rm_alloc_layout(size).expect("layout for its own sizes");
+            let data = rm_alloc_struct(&al, class::NV01_DEVICE_0, status::NV_ERR_INVALID_CLASS);
+            let d = decode(&frontend(esc(escape::RM_ALLOC, size), &data, &[]), &l);
+            assert_eq!(d.escape, "NV_ESC_RM_ALLOC");
+            assert_eq!(
+                d.status,
+                Some(status::NV_ERR_INVALID_CLASS),
+                "{major} {size}"
+            );
+            assert_eq!(
+                d.op,
+                Op::Alloc {
+                    client: CLIENT,
+                    parent: CLIENT,
+                    object: DEVICE,
+                    class: class::NV01_DEVICE_0,
+                    size: None
+                }
+            );
+            assert_eq!(
+                field(&d, "paramsSize").is_some(),
+                al.params_size.is_some(),
+                "{major} {size}"
+            );
+            assert_eq!(
+                field(&d, "flags"),
+                al.flags.map(|_| &Value::Hex(5)),
+                "{major} {size}"
+            );
+            // One byte short: truncated, no status.
+            let d = decode(
+                &frontend(esc(escape::RM_ALLOC, size), &data[..data.len() - 1], &[]),
+                &l,
+            );
+            assert_eq!((d.op, d.status), (Op::Truncated, None));
+        }
+    }
+}
+
+#[test]
+fn rm_alloc_of_video_memory_reports_size() {
+    let l = Layout::DEFAULT;
+    let al = l.rm_alloc_layout(l.nvos21_size).expect("nvos21");
+    let data = rm_alloc_struct(&al, class::NV01_MEMORY_LOCAL_USER, status::NV_OK);
+    let mut nested = vec![0u8; memory_alloc::SIZE as usize];
+    put64(&mut nested, memory_alloc::SIZE_OFFSET, 2 << 20);
+    put32(&mut nested, memory_alloc::H_VA_SPACE_OFFSET, 0xcaf0_0003);
+    let d = decode(
+        &frontend(esc(escape::RM_ALLOC, l.nvos21_size), &data, &nested),
+        &l,
+    );
+    assert_eq!(d.status, Some(status::NV_OK));
+    let Op::Alloc { size, class, .. } = d.op else {
+        panic!("{:?}", d.op)
+    };
+    assert_eq!(
+        (size, class),
+        (Some(2 << 20), class::NV01_MEMORY_LOCAL_USER)
+    );
+    assert_eq!(field(&d, "hVASpace"), Some(&Value::Handle(0xcaf0_0003)));
+    // Without the nested params the size is unknown; a non-memory class never reads them.
+    let d = decode(
+        &frontend(esc(escape::RM_ALLOC, l.nvos21_size), &data, &[]),
+        &l,
+    );
+    assert!(matches!(d.op, Op::Alloc { size: None, .. }));
+    let data = rm_alloc_struct(&al, class::FERMI_VASPACE_A, status::NV_OK);
+    let d = decode(
+        &frontend(esc(escape::RM_ALLOC, l.nvos21_size), &data, &nested),
+        &l,
+    );
+    assert!(matches!(d.op, Op::Alloc { size: None, .. }));
+}
+
+#[test]
+fn rm_alloc_with_a_size_of_neither_struct_is_unknown() {
+    let data = vec![0u8; 64];
+    let d = decode(
+        &frontend(esc(escape::RM_ALLOC, 44), &data, &[]),
+        &Layout::DEFAULT,
+    );
+    assert_eq!(
+        (d.op, d.status, d.escape.as_ref()),
+        (Op::Unknown, None, "NV_ESC_RM_ALLOC")
+    );
+}
+
+fn nvos00(object: u32, st: u32) -> Vec<u8> {
+    let mut b = vec![0u8; nvos00::SIZE as usize];
+    put32(&mut b, nvos00::H_ROOT_OFFSET, CLIENT);
+    put32(&mut b, nvos00::H_OBJECT_PARENT_OFFSET, CLIENT);
+    put32(&mut b, nvos00::H_OBJECT_OLD_OFFSET, object);
+    put32(&mut b, nvos00::STATUS_OFFSET, st);
+    b
+}
+
+#[test]
+fn rm_free_and_display() {
+    let data = nvos00(DEVICE, status::NV_ERR_INVALID_OBJECT_HANDLE);
+    let d = decode(
+        &frontend(esc(escape::RM_FREE, nvos00::SIZE), &data, &[]),
+        &Layout::DEFAULT,
+    );
+    assert_eq!(
+        d.op,
+        Op::Free {
+            client: CLIENT,
+            parent: CLIENT,
+            object: DEVICE
+        }
+    );
+    assert_eq!(d.status, Some(0x33));
+    assert_eq!(
+        d.to_string(),
+        "NV_ESC_RM_FREE(hRoot=0xc1d00001 hParent=0xc1d00001 hObjectOld=0xcaf00002 \
+         status=NV_ERR_INVALID_OBJECT_HANDLE) = NV_ERR_INVALID_OBJECT_HANDLE"
+    );
+}
+
+#[test]
+fn xfer_wrapping_rm_free_decodes_as_the_inner_call() {
+    let inner = nvos00(CLIENT, status::NV_OK);
+    let mut x = vec![0u8; xfer::SIZE as usize];
+    put32(&mut x, xfer::CMD_OFFSET, escape::RM_FREE);
+    put32(&mut x, xfer::SIZE_OFFSET, nvos00::SIZE);
+    put64(&mut x, xfer::PTR_OFFSET, 0x7fff_1234_0000);
+    let d = decode(
+        &frontend(esc(escape::IOCTL_XFER_CMD, xfer::SIZE), &x, &inner),
+        &Layout::DEFAULT,
+    );
+    assert_eq!(d.escape, "NV_ESC_RM_FREE");
+    assert_eq!(d.nr, escape::RM_FREE);
+    assert!(d.xfer);
+    assert_eq!(
+        d.op,
+        Op::Free {
+            client: CLIENT,
+            parent: CLIENT,
+            object: CLIENT
+        }
+    );
+    assert_eq!(d.status, Some(status::NV_OK));
+    assert!(d.to_string().starts_with("[xfer] NV_ESC_RM_FREE("));
+    // Inner params not captured: the inner call is truncated.
+    let d = decode(
+        &frontend(esc(escape::IOCTL_XFER_CMD, xfer::SIZE), &x, &[]),
+        &Layout::DEFAULT,
+    );
+    assert_eq!(
+        (d.escape.as_ref(), d.op, d.status),
+        ("NV_ESC_RM_FREE", Op::Truncated, None)
+    );
+    // XFER inside XFER is not followed.
+    put32(&mut x, xfer::CMD_OFFSET, escape::IOCTL_XFER_CMD);
+    let d = decode(
+        &frontend(esc(escape::IOCTL_XFER_CMD, xfer::SIZE), &x, &x),
+        &Layout::DEFAULT,
+    );
+    assert_eq!(d.op, Op::Truncated);
+}
+
+#[test]
+fn rm_control_names_its_command() {
+    let mut b = vec![0u8; nvos54::SIZE as usize];
+    put32(&mut b, nvos54::H_CLIENT_OFFSET, CLIENT);
+    put32(&mut b, nvos54::H_OBJECT_OFFSET, 0xcaf0_0004);
+    put32(
+        &mut b,
+        nvos54::CMD_OFFSET,
+        ctrl::NV2080_CTRL_CMD_GPU_GET_INFO_V2,
+    );
+    put32(&mut b, nvos54::PARAMS_SIZE_OFFSET, 0x104);
+    put32(&mut b, nvos54::STATUS_OFFSET, status::NV_ERR_NOT_SUPPORTED);
+    let d = decode(
+        &frontend(esc(escape::RM_CONTROL, nvos54::SIZE), &b, &[0; 16]),
+        &Layout::DEFAULT,
+    );
+    assert_eq!(
+        d.op,
+        Op::Control {
+            client: CLIENT,
+            object: 0xcaf0_0004,
+            cmd: 0x2080_0102
+        }
+    );
+    assert_eq!(d.status, Some(status::NV_ERR_NOT_SUPPORTED));
+    assert!(
+        d.args()
+            .contains("cmd=NV2080_CTRL_CMD_GPU_GET_INFO_V2(0x20800102)"),
+        "{}",
+        d.args()
+    );
+    let json = serde_json::to_value(&d).expect("json");
+    assert_eq!(json["escape"], "NV_ESC_RM_CONTROL");
+    assert_eq!(json["op"]["op"], "control");
+    assert_eq!(
+        json["fields"]["cmd"]["name"],
+        "NV2080_CTRL_CMD_GPU_GET_INFO_V2"
+    );
+    assert_eq!(
+        json["fields"]["status"]["value"],
+        status::NV_ERR_NOT_SUPPORTED
+    );
+    assert_eq!(json["fields"]["paramsCaptured"], 16);
+}
+
+#[test]
+fn nvos46_and_nvos47_every_band() {
+    for major in [515, 545, 550, 575, 580, 595] {
+        let l = layout(major);
+        let mut map = vec![0u8; l.nvos46_size as usize];
+        put32(&mut map, nvos46::H_MEMORY_OFFSET, MEMORY);
+        put64(&mut map, nvos46::LENGTH_OFFSET, 4096);
+        put64(&mut map, l.nvos46_dma_offset, 0x2_0000_0000);
+        put32(&mut map, l.nvos46_status, status::NV_ERR_NO_MEMORY);
+        let d = decode(
+            &frontend(esc(escape::RM_MAP_MEMORY_DMA, l.nvos46_size), &map, &[]),
+            &l,
+        );
+        assert_eq!(d.status, Some(status::NV_ERR_NO_MEMORY), "{major}");
+        assert_eq!(
+            field(&d, "dmaOffset"),
+            Some(&Value::Hex(0x2_0000_0000)),
+            "{major}"
+        );
+        assert_eq!(field(&d, "hMemory"), Some(&Value::Handle(MEMORY)));
+        assert_eq!(field(&d, "flags2").is_some(), major >= 580);
+
+        let mut unmap = vec![0u8; l.nvos47_size as usize];
+        put32(&mut unmap, nvos47::H_MEMORY_OFFSET, MEMORY);
+        put64(&mut unmap, nvos47::DMA_OFFSET_OFFSET, 0x2_0000_0000);
+        if let Some(off) = l.nvos47_length {
+            put64(&mut unmap, off, 4096);
+        }
+        put32(&mut unmap, l.nvos47_status, status::NV_OK);
+        let d = decode(
+            &frontend(esc(escape::RM_UNMAP_MEMORY_DMA, l.nvos47_size), &unmap, &[]),
+            &l,
+        );
+        assert_eq!(d.status, Some(status::NV_OK), "{major}");
+        assert_eq!(
+            field(&d, "size"),
+            l.nvos47_length.map(|_| &Value::Bytes(4096)),
+            "{major}"
+        );
+        let d = decode(
+            &frontend(
+                esc(escape::RM_UNMAP_MEMORY_DMA, l.nvos47_size),
+                &unmap[..8],
+                &[],
+            ),
+            &l,
+        );
+        assert_eq!((d.op, d.status), (Op::Truncated, None));
+    }
+}
+
+#[test]
+fn uvm_free_before_and_after_590() {
+    for major in [515, 580, 590, 595] {
+        let l = layout(major);
+        let mut b = vec![0u8; l.uvm_free_size as usize];
+        put64(&mut b, uvm_free::BASE_OFFSET, 0x7f00_0000_0000);
+        if let Some(off) = l.uvm_free_length {
+            put64(&mut b, off, 1 << 21);
+        }
+        put32(&mut b, l.uvm_free_status, status::NV_ERR_INVALID_ADDRESS);
+        let call = Call {
+            fd_kind: FdKind::Uvm,
+            cmd: uvm::FREE,
+            data: &b,
+            nested: &[],
+        };
+        let d = decode(&call, &l);
+        assert_eq!(d.escape, "UVM_FREE");
+        assert_eq!(d.op, Op::Uvm { cmd: uvm::FREE });
+        assert_eq!(d.status, Some(status::NV_ERR_INVALID_ADDRESS), "{major}");
+        assert_eq!(field(&d, "length").is_some(), major < 590);
+    }
+    // A 580 driver's 24-byte UVM_FREE captured as 16 bytes is truncated.
+    let b = vec![0u8; 16];
+    let d = decode(
+        &Call {
+            fd_kind: FdKind::Uvm,
+            cmd: uvm::FREE,
+            data: &b,
+            nested: &[],
+        },
+        &layout(580),
+    );
+    assert_eq!((d.op, d.status), (Op::Truncated, None));
+}
+
+#[test]
+fn uvm_lifecycle_commands() {
+    let l = Layout::DEFAULT;
+    let mut init = vec![0u8; puvm::initialize::SIZE as usize];
+    put32(&mut init, puvm::initialize::RM_STATUS_OFFSET, status::NV_OK);
+    let d = decode(
+        &Call {
+            fd_kind: FdKind::Uvm,
+            cmd: uvm::INITIALIZE,
+            data: &init,
+            nested: &[],
+        },
+        &l,
+    );
+    assert_eq!(
+        (d.escape.as_ref(), &d.op, d.status),
+        ("UVM_INITIALIZE", &Op::UvmInitialize, Some(0))
+    );
+
+    let mut reg = vec![0u8; puvm::register_gpu::SIZE as usize];
+    reg[..16].copy_from_slice(&[0xab; 16]);
+    put32(&mut reg, puvm::register_gpu::RM_CTRL_FD_OFFSET, 5);
+    put32(&mut reg, puvm::register_gpu::H_CLIENT_OFFSET, CLIENT);
+    put32(
+        &mut reg,
+        puvm::register_gpu::RM_STATUS_OFFSET,
+        status::NV_ERR_GPU_UUID_NOT_FOUND,
+    );
+    let d = decode(
+        &Call {
+            fd_kind: FdKind::Uvm,
+            cmd: uvm::REGISTER_GPU,
+            data: &reg,
+            nested: &[],
+        },
+        &l,
+    );
+    assert_eq!(
+        (d.op.clone(), d.status),
+        (Op::UvmRegisterGpu, Some(status::NV_ERR_GPU_UUID_NOT_FOUND))
+    );
+    assert_eq!(
+        field(&d, "gpu_uuid"),
+        Some(&Value::Str(
+            "GPU-abababab-abab-abab-abab-abababababab".to_owned()
+        ))
+    );
+    assert_eq!(field(&d, "hClient"), Some(&Value::Handle(CLIENT)));
+
+    let mut mm = vec![0u8; puvm::mm_initialize::SIZE as usize];
+    put32(&mut mm, puvm::mm_initialize::UVM_FD_OFFSET, 7);
+    let d = decode(
+        &Call {
+            fd_kind: FdKind::Uvm,
+            cmd: uvm::MM_INITIALIZE,
+            data: &mm,
+            nested: &[],
+        },
+        &l,
+    );
+    assert_eq!((d.op, d.status), (Op::UvmMmInitialize, Some(0)));
+    // Not present before 535: known name, no layout, no status.
+    let d = decode(
+        &Call {
+            fd_kind: FdKind::Uvm,
+            cmd: uvm::MM_INITIALIZE,
+            data: &mm,
+            nested: &[],
+        },
+        &layout(530),
+    );
+    assert_eq!((d.op, d.status), (Op::UvmMmInitialize, None));
+
+    let d = decode(
+        &Call {
+            fd_kind: FdKind::Uvm,
+            cmd: uvm::DEINITIALIZE,
+            data: &[],
+            nested: &[],
+        },
+        &l,
+    );
+    assert_eq!((d.op, d.status), (Op::UvmDeinitialize, None));
+}
+
+#[test]
+fn memory_escapes() {
+    let l = Layout::DEFAULT;
+    let mut a = vec![0u8; nvos02::WITH_FD_SIZE as usize];
+    put32(&mut a, nvos02::H_ROOT_OFFSET, CLIENT);
+    put32(&mut a, nvos02::H_OBJECT_PARENT_OFFSET, DEVICE);
+    put32(&mut a, nvos02::H_OBJECT_NEW_OFFSET, MEMORY);
+    put32(
+        &mut a,
+        nvos02::H_CLASS_OFFSET,
+        class::NV01_MEMORY_SYSTEM_OS_DESCRIPTOR,
+    );
+    put64(&mut a, nvos02::LIMIT_OFFSET, (1 << 20) - 1);
+    put32(&mut a, nvos02::FD_OFFSET, 9);
+    let d = decode(
+        &frontend(esc(escape::RM_ALLOC_MEMORY, nvos02::WITH_FD_SIZE), &a, &[]),
+        &l,
+    );
+    let want = Op::AllocMemory {
+        client: CLIENT,
+        parent: DEVICE,
+        object: MEMORY,
+        class: class::NV01_MEMORY_SYSTEM_OS_DESCRIPTOR,
+        size: 1 << 20,
+    };
+    assert_eq!((d.op, d.status), (want, Some(0)));
+
+    let mut v = vec![0u8; nvos32::SIZE as usize];
+    put32(&mut v, nvos32::H_ROOT_OFFSET, CLIENT);
+    put32(&mut v, nvos32::H_OBJECT_PARENT_OFFSET, DEVICE);
+    put32(&mut v, nvos32::FUNCTION_OFFSET, nvos32::FUNCTION_ALLOC_SIZE);
+    put32(&mut v, nvos32::H_MEMORY_OFFSET, MEMORY);
+    put64(&mut v, nvos32::ALLOC_SIZE_OFFSET, 1 << 30);
+    let d = decode(
+        &frontend(esc(escape::RM_VID_HEAP_CONTROL, nvos32::SIZE), &v, &[]),
+        &l,
+    );
+    assert_eq!(
+        d.op,
+        Op::VidHeapAlloc {
+            client: CLIENT,
+            parent: DEVICE,
+            object: MEMORY,
+            size: 1 << 30
+        }
+    );
+    put32(&mut v, nvos32::FUNCTION_OFFSET, nvos32::FUNCTION_FREE);
+    let d = decode(
+        &frontend(esc(escape::RM_VID_HEAP_CONTROL, nvos32::SIZE), &v, &[]),
+        &l,
+    );
+    assert_eq!(
+        d.op,
+        Op::VidHeapFree {
+            client: CLIENT,
+            parent: DEVICE,
+            object: MEMORY
+        }
+    );
+
+    let mut m = vec![0u8; nvos33::WITH_FD_SIZE as usize];
+    put32(&mut m, nvos33::H_CLIENT_OFFSET, CLIENT);
+    put32(&mut m, nvos33::H_DEVICE_OFFSET, DEVICE);
+    put32(&mut m, nvos33::H_MEMORY_OFFSET, MEMORY);
+    put64(&mut m, nvos33::LENGTH_OFFSET, 4096);
+    put32(
+        &mut m,
+        nvos33::STATUS_OFFSET,
+        status::NV_ERR_INVALID_ARGUMENT,
+    );
+    let d = decode(
+        &frontend(esc(escape::RM_MAP_MEMORY, nvos33::WITH_FD_SIZE), &m, &[]),
+        &l,
+    );
+    assert_eq!(
+        d.op,
+        Op::MapMemory {
+            client: CLIENT,
+            device: DEVICE,
+            memory: MEMORY,
+            length: 4096
+        }
+    );
+    assert_eq!(d.status, Some(status::NV_ERR_INVALID_ARGUMENT));
+
+    let mut u = vec![0u8; nvos34::SIZE as usize];
+    put32(&mut u, nvos34::H_CLIENT_OFFSET, CLIENT);
+    put32(&mut u, nvos34::H_DEVICE_OFFSET, DEVICE);
+    put32(&mut u, nvos34::H_MEMORY_OFFSET, MEMORY);
+    let d = decode(
+        &frontend(esc(escape::RM_UNMAP_MEMORY, nvos34::SIZE), &u, &[]),
+        &l,
+    );
+    assert_eq!(
+        d.op,
+        Op::UnmapMemory {
+            client: CLIENT,
+            device: DEVICE,
+            memory: MEMORY
+        }
+    );
+
+    let mut dup = vec![0u8; nvos55::SIZE as usize];
+    put32(&mut dup, nvos55::H_CLIENT_OFFSET, CLIENT);
+    put32(&mut dup, nvos55::H_PARENT_OFFSET, DEVICE);
+    put32(&mut dup, nvos55::H_OBJECT_OFFSET, 0xbeef);
+    put32(&mut dup, nvos55::H_CLIENT_SRC_OFFSET, 0xc1d0_0099);
+    put32(&mut dup, nvos55::H_OBJECT_SRC_OFFSET, MEMORY);
+    let d = decode(
+        &frontend(esc(escape::RM_DUP_OBJECT, nvos55::SIZE), &dup, &[]),
+        &l,
+    );
+    let want = Op::DupObject {
+        client: CLIENT,
+        parent: DEVICE,
+        object: 0xbeef,
+        src_client: 0xc1d0_0099,
+        src_object: MEMORY,
+    };
+    assert_eq!(d.op, want);
+}
+
+#[test]
+fn os_escapes() {
+    let l = Layout::DEFAULT;
+    let mut r = vec![0u8; register_fd::SIZE as usize];
+    put32(&mut r, register_fd::CTL_FD_OFFSET, 3);
+    let call = Call {
+        fd_kind: FdKind::Device,
+        cmd: esc(escape::REGISTER_FD, 4),
+        data: &r,
+        nested: &[],
+    };
+    assert_eq!(decode(&call, &l).op, Op::RegisterFd { ctl_fd: 3 });
+
+    let mut v = vec![0u8; check_version_str::SIZE as usize];
+    put32(
+        &mut v,
+        check_version_str::REPLY_OFFSET,
+        check_version_str::REPLY_RECOGNIZED,
+    );
+    let text = b"595.45.04";
+    let at = check_version_str::VERSION_STRING_OFFSET as usize;
+    v[at..at + text.len()].copy_from_slice(text);
+    let d = decode(
+        &frontend(
+            esc(escape::CHECK_VERSION_STR, check_version_str::SIZE),
+            &v,
+            &[],
+        ),
+        &l,
+    );
+    assert_eq!(d.op, Op::CheckVersion);
+    assert_eq!(
+        field(&d, "versionString"),
+        Some(&Value::Str("595.45.04".to_owned()))
+    );
+
+    let mut c = vec![0u8; 2 * card_info::ENTRY_SIZE as usize];
+    c[card_info::VALID_OFFSET as usize] = 1;
+    put32(&mut c, card_info::GPU_ID_OFFSET, 0x100);
+    c[(card_info::PCI_VENDOR_ID_OFFSET) as usize..(card_info::PCI_VENDOR_ID_OFFSET + 2) as usize]
+        .copy_from_slice(&0x10deu16.to_ne_bytes());
+    let d = decode(
+        &frontend(esc(escape::CARD_INFO, c.len() as u32), &c, &[]),
+        &l,
+    );
+    assert_eq!(d.op, Op::CardInfo);
+    assert_eq!(field(&d, "entries"), Some(&Value::U32(2)));
+    let Some(Value::Str(gpus)) = field(&d, "gpus") else {
+        panic!("{d:?}")
+    };
+    assert!(
+        gpus.starts_with("id=0x100 minor=0 pci=0000:00:00.0 10de:0000"),
+        "{gpus}"
+    );
+}
+
+#[test]
+fn unknown_and_short_input_never_panic() {
+    let l = Layout::DEFAULT;
+    let d = decode(&frontend(esc(0x99, 8), &[1, 2, 3], &[]), &l);
+    assert_eq!((d.op, d.status), (Op::Unknown, None));
+    assert!(d.escape.starts_with("UNKNOWN(0xc0084699"), "{}", d.escape);
+    for nr in escape::ALL {
+        for len in [0usize, 1, 3, 15] {
+            let data = vec![0xffu8; len];
+            let d = decode(&frontend(esc(nr, 64), &data, &data), &l);
+            assert!(d.status.is_none(), "{nr:#x} len {len}: {d:?}");
+        }
+    }
+    for cmd in uvm::ALL {
+        let d = decode(
+            &Call {
+                fd_kind: FdKind::Uvm,
+                cmd,
+                data: &[],
+                nested: &[],
+            },
+            &l,
+        );
+        assert!(d.status.is_none());
+    }
+    let d = decode(
+        &Call {
+            fd_kind: FdKind::Uvm,
+            cmd: 0x1234,
+            data: &[0; 64],
+            nested: &[],
+        },
+        &l,
+    );
+    assert_eq!((d.op, d.escape.as_ref()), (Op::Unknown, "UNKNOWN(0x1234)"));
+    let d = decode(
+        &Call {
+            fd_kind: FdKind::Modeset,
+            cmd: esc(escape::RM_FREE, 16),
+            data: &[0; 16],
+            nested: &[],
+        },
+        &l,
+    );
+    assert_eq!(d.op, Op::Unknown);
+}
+
+/// The size a complete struct must have for `call` to report a status (None: never reports one).
+fn status_needs(call: &Call, l: &Layout) -> Option<usize> {
+    if call.fd_kind.is_uvm() || (call.fd_kind == FdKind::Unknown && !ioc::is_nvidia(call.cmd)) {
+        return l.uvm_params(call.cmd).map(|p| p.size as usize);
+    }
+    match ioc::nr(call.cmd) {
+        escape::RM_ALLOC => l
+            .rm_alloc_layout(ioc::size(call.cmd))
+            .map(|a| a.size as usize),
+        escape::IOCTL_XFER_CMD => Some(0),
+        nr => l.escape_params_size(nr).map(|s| s as usize),
+    }
+}
+
+fn any_kind() -> impl Strategy<Value = FdKind> {
+    (0u8..8).prop_map(FdKind::from_u8)
+}
+
+fn any_cmd() -> impl Strategy<Value = u32> {
+    prop_oneof![
+        any::<u32>(),
+        (proptest::sample::select(escape::ALL.to_vec()), 0u32..300)
+            .prop_map(|(nr, size)| esc(nr, size)),
+        proptest::sample::select(uvm::ALL.to_vec()),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn decode_never_panics_and_status_needs_a_whole_struct(
+        kind in any_kind(),
+        cmd in any_cmd(),
+        data in proptest::collection::vec(any::<u8>(), 0..400),
+        nested in proptest::collection::vec(any::<u8>(), 0..300),
+        major in 500u32..620,
+    ) {
+        let l = Layout::for_version(DriverVersion::new(major, 0, 0));
+        let call = Call { fd_kind: kind, cmd, data: &data, nested: &nested };
+        let d = decode(&call, &l);
+        let _ = d.to_string();
+        let _ = serde_json::to_string(&d).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        if d.status.is_some() {
+            if d.xfer {
+                prop_assert!(data.len() >= xfer::SIZE as usize);
+            } else {
+                let needs = status_needs(&call, &l);
+                prop_assert!(needs.is_some_and(|n| data.len() >= n), "{d:?} needs {needs:?}");
+            }
+        }
+    }
+}

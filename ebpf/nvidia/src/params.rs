@@ -1,0 +1,465 @@
+//! Byte layouts (x86_64) of the params structs whose layout is the same in every supported driver band
+//! (515 .. 595). Each submodule holds the struct's `SIZE` and one `*_OFFSET` per field the tracer, decoder
+//! or mock driver reads or writes. Band-dependent structs (NVOS21, NVOS64, NVOS46, NVOS47, UVM_FREE) are in
+//! [`crate::layout`].
+//!
+//! Offsets were checked with `offsetof` against `nvos.h`, `nv-ioctl.h`, `nv-unix-nvos-params-wrappers.h` and
+//! `uvm_ioctl.h` at the last tag of every major release from 515 to 595.
+
+/// NVOS00: `NV_ESC_RM_FREE`.
+pub mod nvos00 {
+    /// Struct size.
+    pub const SIZE: u32 = 16;
+    /// hRoot (client).
+    pub const H_ROOT_OFFSET: u32 = 0;
+    /// hObjectParent.
+    pub const H_OBJECT_PARENT_OFFSET: u32 = 4;
+    /// hObjectOld: the object freed (== hRoot frees the whole client).
+    pub const H_OBJECT_OLD_OFFSET: u32 = 8;
+    /// status (NV_STATUS).
+    pub const STATUS_OFFSET: u32 = 12;
+}
+
+/// NVOS02: `NV_ESC_RM_ALLOC_MEMORY`, sent wrapped with an fd (`nv_ioctl_nvos02_parameters_with_fd`).
+pub mod nvos02 {
+    /// Size of NVOS02 itself.
+    pub const SIZE: u32 = 48;
+    /// Size of the wrapper `{NVOS02 params; int fd}` that the ioctl carries.
+    pub const WITH_FD_SIZE: u32 = 56;
+    /// hRoot (client).
+    pub const H_ROOT_OFFSET: u32 = 0;
+    /// hObjectParent.
+    pub const H_OBJECT_PARENT_OFFSET: u32 = 4;
+    /// hObjectNew.
+    pub const H_OBJECT_NEW_OFFSET: u32 = 8;
+    /// hClass.
+    pub const H_CLASS_OFFSET: u32 = 12;
+    /// flags.
+    pub const FLAGS_OFFSET: u32 = 16;
+    /// pMemory (u64 pointer).
+    pub const P_MEMORY_OFFSET: u32 = 24;
+    /// limit (u64): size - 1.
+    pub const LIMIT_OFFSET: u32 = 32;
+    /// status (NV_STATUS).
+    pub const STATUS_OFFSET: u32 = 40;
+    /// fd of the wrapper.
+    pub const FD_OFFSET: u32 = 48;
+}
+
+/// NVOS05: `NV_ESC_RM_ALLOC_OBJECT`.
+pub mod nvos05 {
+    /// Struct size.
+    pub const SIZE: u32 = 20;
+    /// hRoot (client).
+    pub const H_ROOT_OFFSET: u32 = 0;
+    /// hObjectParent.
+    pub const H_OBJECT_PARENT_OFFSET: u32 = 4;
+    /// hObjectNew.
+    pub const H_OBJECT_NEW_OFFSET: u32 = 8;
+    /// hClass.
+    pub const H_CLASS_OFFSET: u32 = 12;
+    /// status (NV_STATUS).
+    pub const STATUS_OFFSET: u32 = 16;
+}
+
+/// Fields NVOS21 and NVOS64 (`NV_ESC_RM_ALLOC`) share in every band; the rest is in [`crate::layout`].
+pub mod rm_alloc {
+    /// hRoot (client; for root classes the new client handle is hObjectNew).
+    pub const H_ROOT_OFFSET: u32 = 0;
+    /// hObjectParent.
+    pub const H_OBJECT_PARENT_OFFSET: u32 = 4;
+    /// hObjectNew.
+    pub const H_OBJECT_NEW_OFFSET: u32 = 8;
+    /// hClass.
+    pub const H_CLASS_OFFSET: u32 = 12;
+    /// pAllocParms (u64 pointer to the class's alloc params).
+    pub const P_ALLOC_PARMS_OFFSET: u32 = 16;
+}
+
+/// NVOS32: `NV_ESC_RM_VID_HEAP_CONTROL`.
+pub mod nvos32 {
+    /// Struct size.
+    pub const SIZE: u32 = 184;
+    /// hRoot (client).
+    pub const H_ROOT_OFFSET: u32 = 0;
+    /// hObjectParent (device).
+    pub const H_OBJECT_PARENT_OFFSET: u32 = 4;
+    /// function (see `FUNCTION_*`).
+    pub const FUNCTION_OFFSET: u32 = 8;
+    /// hVASpace.
+    pub const H_VA_SPACE_OFFSET: u32 = 12;
+    /// ivcHeapNumber.
+    pub const IVC_HEAP_NUMBER_OFFSET: u32 = 16;
+    /// status (NV_STATUS).
+    pub const STATUS_OFFSET: u32 = 20;
+    /// total (u64).
+    pub const TOTAL_OFFSET: u32 = 24;
+    /// free (u64).
+    pub const FREE_OFFSET: u32 = 32;
+    /// Start of the per-function union.
+    pub const DATA_OFFSET: u32 = 40;
+    /// data.AllocSize.owner / data.Free.owner.
+    pub const OWNER_OFFSET: u32 = 40;
+    /// data.AllocSize.hMemory / data.Free.hMemory.
+    pub const H_MEMORY_OFFSET: u32 = 44;
+    /// data.AllocSize.type.
+    pub const ALLOC_TYPE_OFFSET: u32 = 48;
+    /// data.AllocSize.flags.
+    pub const ALLOC_FLAGS_OFFSET: u32 = 52;
+    /// data.AllocSize.size (u64).
+    pub const ALLOC_SIZE_OFFSET: u32 = 88;
+    /// `NVOS32_FUNCTION_ALLOC_SIZE`.
+    pub const FUNCTION_ALLOC_SIZE: u32 = 2;
+    /// `NVOS32_FUNCTION_FREE`.
+    pub const FUNCTION_FREE: u32 = 3;
+}
+
+/// NVOS33: `NV_ESC_RM_MAP_MEMORY`, sent wrapped with an fd (`nv_ioctl_nvos33_parameters_with_fd`).
+pub mod nvos33 {
+    /// Size of NVOS33 itself.
+    pub const SIZE: u32 = 48;
+    /// Size of the wrapper `{NVOS33 params; int fd}` that the ioctl carries.
+    pub const WITH_FD_SIZE: u32 = 56;
+    /// hClient.
+    pub const H_CLIENT_OFFSET: u32 = 0;
+    /// hDevice.
+    pub const H_DEVICE_OFFSET: u32 = 4;
+    /// hMemory.
+    pub const H_MEMORY_OFFSET: u32 = 8;
+    /// offset (u64).
+    pub const OFFSET_OFFSET: u32 = 16;
+    /// length (u64).
+    pub const LENGTH_OFFSET: u32 = 24;
+    /// pLinearAddress (u64).
+    pub const P_LINEAR_ADDRESS_OFFSET: u32 = 32;
+    /// status (NV_STATUS).
+    pub const STATUS_OFFSET: u32 = 40;
+    /// flags.
+    pub const FLAGS_OFFSET: u32 = 44;
+    /// fd of the wrapper.
+    pub const FD_OFFSET: u32 = 48;
+}
+
+/// NVOS34: `NV_ESC_RM_UNMAP_MEMORY`.
+pub mod nvos34 {
+    /// Struct size.
+    pub const SIZE: u32 = 32;
+    /// hClient.
+    pub const H_CLIENT_OFFSET: u32 = 0;
+    /// hDevice.
+    pub const H_DEVICE_OFFSET: u32 = 4;
+    /// hMemory.
+    pub const H_MEMORY_OFFSET: u32 = 8;
+    /// pLinearAddress (u64).
+    pub const P_LINEAR_ADDRESS_OFFSET: u32 = 16;
+    /// status (NV_STATUS).
+    pub const STATUS_OFFSET: u32 = 24;
+    /// flags.
+    pub const FLAGS_OFFSET: u32 = 28;
+}
+
+/// NVOS54: `NV_ESC_RM_CONTROL`.
+pub mod nvos54 {
+    /// Struct size.
+    pub const SIZE: u32 = 32;
+    /// hClient.
+    pub const H_CLIENT_OFFSET: u32 = 0;
+    /// hObject.
+    pub const H_OBJECT_OFFSET: u32 = 4;
+    /// cmd (see [`crate::ctrl`]).
+    pub const CMD_OFFSET: u32 = 8;
+    /// flags.
+    pub const FLAGS_OFFSET: u32 = 12;
+    /// params (u64 pointer).
+    pub const PARAMS_OFFSET: u32 = 16;
+    /// paramsSize.
+    pub const PARAMS_SIZE_OFFSET: u32 = 24;
+    /// status (NV_STATUS).
+    pub const STATUS_OFFSET: u32 = 28;
+    /// Bytes of the control params a tracer captures (`Call::nested`).
+    pub const CAPTURE_PARAMS_MAX: u32 = 256;
+}
+
+/// NVOS55: `NV_ESC_RM_DUP_OBJECT`.
+pub mod nvos55 {
+    /// Struct size.
+    pub const SIZE: u32 = 28;
+    /// hClient (destination).
+    pub const H_CLIENT_OFFSET: u32 = 0;
+    /// hParent (destination).
+    pub const H_PARENT_OFFSET: u32 = 4;
+    /// hObject (new handle in the destination).
+    pub const H_OBJECT_OFFSET: u32 = 8;
+    /// hClientSrc.
+    pub const H_CLIENT_SRC_OFFSET: u32 = 12;
+    /// hObjectSrc.
+    pub const H_OBJECT_SRC_OFFSET: u32 = 16;
+    /// flags.
+    pub const FLAGS_OFFSET: u32 = 20;
+    /// status (NV_STATUS).
+    pub const STATUS_OFFSET: u32 = 24;
+}
+
+/// NVOS57: `NV_ESC_RM_SHARE`.
+pub mod nvos57 {
+    /// Struct size.
+    pub const SIZE: u32 = 24;
+    /// hClient.
+    pub const H_CLIENT_OFFSET: u32 = 0;
+    /// hObject.
+    pub const H_OBJECT_OFFSET: u32 = 4;
+    /// status (NV_STATUS).
+    pub const STATUS_OFFSET: u32 = 20;
+}
+
+/// `nv_ioctl_xfer_t`: `NV_ESC_IOCTL_XFER_CMD`.
+pub mod xfer {
+    /// Struct size.
+    pub const SIZE: u32 = 16;
+    /// cmd: the inner escape number.
+    pub const CMD_OFFSET: u32 = 0;
+    /// size: the inner params size.
+    pub const SIZE_OFFSET: u32 = 4;
+    /// ptr (u64): the inner params.
+    pub const PTR_OFFSET: u32 = 8;
+    /// Largest inner params size the driver accepts.
+    pub const MAX_PARAMS: u32 = 16384;
+    /// Bytes of the inner params a tracer captures (`Call::nested`).
+    pub const CAPTURE_PARAMS_MAX: u32 = 256;
+}
+
+/// `NV_MEMORY_ALLOCATION_PARAMS`: the `pAllocParms` of memory classes ([`crate::class::is_memory`]).
+pub mod memory_alloc {
+    /// Struct size from 545 on (numaNode added at 120).
+    pub const SIZE: u32 = 128;
+    /// Struct size up to 535.
+    pub const SIZE_BEFORE_545: u32 = 120;
+    /// owner.
+    pub const OWNER_OFFSET: u32 = 0;
+    /// type (NVOS32_TYPE_*).
+    pub const TYPE_OFFSET: u32 = 4;
+    /// flags (NVOS32_ALLOC_FLAGS_*).
+    pub const FLAGS_OFFSET: u32 = 8;
+    /// attr (NVOS32_ATTR_*).
+    pub const ATTR_OFFSET: u32 = 24;
+    /// attr2 (NVOS32_ATTR2_*).
+    pub const ATTR2_OFFSET: u32 = 28;
+    /// size (u64): bytes requested (updated by RM to what it allocated).
+    pub const SIZE_OFFSET: u32 = 64;
+    /// alignment (u64).
+    pub const ALIGNMENT_OFFSET: u32 = 72;
+    /// offset (u64).
+    pub const OFFSET_OFFSET: u32 = 80;
+    /// limit (u64).
+    pub const LIMIT_OFFSET: u32 = 88;
+    /// address (u64 pointer).
+    pub const ADDRESS_OFFSET: u32 = 96;
+    /// hVASpace.
+    pub const H_VA_SPACE_OFFSET: u32 = 108;
+    /// numaNode (545+).
+    pub const NUMA_NODE_OFFSET: u32 = 120;
+}
+
+/// `nv_ioctl_register_fd_t`: `NV_ESC_REGISTER_FD`.
+pub mod register_fd {
+    /// Struct size.
+    pub const SIZE: u32 = 4;
+    /// ctl_fd (int): the `/dev/nvidiactl` fd registered on this device fd.
+    pub const CTL_FD_OFFSET: u32 = 0;
+}
+
+/// `nv_ioctl_card_info_t`: one entry of `NV_ESC_CARD_INFO` (the ioctl carries an array of them).
+pub mod card_info {
+    /// Entry size.
+    pub const ENTRY_SIZE: u32 = 72;
+    /// valid (NvBool, u8).
+    pub const VALID_OFFSET: u32 = 0;
+    /// pci_info.domain (u32).
+    pub const PCI_DOMAIN_OFFSET: u32 = 4;
+    /// pci_info.bus (u8).
+    pub const PCI_BUS_OFFSET: u32 = 8;
+    /// pci_info.slot (u8).
+    pub const PCI_SLOT_OFFSET: u32 = 9;
+    /// pci_info.function (u8).
+    pub const PCI_FUNCTION_OFFSET: u32 = 10;
+    /// pci_info.vendor_id (u16).
+    pub const PCI_VENDOR_ID_OFFSET: u32 = 12;
+    /// pci_info.device_id (u16).
+    pub const PCI_DEVICE_ID_OFFSET: u32 = 14;
+    /// gpu_id (u32).
+    pub const GPU_ID_OFFSET: u32 = 16;
+    /// interrupt_line (u16).
+    pub const INTERRUPT_LINE_OFFSET: u32 = 20;
+    /// reg_address (u64).
+    pub const REG_ADDRESS_OFFSET: u32 = 24;
+    /// reg_size (u64).
+    pub const REG_SIZE_OFFSET: u32 = 32;
+    /// fb_address (u64).
+    pub const FB_ADDRESS_OFFSET: u32 = 40;
+    /// fb_size (u64).
+    pub const FB_SIZE_OFFSET: u32 = 48;
+    /// minor_number (u32): N of /dev/nvidiaN.
+    pub const MINOR_NUMBER_OFFSET: u32 = 56;
+    /// dev_name (10 bytes).
+    pub const DEV_NAME_OFFSET: u32 = 60;
+    /// dev_name length.
+    pub const DEV_NAME_LEN: u32 = 10;
+    /// Entries in the array CUDA passes (`NV_MAX_DEVICES`).
+    pub const MAX_ENTRIES: u32 = 32;
+    /// NVIDIA's PCI vendor id.
+    pub const PCI_VENDOR_NVIDIA: u16 = 0x10de;
+}
+
+/// `nv_ioctl_rm_api_version_t`: `NV_ESC_CHECK_VERSION_STR`.
+pub mod check_version_str {
+    /// Struct size.
+    pub const SIZE: u32 = 72;
+    /// cmd (0 strict, '1' relaxed, '2' query).
+    pub const CMD_OFFSET: u32 = 0;
+    /// reply (0 unrecognized, 1 recognized).
+    pub const REPLY_OFFSET: u32 = 4;
+    /// versionString (NUL-terminated).
+    pub const VERSION_STRING_OFFSET: u32 = 8;
+    /// versionString length.
+    pub const VERSION_STRING_LEN: u32 = 64;
+    /// `NV_RM_API_VERSION_REPLY_RECOGNIZED`.
+    pub const REPLY_RECOGNIZED: u32 = 1;
+    /// `NV_RM_API_VERSION_REPLY_UNRECOGNIZED`.
+    pub const REPLY_UNRECOGNIZED: u32 = 0;
+    /// `NV_RM_API_VERSION_CMD_STRICT`.
+    pub const CMD_STRICT: u32 = 0;
+    /// `NV_RM_API_VERSION_CMD_RELAXED` ('1').
+    pub const CMD_RELAXED: u32 = 0x31;
+    /// `NV_RM_API_VERSION_CMD_QUERY` ('2').
+    pub const CMD_QUERY: u32 = 0x32;
+}
+
+/// `nv_ioctl_alloc_os_event_t` / `nv_ioctl_free_os_event_t`.
+pub mod os_event {
+    /// Struct size.
+    pub const SIZE: u32 = 16;
+    /// hClient.
+    pub const H_CLIENT_OFFSET: u32 = 0;
+    /// hDevice.
+    pub const H_DEVICE_OFFSET: u32 = 4;
+    /// fd.
+    pub const FD_OFFSET: u32 = 8;
+    /// Status (NV_STATUS).
+    pub const STATUS_OFFSET: u32 = 12;
+}
+
+/// `nv_ioctl_status_code_t`: `NV_ESC_STATUS_CODE`.
+pub mod status_code {
+    /// Struct size.
+    pub const SIZE: u32 = 12;
+    /// status (NV_STATUS).
+    pub const STATUS_OFFSET: u32 = 8;
+}
+
+/// `nv_ioctl_export_to_dma_buf_fd_t`: `NV_ESC_EXPORT_TO_DMABUF_FD`.
+pub mod export_to_dmabuf_fd {
+    /// Struct size.
+    pub const SIZE: u32 = 2608;
+    /// status (NV_STATUS).
+    pub const STATUS_OFFSET: u32 = 2600;
+}
+
+/// Band-stable UVM params (see [`crate::uvm`] for the rest and [`crate::layout`] for UVM_FREE).
+pub mod uvm {
+    /// `UVM_INITIALIZE_PARAMS`: flags (u64) @0, rmStatus @8; size 16.
+    pub mod initialize {
+        /// Struct size.
+        pub const SIZE: u32 = 16;
+        /// flags (u64).
+        pub const FLAGS_OFFSET: u32 = 0;
+        /// rmStatus.
+        pub const RM_STATUS_OFFSET: u32 = 8;
+    }
+    /// `UVM_MM_INITIALIZE_PARAMS`: uvmFd @0, rmStatus @4; size 8 (535+).
+    pub mod mm_initialize {
+        /// Struct size.
+        pub const SIZE: u32 = 8;
+        /// uvmFd: the first uvm fd.
+        pub const UVM_FD_OFFSET: u32 = 0;
+        /// rmStatus.
+        pub const RM_STATUS_OFFSET: u32 = 4;
+    }
+    /// `UVM_REGISTER_GPU_PARAMS`.
+    pub mod register_gpu {
+        /// Struct size.
+        pub const SIZE: u32 = 40;
+        /// gpu_uuid (16 bytes).
+        pub const GPU_UUID_OFFSET: u32 = 0;
+        /// numaEnabled (NvBool).
+        pub const NUMA_ENABLED_OFFSET: u32 = 16;
+        /// numaNodeId.
+        pub const NUMA_NODE_ID_OFFSET: u32 = 20;
+        /// rmCtrlFd.
+        pub const RM_CTRL_FD_OFFSET: u32 = 24;
+        /// hClient.
+        pub const H_CLIENT_OFFSET: u32 = 28;
+        /// hSmcPartRef.
+        pub const H_SMC_PART_REF_OFFSET: u32 = 32;
+        /// rmStatus.
+        pub const RM_STATUS_OFFSET: u32 = 36;
+    }
+    /// `UVM_UNREGISTER_GPU_PARAMS`.
+    pub mod unregister_gpu {
+        /// Struct size.
+        pub const SIZE: u32 = 20;
+        /// gpu_uuid (16 bytes).
+        pub const GPU_UUID_OFFSET: u32 = 0;
+        /// rmStatus.
+        pub const RM_STATUS_OFFSET: u32 = 16;
+    }
+    /// `UVM_REGISTER_GPU_VASPACE_PARAMS`.
+    pub mod register_gpu_vaspace {
+        /// Struct size.
+        pub const SIZE: u32 = 32;
+        /// gpuUuid (16 bytes).
+        pub const GPU_UUID_OFFSET: u32 = 0;
+        /// rmCtrlFd.
+        pub const RM_CTRL_FD_OFFSET: u32 = 16;
+        /// hClient.
+        pub const H_CLIENT_OFFSET: u32 = 20;
+        /// hVaSpace.
+        pub const H_VA_SPACE_OFFSET: u32 = 24;
+        /// rmStatus.
+        pub const RM_STATUS_OFFSET: u32 = 28;
+    }
+    /// `UVM_UNREGISTER_GPU_VASPACE_PARAMS`.
+    pub mod unregister_gpu_vaspace {
+        /// Struct size.
+        pub const SIZE: u32 = 20;
+        /// gpuUuid (16 bytes).
+        pub const GPU_UUID_OFFSET: u32 = 0;
+        /// rmStatus.
+        pub const RM_STATUS_OFFSET: u32 = 16;
+    }
+    /// `UVM_CREATE_RANGE_GROUP_PARAMS` / `UVM_DESTROY_RANGE_GROUP_PARAMS`.
+    pub mod range_group {
+        /// Struct size.
+        pub const SIZE: u32 = 16;
+        /// rangeGroupId (u64).
+        pub const RANGE_GROUP_ID_OFFSET: u32 = 0;
+        /// rmStatus.
+        pub const RM_STATUS_OFFSET: u32 = 8;
+    }
+    /// `UVM_MAP_EXTERNAL_ALLOCATION_PARAMS` (550+; 1200 bytes before, see [`crate::uvm::params_layout`]).
+    pub mod map_external_allocation {
+        /// Struct size (550+).
+        pub const SIZE: u32 = 9264;
+        /// base (u64).
+        pub const BASE_OFFSET: u32 = 0;
+        /// length (u64).
+        pub const LENGTH_OFFSET: u32 = 8;
+        /// rmCtrlFd (550+).
+        pub const RM_CTRL_FD_OFFSET: u32 = 9248;
+        /// hClient (550+).
+        pub const H_CLIENT_OFFSET: u32 = 9252;
+        /// hMemory (550+).
+        pub const H_MEMORY_OFFSET: u32 = 9256;
+        /// rmStatus (550+).
+        pub const RM_STATUS_OFFSET: u32 = 9260;
+    }
+}
