@@ -1,0 +1,96 @@
+//! Shared helpers of the mock driver's integration tests: skip loudly without root/FUSE, mount a mock in
+//! a temp dir, run the workload binary against it.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use baton_mock_nvidia::driver::{self, MockDriver, MountOptions, MountedDriver};
+use baton_mock_nvidia::workload::{Finished, WorkloadOptions, WorkloadProcess};
+use tempfile::TempDir;
+
+/// How long a workload may take for anything.
+pub const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The workload binary built with these tests.
+pub fn cuda_binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_baton-mock-cuda"))
+}
+
+/// The driver binary built with these tests.
+pub fn driver_binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_baton-mock-nvidia"))
+}
+
+/// `true` (after printing `skipped: <reason>`) when FUSE mounts cannot be made here.
+pub fn skip(test: &str) -> bool {
+    match driver::fuse_unavailable_reason() {
+        Some(reason) => {
+            eprintln!("skipped: {test}: {reason}");
+            true
+        }
+        None => false,
+    }
+}
+
+/// A mock mounted in a fresh temp dir (unmounted before the dir is removed).
+pub struct Mock {
+    pub driver: MountedDriver,
+    _dir: TempDir,
+}
+
+impl Mock {
+    /// Mounts a mock of `version` with `vram_mib` MiB on one GPU.
+    pub fn mount(version: &str, vram_mib: u64) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let options = MountOptions::new(dir.path())
+            .with_driver_version(version)
+            .with_vram_mib(vram_mib);
+        let driver = MockDriver::mount(options).expect("mount the mock driver");
+        Self { driver, _dir: dir }
+    }
+
+    /// The mount point (the workload's `--dev-dir`).
+    pub fn dir(&self) -> &Path {
+        self.driver.mountpoint()
+    }
+
+    /// State as any process sees it: read through the mount's `state.json`.
+    pub fn state(&self) -> driver::DriverState {
+        driver::DriverState::read(self.dir()).expect("read state.json")
+    }
+
+    /// State once `done` holds (FUSE releases arrive asynchronously after `close()`), or after
+    /// [`TIMEOUT`]; the caller asserts on it.
+    pub fn state_when(
+        &self,
+        done: impl FnMut(&driver::DriverState) -> bool,
+    ) -> driver::DriverState {
+        driver::DriverState::wait_for(self.dir(), TIMEOUT, done).expect("read state.json")
+    }
+
+    /// State once every file is released (or after [`TIMEOUT`]).
+    pub fn idle_state(&self) -> driver::DriverState {
+        self.state_when(driver::DriverState::is_idle)
+    }
+
+    /// Workload options against this mock.
+    pub fn workload(&self, version: &str) -> WorkloadOptions {
+        WorkloadOptions {
+            driver_version: version.to_owned(),
+            vram_mib: 512,
+            steps: 2,
+            step_ms: 5,
+            ..WorkloadOptions::new(self.dir())
+        }
+    }
+
+    /// Runs the workload binary to completion.
+    pub fn run_workload(&self, options: &WorkloadOptions) -> Finished {
+        WorkloadProcess::start(&cuda_binary(), options, false)
+            .expect("start baton-mock-cuda")
+            .finish(TIMEOUT)
+            .expect("wait for baton-mock-cuda")
+    }
+}
