@@ -60,12 +60,13 @@ impl ContainerLedger {
                 class,
                 size,
             } => {
-                let (handle, parent) = if class::is_root(class) {
-                    (client, client)
+                if class::is_root(class) {
+                    // A new client: the driver returns its handle in hObjectNew and files it as
+                    // NV01_ROOT_CLIENT whichever root class was asked for.
+                    self.insert(object, object, class::NV01_ROOT_CLIENT, object, 0, pid);
                 } else {
-                    (object, parent)
-                };
-                self.insert(client, handle, class, parent, size.unwrap_or(0), pid);
+                    self.insert(client, object, class, parent, size.unwrap_or(0), pid);
+                }
             }
             Op::AllocMemory {
                 client,
@@ -242,7 +243,8 @@ mod tests {
     #[test]
     fn freeing_a_client_frees_its_tree_and_subtrees_go_with_their_parent() {
         let mut l = ContainerLedger::default();
-        alloc(&mut l, 0xc1, 0, 0xc1, NV01_ROOT_CLIENT, None);
+        alloc(&mut l, 0, 0, 0xc1, NV01_ROOT, None);
+        assert_eq!(l.live_by_class().get(&NV01_ROOT_CLIENT), Some(&1));
         alloc(&mut l, 0xc1, 0xc1, 0xd0, NV01_DEVICE_0, None);
         alloc(&mut l, 0xc1, 0xd0, 0xd1, NV20_SUBDEVICE_0, None);
         alloc(
@@ -285,7 +287,7 @@ mod tests {
             Some(0x22),
         );
         assert_eq!(l.live_objects(), 0);
-        alloc(&mut l, 1, 0, 1, NV01_ROOT_CLIENT, None);
+        alloc(&mut l, 0, 0, 1, NV01_ROOT_CLIENT, None);
         l.apply(
             2,
             &Op::Alloc {

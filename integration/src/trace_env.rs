@@ -1,0 +1,272 @@
+//! Environment for the tracing tests: the mock NVIDIA driver mounted through FUSE in a temporary folder, test
+//! cgroups of their own under the cgroup v2 root, mock CUDA workloads started inside them, and a
+//! [`baton_tracer::Tracer`] that watches them. Everything is torn down on drop, also after a failed assertion.
+use std::{
+    io::{BufRead, BufReader, Write},
+    path::{Path, PathBuf},
+    process::{Child, ChildStdin, Command, Stdio},
+    sync::mpsc::{Receiver, RecvTimeoutError, channel},
+    time::{Duration, Instant},
+};
+
+use baton_mock_nvidia::{
+    driver::{MockDriver, MountOptions, MountedDriver, fuse_unavailable_reason},
+    workload::Summary,
+};
+use baton_tracer::{Tracer, TracerConfig, cgroups, event::Event};
+
+use crate::shim_binary::{target_dir, workspace_root};
+
+/// The reason the tracing tests cannot run here, or `None`.
+pub fn missing_trace_prerequisite() -> Option<String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Some("needs root (loads eBPF programs, mounts FUSE, creates cgroups)".into());
+    }
+    if let Some(r) = fuse_unavailable_reason() {
+        return Some(r);
+    }
+    if cgroups::find_v2_root().is_err() {
+        return Some("no cgroup v2 hierarchy mounted: per-container attribution needs one".into());
+    }
+    None
+}
+
+/// A workspace binary from `<target>/debug`, built with `cargo build -p package` if it is not there.
+pub fn workspace_binary(package: &str, name: &str) -> anyhow::Result<PathBuf> {
+    let path = target_dir().join("debug").join(name);
+    if !path.is_file() {
+        let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(["build", "--quiet", "-p", package, "--manifest-path"])
+            .arg(workspace_root().join("Cargo.toml"))
+            .env("CARGO_TARGET_DIR", target_dir())
+            .status()?;
+        anyhow::ensure!(status.success(), "cargo build -p {package} failed");
+    }
+    anyhow::ensure!(path.is_file(), "{name} not found at {}", path.display());
+    Ok(path)
+}
+
+/// The mock driver, a cgroup folder for the test, and the workloads started in it.
+pub struct TraceEnv {
+    driver: Option<MountedDriver>,
+    _mount_dir: tempfile::TempDir,
+    cgroup_root: PathBuf,
+    test_cgroup: String,
+    workloads: Vec<Workload>,
+    driver_version: String,
+}
+
+impl TraceEnv {
+    /// Mounts the mock (driver version `driver_version`) and makes the test's cgroup folder `/baton-test-<name>`.
+    pub fn start(name: &str, driver_version: &str) -> anyhow::Result<Self> {
+        let mount_dir = tempfile::Builder::new().prefix("baton-mockdev").tempdir()?;
+        let driver = MockDriver::mount(
+            MountOptions::new(mount_dir.path()).with_driver_version(driver_version.to_owned()),
+        )?;
+        let cgroup_root = cgroups::find_v2_root()?;
+        let test_cgroup = format!("/baton-test-{name}-{}", std::process::id());
+        cgroups::create(&cgroup_root, &test_cgroup)?;
+        Ok(Self {
+            driver: Some(driver),
+            _mount_dir: mount_dir,
+            cgroup_root,
+            test_cgroup,
+            workloads: Vec::new(),
+            driver_version: driver_version.to_owned(),
+        })
+    }
+
+    /// Where the mock's device files are.
+    pub fn dev_dir(&self) -> &Path {
+        self._mount_dir.path()
+    }
+
+    /// The prefix the tracer matches (`<dev_dir>/`).
+    pub fn prefix(&self) -> String {
+        format!("{}/", self.dev_dir().display())
+    }
+
+    /// The cgroup path (relative to the v2 root) of container `name` in this test.
+    pub fn cgroup_rel(&self, name: &str) -> String {
+        format!("{}/{name}", self.test_cgroup)
+    }
+
+    /// Creates container cgroup `name` and returns its id.
+    pub fn make_cgroup(&self, name: &str) -> anyhow::Result<u64> {
+        let path = cgroups::create(&self.cgroup_root, &self.cgroup_rel(name))?;
+        Ok(std::fs::metadata(path).map(|m| std::os::unix::fs::MetadataExt::ino(&m))?)
+    }
+
+    /// A tracer watching nothing yet, matching the mock's device files, decoding with the mock's layouts.
+    pub fn tracer(&self) -> anyhow::Result<Tracer> {
+        Ok(Tracer::start(TracerConfig {
+            watch_all: false,
+            prefixes: vec![self.prefix()],
+            cgroup_root: Some(self.cgroup_root.clone()),
+            driver_version: baton_nvidia::layout::DriverVersion::parse(&self.driver_version),
+        })?)
+    }
+
+    /// Starts `baton-mock-cuda --hold` in container cgroup `name` (created if needed) with `vram_mib`.
+    pub fn spawn_workload(
+        &mut self,
+        name: &str,
+        vram_mib: u64,
+        steps: u64,
+    ) -> anyhow::Result<usize> {
+        self.make_cgroup(name)?;
+        let bin = workspace_binary("baton-mock-nvidia", "baton-mock-cuda")?;
+        let summary = self.dev_dir().with_file_name(format!(
+            "{}-{name}.json",
+            self.test_cgroup.trim_start_matches('/')
+        ));
+        let args: Vec<String> = [
+            "--dev-dir",
+            &self.dev_dir().display().to_string(),
+            "--vram-mib",
+            &vram_mib.to_string(),
+            "--steps",
+            &steps.to_string(),
+            "--step-ms",
+            "1",
+            "--driver-version",
+            &self.driver_version,
+            "--hold",
+            "--summary-json",
+            &summary.display().to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let cg = self
+            .cgroup_root
+            .join(self.cgroup_rel(name).trim_start_matches('/'));
+        let mut child = cgroups::command_in(&cg, &bin, &args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let stdin = child.stdin.take();
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("workload has no stdout"))?;
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        self.workloads.push(Workload {
+            child,
+            stdin,
+            lines: rx,
+            summary,
+        });
+        Ok(self.workloads.len() - 1)
+    }
+
+    /// Workload `i`.
+    pub fn workload(&mut self, i: usize) -> &mut Workload {
+        &mut self.workloads[i]
+    }
+}
+
+impl Drop for TraceEnv {
+    fn drop(&mut self) {
+        for w in &mut self.workloads {
+            let _ = w.child.kill();
+            let _ = w.child.wait();
+        }
+        if let Some(d) = self.driver.take() {
+            let _ = d.unmount();
+        }
+        let top = self
+            .cgroup_root
+            .join(self.test_cgroup.trim_start_matches('/'));
+        if let Ok(entries) = std::fs::read_dir(&top) {
+            for e in entries.flatten().filter(|e| e.path().is_dir()) {
+                let _ = cgroups::remove(&e.path());
+            }
+        }
+        let _ = cgroups::remove(&top);
+    }
+}
+
+/// A running `baton-mock-cuda`.
+pub struct Workload {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    summary: PathBuf,
+}
+
+impl Workload {
+    /// Its pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits until it prints a line starting with `prefix`.
+    pub fn wait_line(&mut self, prefix: &str, timeout: Duration) -> anyhow::Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => return Ok(l),
+                Ok(_) => {}
+                Err(RecvTimeoutError::Timeout) => {
+                    anyhow::bail!("workload did not print {prefix:?} in {timeout:?}")
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    anyhow::bail!("workload exited before printing {prefix:?}")
+                }
+            }
+        }
+    }
+
+    /// Sends a signal (SIGUSR1 releases, SIGUSR2 re-acquires).
+    pub fn signal(&self, sig: nix::sys::signal::Signal) -> anyhow::Result<()> {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig)?;
+        Ok(())
+    }
+
+    /// Ends `--hold` (closes stdin), waits for the exit, and returns its summary.
+    pub fn finish(&mut self) -> anyhow::Result<Summary> {
+        if let Some(mut s) = self.stdin.take() {
+            let _ = s.flush();
+        }
+        let status = self.child.wait()?;
+        anyhow::ensure!(status.success(), "workload failed: {status}");
+        let text = std::fs::read_to_string(&self.summary)?;
+        Ok(serde_json::from_str(&text)?)
+    }
+}
+
+/// Reads events until `done(tracer)` holds or `timeout` passes; returns every event read.
+pub async fn collect_until(
+    tracer: &mut Tracer,
+    timeout: Duration,
+    mut done: impl FnMut(&Tracer, &[Event]) -> bool,
+) -> anyhow::Result<Vec<Event>> {
+    let mut all = Vec::new();
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if done(tracer, &all) {
+            return Ok(all);
+        }
+        match tokio::time::timeout_at(deadline, tracer.next_events()).await {
+            Ok(batch) => all.extend(batch?),
+            Err(_) => {
+                all.extend(tracer.drain_now()?);
+                anyhow::ensure!(
+                    done(tracer, &all),
+                    "condition not reached in {timeout:?} ({} events read)",
+                    all.len()
+                );
+                return Ok(all);
+            }
+        }
+    }
+}
