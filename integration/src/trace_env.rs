@@ -104,6 +104,7 @@ impl TraceEnv {
             prefixes: vec![self.prefix()],
             cgroup_root: Some(self.cgroup_root.clone()),
             driver_version: baton_nvidia::layout::DriverVersion::parse(&self.driver_version),
+            ..Default::default()
         })?)
     }
 

@@ -44,8 +44,8 @@ pub enum Counter {
     RingbufDrops = 0,
     /// Parameter reads from user memory that failed.
     ReadFailures = 1,
-    /// Syscalls whose enter half could not be stored (pending map full).
-    PendingFull = 2,
+    /// Calls in flight whose slot another thread took over before their exit (their events are lost).
+    PendingEvicted = 2,
 }
 
 /// Number of `Counter` slots.

@@ -9,7 +9,7 @@ use baton_probe_common::{
 };
 
 use crate::{
-    maps::{NV_FDS, NV_PROCS, PATH_BUF, PENDING, PREFIXES, Pending, Sys},
+    maps::{NV_FDS, NV_PROCS, PATH_BUF, PREFIXES, Pending, Sys, put_pending, take_pending},
     util::{arg, count, current_is_watched, header, ids, now_ns},
 };
 
@@ -46,7 +46,9 @@ pub fn emit_fd(
         len,
         name: *name,
     });
-    entry.submit(0);
+    // Lifecycle records are rare and carry the release signal: wake the consumer now, even behind a
+    // batch of ioctl records that did not.
+    entry.submit(aya_ebpf::bindings::BPF_RB_FORCE_WAKEUP as u64);
 }
 
 /// The NVIDIA fd `fd` of the current process, if it is one.
@@ -79,6 +81,7 @@ fn pending(sys: Sys, fd: i32, info: FdInfo) -> Pending {
         kind: info.kind,
         minor: info.minor,
         flags: 0,
+        tid: 0,
         name: [0; NAME_CAP],
     }
 }
@@ -152,9 +155,7 @@ fn try_enter_open(path: u64) -> Option<()> {
     let (_, tid) = ids();
     let mut p = pending(Sys::Open, -1, info);
     p.name = name;
-    if PENDING.insert(&tid, &p, 0).is_err() {
-        count(Counter::PendingFull);
-    }
+    put_pending(tid, p);
     Some(())
 }
 
@@ -170,19 +171,9 @@ pub fn sys_enter_open(ctx: TracePointContext) -> u32 {
     0
 }
 
-/// Takes the current thread's pending entry if it belongs to `sys`.
-#[inline(always)]
-pub fn take_pending(sys: Sys) -> Option<Pending> {
-    let (_, tid) = ids();
-    // SAFETY: the value is copied out before the entry is removed.
-    let p = unsafe { PENDING.get(&tid).copied() }?;
-    let _ = PENDING.remove(&tid);
-    (p.sys == sys).then_some(p)
-}
-
 #[inline(always)]
 fn try_exit_open(ret: i64) -> Option<()> {
-    let p = take_pending(Sys::Open)?;
+    let p = take_pending(ids().1, Sys::Open)?;
     if ret < 0 {
         return None;
     }
@@ -237,15 +228,13 @@ fn try_enter_dup(old: u64, target: Option<u64>) -> Option<()> {
         p.flags = DUP_CLOSES_TARGET;
         p
     };
-    if PENDING.insert(&tid, &p, 0).is_err() {
-        count(Counter::PendingFull);
-    }
+    put_pending(tid, p);
     Some(())
 }
 
 #[inline(always)]
 fn try_exit_dup(ret: i64) -> Option<()> {
-    let p = take_pending(Sys::Dup)?;
+    let p = take_pending(ids().1, Sys::Dup)?;
     if ret < 0 {
         return None;
     }
@@ -334,9 +323,7 @@ pub fn sys_enter_mmap(ctx: TracePointContext) -> u32 {
     if let Some(info) = nv_fd(tgid, fd) {
         let mut p = pending(Sys::Mmap, fd as i32, info);
         p.len = arg(&ctx, 1);
-        if PENDING.insert(&tid, &p, 0).is_err() {
-            count(Counter::PendingFull);
-        }
+        put_pending(tid, p);
     }
     0
 }
@@ -344,7 +331,7 @@ pub fn sys_enter_mmap(ctx: TracePointContext) -> u32 {
 #[tracepoint]
 pub fn sys_exit_mmap(ctx: TracePointContext) -> u32 {
     let ret = arg(&ctx, 0);
-    if let Some(p) = take_pending(Sys::Mmap) {
+    if let Some(p) = take_pending(ids().1, Sys::Mmap) {
         // Errors come back as -4095..-1.
         if (ret as i64) < 0 && (ret as i64) >= -4095 {
             return 0;

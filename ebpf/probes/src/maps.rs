@@ -37,6 +37,7 @@ pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SL
 #[derive(Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Sys {
+    None = 0,
     Ioctl = 1,
     Open = 2,
     Dup = 3,
@@ -56,12 +57,49 @@ pub struct Pending {
     pub kind: u8,
     pub minor: u8,
     pub flags: u8,
+    /// The thread that owns the slot (0: free).
+    pub tid: u32,
     pub name: [u8; baton_probe_common::NAME_CAP],
 }
 
-/// tid -> the syscall in flight (a thread is in one syscall at a time).
+/// Slots for the syscalls in flight, indexed by `tid % PENDING_SLOTS` (a thread is in one syscall at a time).
+/// An array, not a hash map: its lookups are inlined by the verifier and need no locking or allocation,
+/// which matters because every ioctl on the node pays the exit-side lookup. Two threads whose tids share a
+/// slot and are inside traced calls at the same moment lose the older call (the slot records its tid).
 #[map(name = "PENDING")]
-pub static PENDING: HashMap<u32, Pending> = HashMap::with_max_entries(65536, 0);
+pub static PENDING: Array<Pending> = Array::with_max_entries(PENDING_SLOTS, 0);
+
+/// Slots in `PENDING`.
+pub const PENDING_SLOTS: u32 = 65536;
+
+/// Remembers the current thread's syscall `p` until its exit.
+#[inline(always)]
+pub fn put_pending(tid: u32, mut p: Pending) {
+    if let Some(slot) = PENDING.get_ptr_mut(tid % PENDING_SLOTS) {
+        p.tid = tid;
+        // SAFETY: the slot belongs to this thread while it is inside the syscall (see PENDING).
+        unsafe {
+            if (*slot).tid != 0 && (*slot).tid != tid {
+                crate::util::count(baton_probe_common::Counter::PendingEvicted);
+            }
+            *slot = p;
+        }
+    }
+}
+
+/// Takes the current thread's pending entry if it belongs to `sys`.
+#[inline(always)]
+pub fn take_pending(tid: u32, sys: Sys) -> Option<Pending> {
+    let slot = PENDING.get_ptr_mut(tid % PENDING_SLOTS)?;
+    // SAFETY: as in `put_pending`; the entry is copied out and its owner cleared.
+    unsafe {
+        if (*slot).tid != tid || (*slot).sys != sys {
+            return None;
+        }
+        (*slot).tid = 0;
+        Some(*slot)
+    }
+}
 
 /// Scratch space for an opened path (too big for comfort on the 512-byte stack).
 #[map(name = "PATH_BUF")]

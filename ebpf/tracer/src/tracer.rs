@@ -30,6 +30,8 @@ pub struct TracerConfig {
     pub cgroup_root: Option<PathBuf>,
     /// Driver version whose struct layouts decode the calls; the host's, else the default, when `None`.
     pub driver_version: Option<DriverVersion>,
+    /// How often the consumer looks for ioctl records that did not wake it (see the probes' wakeup policy).
+    pub poll_interval: std::time::Duration,
 }
 
 impl Default for TracerConfig {
@@ -39,6 +41,7 @@ impl Default for TracerConfig {
             prefixes: vec!["/dev/".to_owned()],
             cgroup_root: None,
             driver_version: None,
+            poll_interval: std::time::Duration::from_millis(1),
         }
     }
 }
@@ -98,6 +101,7 @@ pub struct Tracer {
     prefixes: Vec<String>,
     watch_all: bool,
     names: HashMap<u64, String>,
+    poll_interval: std::time::Duration,
 }
 
 impl Tracer {
@@ -129,6 +133,7 @@ impl Tracer {
             prefixes: cfg.prefixes,
             watch_all: cfg.watch_all,
             names: HashMap::new(),
+            poll_interval: cfg.poll_interval,
         };
         if t.watch_all {
             for pid in seed::all_pids() {
@@ -246,7 +251,19 @@ impl Tracer {
     /// Records that do not parse are counted in [`Tracer::unparsed`] and skipped.
     pub async fn next_events(&mut self) -> Result<Vec<Event>, TracerError> {
         loop {
-            let mut guard = self.ring.readable_mut().await.map_err(TracerError::Poll)?;
+            // The probes wake us for fd lifecycle records and once ioctl records pile up; the timer picks up
+            // the rest, so an ioctl waits at most about one poll interval.
+            let mut guard =
+                match tokio::time::timeout(self.poll_interval, self.ring.readable_mut()).await {
+                    Ok(ready) => ready.map_err(TracerError::Poll)?,
+                    Err(_) => {
+                        let batch = self.drain_now()?;
+                        if batch.is_empty() {
+                            continue;
+                        }
+                        return Ok(batch);
+                    }
+                };
             let mut out = Vec::new();
             {
                 let ring = guard.get_inner_mut();

@@ -24,6 +24,9 @@ enum Cmd {
     Demo(demo::DemoArgs),
     /// Measure the probes' cost and throughput; prints figures, asserts nothing.
     Bench(bench::BenchArgs),
+    /// The load `baton bench` runs in a child process.
+    #[command(hide = true)]
+    BenchWorker(bench::WorkerArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -35,6 +38,15 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if let Cmd::BenchWorker(a) = cli.cmd {
+        return match bench::worker_main(a) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("baton bench-worker: {e:#}");
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -50,6 +62,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Trace(a) => trace::run(a).await,
             Cmd::Demo(a) => demo::run(a).await,
             Cmd::Bench(a) => bench::run(a).await,
+            Cmd::BenchWorker(_) => Ok(()),
         }
     });
     match result {

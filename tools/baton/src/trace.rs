@@ -132,6 +132,7 @@ pub async fn run_until(
         prefixes,
         cgroup_root: args.cgroup_root.clone(),
         driver_version,
+        ..Default::default()
     })?;
     let mut sel = Selection {
         names: args.containers.clone(),
