@@ -59,14 +59,14 @@ fn nv_fd(tgid: u32, fd: u64) -> Option<FdInfo> {
         fd: fd as u32,
     };
     // SAFETY: the value is copied out at once.
-    unsafe { NV_FDS.get(&key).copied() }
+    unsafe { NV_FDS.get(key).copied() }
 }
 
 /// Records that `tgid` now holds NVIDIA fds.
 #[inline(always)]
 fn track(tgid: u32, fd: u32, info: FdInfo) {
-    let _ = NV_FDS.insert(&FdKey { tgid, fd }, &info, 0);
-    let _ = NV_PROCS.insert(&tgid, &1, 0);
+    let _ = NV_FDS.insert(FdKey { tgid, fd }, info, 0);
+    let _ = NV_PROCS.insert(tgid, 1, 0);
 }
 
 #[inline(always)]
@@ -89,6 +89,10 @@ fn pending(sys: Sys, fd: i32, info: FdInfo) -> Pending {
 /// If `buf` (NUL-terminated) starts with one of the configured device-directory prefixes followed by an NVIDIA
 /// device name, that name and its kind.
 #[inline(always)]
+#[allow(
+    clippy::needless_range_loop,
+    reason = "explicit bounded index loops are what the BPF verifier can follow"
+)]
 fn match_device(buf: &[u8; PATH_CAP]) -> Option<([u8; NAME_CAP], FdInfo)> {
     for slot in 0..PREFIX_SLOTS {
         let Some(prefix) = PREFIXES.get(slot) else {
@@ -205,7 +209,7 @@ pub fn sys_enter_close(ctx: TracePointContext) -> u32 {
     let fd = arg(&ctx, 0);
     let (tgid, _) = ids();
     if let Some(info) = nv_fd(tgid, fd) {
-        let _ = NV_FDS.remove(&FdKey {
+        let _ = NV_FDS.remove(FdKey {
             tgid,
             fd: fd as u32,
         });
@@ -245,7 +249,7 @@ fn try_exit_dup(ret: i64) -> Option<()> {
         _pad: [0; 2],
     };
     if p.flags == DUP_CLOSES_TARGET {
-        let _ = NV_FDS.remove(&FdKey {
+        let _ = NV_FDS.remove(FdKey {
             tgid,
             fd: p.fd as u32,
         });
@@ -350,7 +354,7 @@ pub fn sys_exit_mmap(ctx: TracePointContext) -> u32 {
 pub fn sys_enter_munmap(ctx: TracePointContext) -> u32 {
     let (tgid, _) = ids();
     // SAFETY: presence check only.
-    if unsafe { NV_PROCS.get(&tgid).is_some() } {
+    if unsafe { NV_PROCS.get(tgid).is_some() } {
         let info = FdInfo {
             kind: 0,
             minor: 0,

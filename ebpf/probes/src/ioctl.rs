@@ -27,7 +27,7 @@ pub fn sys_enter_ioctl(ctx: TracePointContext) -> u32 {
         fd: fd as u32,
     };
     // SAFETY: the value is copied out at once.
-    let Some(info) = (unsafe { NV_FDS.get(&key).copied() }) else {
+    let Some(info) = (unsafe { NV_FDS.get(key).copied() }) else {
         return 0;
     };
     let p = Pending {

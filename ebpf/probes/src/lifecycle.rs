@@ -19,7 +19,7 @@ const NO_INFO: FdInfo = FdInfo {
 #[inline(always)]
 fn holds_nvidia(tgid: u32) -> bool {
     // SAFETY: presence check only.
-    unsafe { NV_PROCS.get(&tgid).is_some() }
+    unsafe { NV_PROCS.get(tgid).is_some() }
 }
 
 #[tracepoint]
@@ -55,7 +55,7 @@ pub fn sched_process_exec(_ctx: TracePointContext) -> u32 {
 pub fn sched_process_exit(_ctx: TracePointContext) -> u32 {
     let (tgid, tid) = ids();
     if tgid == tid && holds_nvidia(tgid) {
-        let _ = NV_PROCS.remove(&tgid);
+        let _ = NV_PROCS.remove(tgid);
         emit_fd(RecordKind::Exit, -1, -1, NO_INFO, 0, 0, &[0; NAME_CAP]);
     }
     0

@@ -37,7 +37,6 @@ pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SL
 #[derive(Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Sys {
-    None = 0,
     Ioctl = 1,
     Open = 2,
     Dup = 3,

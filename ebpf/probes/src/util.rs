@@ -59,7 +59,7 @@ pub fn current_is_watched() -> bool {
     }
     let id = cgroup_id();
     // SAFETY: the value is read and not kept.
-    unsafe { WATCHED.get(&id).is_some() }
+    unsafe { WATCHED.get(id).is_some() }
 }
 
 /// Adds one to a counter.
