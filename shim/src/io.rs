@@ -1,0 +1,390 @@
+//! A process's stdio: what containerd asked for (fifo paths, `file://` or `binary://` log URIs,
+//! or a terminal), the pipes runc gets, and the copies the shim runs between them.
+
+use std::{
+    fmt,
+    os::fd::{AsRawFd, OwnedFd},
+    path::{Path, PathBuf},
+    pin::Pin,
+    process::Stdio,
+    sync::{Arc, Mutex},
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use async_trait::async_trait;
+use containerd_shim::asynchronous::io::{IoTasks, Pty};
+use runc::{Command, PipedIo, io::IoOption};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+
+use crate::errors::{Result, ShimError};
+
+/// Stdio of a process as containerd sent it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StdioSpec {
+    /// stdin fifo (empty: none).
+    pub stdin: String,
+    /// stdout: fifo path or URI (empty: none).
+    pub stdout: String,
+    /// stderr: fifo path or URI (empty: none).
+    pub stderr: String,
+    /// A TTY was asked for.
+    pub terminal: bool,
+}
+
+/// Where a process's output goes, parsed from containerd's stdout string.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OutputTarget {
+    /// Nowhere.
+    Null,
+    /// A fifo containerd reads.
+    Fifo(String),
+    /// `file:///path`: stdout and stderr appended to one file.
+    File(PathBuf),
+    /// `binary:///path?k=v`: a logging binary gets the output pipes as fds 3 and 4.
+    Binary {
+        /// The binary.
+        path: PathBuf,
+        /// Arguments from the query, `k v` pairs as the Go shim passes them.
+        args: Vec<String>,
+    },
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && i + 2 < bytes.len()
+            && let Some(v) = std::str::from_utf8(&bytes[i + 1..i + 3])
+                .ok()
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+        {
+            out.push(v);
+            i += 3;
+            continue;
+        }
+        out.push(if bytes[i] == b'+' { b' ' } else { bytes[i] });
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Parses containerd's stdout string (path or URI).
+pub fn parse_output(stdout: &str) -> Result<OutputTarget> {
+    if stdout.is_empty() {
+        return Ok(OutputTarget::Null);
+    }
+    let Some((scheme, rest)) = stdout.split_once("://") else {
+        return Ok(OutputTarget::Fifo(stdout.to_string()));
+    };
+    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let path = percent_decode(path);
+    if path.is_empty() || !path.starts_with('/') {
+        return Err(ShimError::InvalidArgument(format!(
+            "stdio URI {stdout:?}: expected an absolute path after {scheme}://"
+        )));
+    }
+    match scheme {
+        "fifo" => Ok(OutputTarget::Fifo(path)),
+        "file" => Ok(OutputTarget::File(PathBuf::from(path))),
+        "binary" => {
+            let mut args = Vec::new();
+            for pair in query.split('&').filter(|p| !p.is_empty()) {
+                let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+                args.push(percent_decode(k));
+                if !v.is_empty() {
+                    args.push(percent_decode(v));
+                }
+            }
+            Ok(OutputTarget::Binary {
+                path: PathBuf::from(path),
+                args,
+            })
+        }
+        other => Err(ShimError::InvalidArgument(format!(
+            "stdio URI {stdout:?}: unsupported scheme {other:?} (fifo, file or binary)"
+        ))),
+    }
+}
+
+/// The pipes a non-TTY process gets from runc, with `/dev/null` for the streams not asked for.
+pub struct ProcessPipes {
+    pipes: PipedIo,
+}
+
+impl fmt::Debug for ProcessPipes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ProcessPipes")
+    }
+}
+
+impl ProcessPipes {
+    /// Pipes for `spec`, owned by `uid:gid` (the IoUid/IoGid options).
+    pub fn new(spec: &StdioSpec, uid: u32, gid: u32) -> Result<Self> {
+        let opts = IoOption {
+            open_stdin: !spec.stdin.is_empty(),
+            open_stdout: !spec.stdout.is_empty(),
+            open_stderr: !spec.stderr.is_empty(),
+        };
+        let pipes =
+            PipedIo::new(uid, gid, &opts).map_err(|e| ShimError::io("create stdio pipes", e))?;
+        Ok(Self { pipes })
+    }
+}
+
+#[async_trait]
+impl runc::Io for ProcessPipes {
+    fn stdin(&self) -> Option<Box<dyn tokio::io::AsyncWrite + Send + Sync + Unpin>> {
+        self.pipes.stdin()
+    }
+    fn stdout(&self) -> Option<Box<dyn tokio::io::AsyncRead + Send + Sync + Unpin>> {
+        self.pipes.stdout()
+    }
+    fn stderr(&self) -> Option<Box<dyn tokio::io::AsyncRead + Send + Sync + Unpin>> {
+        self.pipes.stderr()
+    }
+    async fn set(&self, cmd: &mut Command) -> std::io::Result<()> {
+        if self.pipes.stdout.is_none() {
+            cmd.stdout(Stdio::null());
+        }
+        if self.pipes.stderr.is_none() {
+            cmd.stderr(Stdio::null());
+        }
+        self.pipes.set(cmd).await
+    }
+    async fn close_after_start(&self) {
+        self.pipes.close_after_start().await
+    }
+}
+
+/// The writer into a process's stdin pipe, which CloseIO can drop (closing the pipe, so the
+/// process reads EOF) even while containerd keeps its end of the stdin fifo open, as the Go
+/// shim's CloseIO does.
+#[derive(Clone, Default)]
+pub struct StdinCloser(Arc<Mutex<Option<Box<dyn AsyncWrite + Send + Sync + Unpin>>>>);
+
+/// How long CloseIO lets already-written input reach the process before closing its stdin.
+const STDIN_DRAIN: Duration = Duration::from_millis(100);
+
+impl StdinCloser {
+    fn slot(&self) -> std::sync::MutexGuard<'_, Option<Box<dyn AsyncWrite + Send + Sync + Unpin>>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Closes the process's stdin shortly (after the input already in flight is copied).
+    pub fn close_soon(&self) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(STDIN_DRAIN).await;
+            this.slot().take();
+        });
+    }
+}
+
+impl AsyncWrite for StdinCloser {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.slot().as_mut() {
+            Some(w) => Pin::new(w).poll_write(cx, buf),
+            None => Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into())),
+        }
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.slot().as_mut() {
+            Some(w) => Pin::new(w).poll_flush(cx),
+            None => Poll::Ready(Ok(())),
+        }
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.slot().as_mut() {
+            Some(w) => Pin::new(w).poll_shutdown(cx),
+            None => Poll::Ready(Ok(())),
+        }
+    }
+}
+
+/// Starts the copies for a non-TTY process after runc created it.
+pub async fn start_pipe_copies(
+    pipes: &ProcessPipes,
+    spec: &StdioSpec,
+    io: &IoTasks,
+    stdin: &StdinCloser,
+    id: &str,
+    namespace: &str,
+) -> Result<()> {
+    use runc::Io as _;
+    if !spec.stdin.is_empty()
+        && let Some(w) = pipes.stdin()
+    {
+        *stdin.slot() = Some(w);
+        io.copy_from_fifo(&spec.stdin, stdin.clone())?;
+    }
+    match parse_output(&spec.stdout)? {
+        OutputTarget::Null | OutputTarget::Fifo(_) => {
+            if let (OutputTarget::Fifo(path), Some(r)) =
+                (parse_output(&spec.stdout)?, pipes.stdout())
+            {
+                io.copy_to_fifo(r, &path)?;
+            }
+            if let (OutputTarget::Fifo(path), Some(r)) =
+                (parse_output(&spec.stderr)?, pipes.stderr())
+            {
+                io.copy_to_fifo(r, &path)?;
+            }
+        }
+        OutputTarget::File(path) => {
+            let file = open_log_file(&path).await?;
+            for reader in [pipes.stdout(), pipes.stderr()].into_iter().flatten() {
+                let mut file = file
+                    .try_clone()
+                    .await
+                    .map_err(|e| ShimError::io(format!("dup {}", path.display()), e))?;
+                let mut reader = reader;
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut reader, &mut file).await;
+                    let _ = file.flush().await;
+                });
+            }
+        }
+        OutputTarget::Binary { path, args } => {
+            let out = pipes.pipes.stdout.as_ref().map(|p| &p.rd);
+            let err = pipes.pipes.stderr.as_ref().map(|p| &p.rd);
+            start_logging_binary(&path, &args, out, err, id, namespace).await?;
+        }
+    }
+    Ok(())
+}
+
+async fn open_log_file(path: &Path) -> Result<tokio::fs::File> {
+    if let Some(dir) = path.parent() {
+        tokio::fs::create_dir_all(dir)
+            .await
+            .map_err(|e| ShimError::io(format!("create {}", dir.display()), e))?;
+    }
+    tokio::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .await
+        .map_err(|e| ShimError::io(format!("open log file {}", path.display()), e))
+}
+
+/// How long a logging binary may take to signal it is ready (closing fd 5).
+const LOGGER_READY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Runs a `binary://` logger: stdout pipe on fd 3, stderr on fd 4, a ready pipe on fd 5 that it
+/// closes once it is reading; env CONTAINER_ID and CONTAINER_NAMESPACE (the Go shim's contract).
+async fn start_logging_binary(
+    path: &Path,
+    args: &[String],
+    stdout: Option<&OwnedFd>,
+    stderr: Option<&OwnedFd>,
+    id: &str,
+    namespace: &str,
+) -> Result<()> {
+    let (ready_r, ready_w) =
+        nix::unistd::pipe().map_err(|e| ShimError::io("create logger ready pipe", e.into()))?;
+    let dup = |fd: Option<&OwnedFd>| -> Result<Option<OwnedFd>> {
+        fd.map(|f| f.try_clone().map_err(|e| ShimError::io("dup log pipe", e)))
+            .transpose()
+    };
+    let fds = [dup(stdout)?, dup(stderr)?, Some(ready_w)];
+    let raw: Vec<i32> = fds
+        .iter()
+        .map(|f| f.as_ref().map_or(-1, |f| f.as_raw_fd()))
+        .collect();
+    let mut cmd = std::process::Command::new(path);
+    cmd.args(args)
+        .env("CONTAINER_ID", id)
+        .env("CONTAINER_NAMESPACE", namespace)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // SAFETY: the closure only calls async-signal-safe dup2/open between fork and exec, on fds
+    // that stay open in the parent (owned by `fds`) until after spawn returns.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+            for (i, fd) in raw.iter().enumerate() {
+                let target = 3 + i as i32;
+                let src = if *fd >= 0 {
+                    *fd
+                } else {
+                    libc::open(c"/dev/null".as_ptr(), libc::O_RDWR)
+                };
+                if libc::dup2(src, target) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    let child = cmd
+        .spawn()
+        .map_err(|e| ShimError::io(format!("start logging binary {}", path.display()), e))?;
+    drop(fds);
+    tracing::debug!(pid = child.id(), binary = %path.display(), "logging binary started");
+    // The reaper collects the logger when it exits; wait until it says it is ready.
+    let ready = tokio::task::spawn_blocking(move || {
+        let mut f = std::fs::File::from(ready_r);
+        let mut buf = [0u8; 1];
+        std::io::Read::read(&mut f, &mut buf)
+    });
+    match tokio::time::timeout(LOGGER_READY_TIMEOUT, ready).await {
+        Ok(_) => Ok(()),
+        Err(_) => Err(ShimError::Other(format!(
+            "logging binary {} did not close its ready fd (5) within {LOGGER_READY_TIMEOUT:?}",
+            path.display()
+        ))),
+    }
+}
+
+/// Starts the copies for a TTY process: console master to stdout, stdin to console.
+pub fn start_console_copies(console: &Pty, spec: &StdioSpec, io: &IoTasks) -> Result<()> {
+    if !spec.stdin.is_empty() {
+        io.copy_from_fifo(&spec.stdin, console.clone())?;
+    }
+    match parse_output(&spec.stdout)? {
+        OutputTarget::Fifo(path) => io.copy_to_fifo(console.clone(), &path)?,
+        OutputTarget::Null => {}
+        other => {
+            return Err(ShimError::InvalidArgument(format!(
+                "a terminal process needs a fifo for stdout, not {other:?}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn output_uris() {
+        assert_eq!(parse_output("").unwrap(), OutputTarget::Null);
+        assert_eq!(
+            parse_output("/run/fifo/out").unwrap(),
+            OutputTarget::Fifo("/run/fifo/out".into())
+        );
+        assert_eq!(
+            parse_output("file:///var/log/c%201.log").unwrap(),
+            OutputTarget::File("/var/log/c 1.log".into())
+        );
+        assert_eq!(
+            parse_output("binary:///usr/bin/logger?tag=web&verbose").unwrap(),
+            OutputTarget::Binary {
+                path: "/usr/bin/logger".into(),
+                args: vec!["tag".into(), "web".into(), "verbose".into()]
+            }
+        );
+        assert!(parse_output("http://x/y").is_err());
+        assert!(parse_output("file://relative").is_err());
+    }
+}

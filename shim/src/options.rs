@@ -1,0 +1,382 @@
+//! Runtime options: runc's `Options` protobuf, CRI's `runtimeoptions.v1.Options` (whose TOML
+//! `config_body` / `config_path` carries a non-runc runtime's `options` table: the "options
+//! trap"), and Baton's own settings from that TOML and from `baton.io/` annotations.
+//!
+//! Layering rule for Baton settings: the TOML is the node default; the pod's annotations (those
+//! on the sandbox container, remembered by the shim that serves the pod) override it; a
+//! container's own annotations override the pod. A value that cannot be parsed fails Create with
+//! a message naming the key; unknown keys are returned so the caller can log a warning.
+
+use std::{collections::HashMap, path::PathBuf};
+
+use containerd_shim_protos::{
+    protobuf::{CodedInputStream, Message, well_known_types::any::Any},
+    shim::oci::Options as RuncOptions,
+};
+
+use crate::errors::{Result, ShimError};
+
+/// Prefix of Baton's annotations.
+pub const ANNOTATION_PREFIX: &str = "baton.io/";
+/// Annotation CRI puts on a pod's sandbox container.
+pub const CONTAINER_TYPE_ANNOTATION: &str = "io.kubernetes.cri.container-type";
+/// Annotation naming the pod sandbox a container belongs to.
+pub const SANDBOX_ID_ANNOTATION: &str = "io.kubernetes.cri.sandbox-id";
+/// Grouping annotation the Go runc shim honours as well.
+pub const GROUP_ANNOTATION: &str = "io.containerd.runc.v2.group";
+
+/// How Baton freezes a container when it has to (used by later issues).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Freezer {
+    /// Through the cgroup freezer (default).
+    Cgroup,
+    /// By signalling the processes (SIGSTOP / SIGCONT).
+    Signal,
+}
+
+/// Baton's own per-container settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatonSettings {
+    /// Load the eBPF GPU probes for this container (`ebpf`, default true).
+    pub ebpf: bool,
+    /// The cuda-checkpoint binary (`cuda_checkpoint_path`, default `cuda-checkpoint` from PATH).
+    pub cuda_checkpoint_path: PathBuf,
+    /// Freezer kind (`freezer`: "cgroup" | "signal").
+    pub freezer: Freezer,
+    /// Device path prefix the tracer watches (`trace_prefix`, default "/dev/nvidia").
+    pub trace_prefix: String,
+}
+
+impl Default for BatonSettings {
+    fn default() -> Self {
+        Self {
+            ebpf: true,
+            cuda_checkpoint_path: PathBuf::from("cuda-checkpoint"),
+            freezer: Freezer::Cgroup,
+            trace_prefix: "/dev/nvidia".to_string(),
+        }
+    }
+}
+
+/// The keys Baton knows, in TOML and (prefixed with `baton.io/`) in annotations.
+const BATON_KEYS: [&str; 4] = ["ebpf", "cuda_checkpoint_path", "freezer", "trace_prefix"];
+
+impl BatonSettings {
+    /// Sets `key` from its textual form; `origin` names where it came from for the error.
+    fn set(&mut self, key: &str, value: &str, origin: &str) -> Result<bool> {
+        let invalid = |what: &str| {
+            ShimError::InvalidArgument(format!("{origin} {key}={value:?}: expected {what}"))
+        };
+        match key {
+            "ebpf" => {
+                self.ebpf = match value.trim() {
+                    "true" | "1" | "yes" => true,
+                    "false" | "0" | "no" => false,
+                    _ => return Err(invalid("true or false")),
+                }
+            }
+            "cuda_checkpoint_path" => {
+                if value.trim().is_empty() {
+                    return Err(invalid("a path"));
+                }
+                self.cuda_checkpoint_path = PathBuf::from(value.trim());
+            }
+            "freezer" => {
+                self.freezer = match value.trim() {
+                    "cgroup" => Freezer::Cgroup,
+                    "signal" => Freezer::Signal,
+                    _ => return Err(invalid("\"cgroup\" or \"signal\"")),
+                }
+            }
+            "trace_prefix" => {
+                if !value.starts_with('/') {
+                    return Err(invalid("an absolute path prefix"));
+                }
+                self.trace_prefix = value.to_string();
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Applies `baton.io/` annotations on top of `self`. `layer` ("pod" or "container") appears
+    /// in error messages. Returns the unknown `baton.io/` keys.
+    pub fn with_annotations(
+        &self,
+        annotations: &HashMap<String, String>,
+        layer: &str,
+    ) -> Result<(Self, Vec<String>)> {
+        let mut out = self.clone();
+        let mut unknown = Vec::new();
+        let mut keys: Vec<_> = annotations.keys().collect();
+        keys.sort();
+        for full_key in keys {
+            let Some(key) = full_key.strip_prefix(ANNOTATION_PREFIX) else {
+                continue;
+            };
+            let origin = format!("{layer} annotation");
+            if !out.set(key, &annotations[full_key], &origin)? {
+                unknown.push(full_key.clone());
+            }
+        }
+        Ok((out, unknown))
+    }
+}
+
+/// Everything a Create's `options` field says.
+#[derive(Debug, Clone, Default)]
+pub struct RuntimeConfig {
+    /// runc's options (binary, root, cgroup driver, ...).
+    pub runc: RuncOptions,
+    /// Baton's node defaults.
+    pub baton: BatonSettings,
+    /// TOML keys nobody knows (to be logged as warnings).
+    pub unknown_keys: Vec<String>,
+}
+
+/// The type URL CRI and ctr use for runc's options.
+const RUNC_OPTIONS_TYPE: &str = "containerd.runc.v1.Options";
+/// The type URL CRI uses for any non-runc runtime type.
+const RUNTIME_OPTIONS_TYPE: &str = "runtimeoptions.v1.Options";
+
+/// Decodes the `options` of a Create (or of the shim's start) into a [`RuntimeConfig`].
+pub fn decode_options(any: Option<&Any>) -> Result<RuntimeConfig> {
+    let Some(any) = any.filter(|a| !a.type_url.is_empty() || !a.value.is_empty()) else {
+        return Ok(RuntimeConfig::default());
+    };
+    let type_name = any.type_url.rsplit('/').next().unwrap_or_default();
+    match type_name {
+        RUNC_OPTIONS_TYPE => {
+            let runc = RuncOptions::parse_from_bytes(&any.value).map_err(|e| {
+                ShimError::InvalidArgument(format!("options: bad {RUNC_OPTIONS_TYPE}: {e}"))
+            })?;
+            Ok(RuntimeConfig {
+                runc,
+                ..Default::default()
+            })
+        }
+        RUNTIME_OPTIONS_TYPE => {
+            let ro = decode_runtime_options(&any.value)?;
+            let body = if !ro.config_body.is_empty() {
+                ro.config_body
+            } else if !ro.config_path.is_empty() {
+                std::fs::read_to_string(&ro.config_path).map_err(|e| {
+                    ShimError::InvalidArgument(format!(
+                        "options: cannot read ConfigPath {}: {e}",
+                        ro.config_path
+                    ))
+                })?
+            } else {
+                String::new()
+            };
+            parse_toml_options(&body)
+        }
+        other => Err(ShimError::InvalidArgument(format!(
+            "options: unsupported type {other:?}: expected {RUNC_OPTIONS_TYPE} or {RUNTIME_OPTIONS_TYPE}"
+        ))),
+    }
+}
+
+/// `runtimeoptions.v1.Options` (containerd/api/types/runtimeoptions/v1), which the protos crate
+/// does not ship: `type_url = 1`, `config_path = 2`, `config_body = 3`, all strings.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct RuntimeOptionsMessage {
+    /// Field 1.
+    pub type_url: String,
+    /// Field 2: a TOML file to read.
+    pub config_path: String,
+    /// Field 3: the TOML text of the runtime's `options` table.
+    pub config_body: String,
+}
+
+/// Decodes the wire form of `runtimeoptions.v1.Options`.
+pub fn decode_runtime_options(bytes: &[u8]) -> Result<RuntimeOptionsMessage> {
+    let bad = |e: &dyn std::fmt::Display| {
+        ShimError::InvalidArgument(format!("options: bad {RUNTIME_OPTIONS_TYPE}: {e}"))
+    };
+    let mut input = CodedInputStream::from_bytes(bytes);
+    let mut msg = RuntimeOptionsMessage::default();
+    while let Some(tag) = input.read_raw_tag_or_eof().map_err(|e| bad(&e))? {
+        let (field, wire) = (tag >> 3, tag & 7);
+        match (field, wire) {
+            (1, 2) => msg.type_url = input.read_string().map_err(|e| bad(&e))?,
+            (2, 2) => msg.config_path = input.read_string().map_err(|e| bad(&e))?,
+            (3, 2) => msg.config_body = input.read_string().map_err(|e| bad(&e))?,
+            (_, wire) => {
+                let wire = containerd_shim_protos::protobuf::rt::WireType::new(wire)
+                    .ok_or_else(|| bad(&format!("wire type {wire}")))?;
+                input.skip_field(wire).map_err(|e| bad(&e))?;
+            }
+        }
+    }
+    Ok(msg)
+}
+
+/// Parses the TOML `options` table of a Baton runtime: runc's keys in their Go spelling
+/// (`BinaryName`, `SystemdCgroup`, ...) plus Baton's (`ebpf`, `freezer`, ...).
+pub fn parse_toml_options(body: &str) -> Result<RuntimeConfig> {
+    let table: toml::Table = body
+        .parse()
+        .map_err(|e| ShimError::InvalidArgument(format!("options TOML: {e}")))?;
+    let mut cfg = RuntimeConfig::default();
+    for (key, value) in &table {
+        let wrong = |what: &str| {
+            ShimError::InvalidArgument(format!("options TOML {key} = {value:?}: expected {what}"))
+        };
+        let string = || {
+            value
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| wrong("a string"))
+        };
+        let boolean = || value.as_bool().ok_or_else(|| wrong("true or false"));
+        let id = || {
+            value
+                .as_integer()
+                .and_then(|v| u32::try_from(v).ok())
+                .ok_or_else(|| wrong("a uid/gid number"))
+        };
+        let r = &mut cfg.runc;
+        match key.as_str() {
+            "BinaryName" => r.binary_name = string()?,
+            "Root" => r.root = string()?,
+            "SystemdCgroup" => r.systemd_cgroup = boolean()?,
+            "NoPivotRoot" => r.no_pivot_root = boolean()?,
+            "NoNewKeyring" => r.no_new_keyring = boolean()?,
+            "IoUid" => r.io_uid = id()?,
+            "IoGid" => r.io_gid = id()?,
+            "ShimCgroup" => r.shim_cgroup = string()?,
+            "CriuImagePath" => r.criu_image_path = string()?,
+            "CriuWorkPath" => r.criu_work_path = string()?,
+            "ebpf" => cfg.baton.ebpf = boolean()?,
+            k if BATON_KEYS.contains(&k) => {
+                let text = string()?;
+                cfg.baton.set(k, &text, "options TOML")?;
+            }
+            _ => cfg.unknown_keys.push(key.clone()),
+        }
+    }
+    Ok(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn any(type_url: &str, value: Vec<u8>) -> Any {
+        Any {
+            type_url: type_url.to_string(),
+            value,
+            ..Default::default()
+        }
+    }
+
+    fn encode_runtime_options(path: &str, body: &str) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut os = containerd_shim_protos::protobuf::CodedOutputStream::vec(&mut out);
+        os.write_string(1, "io.containerd.baton.v1").unwrap();
+        if !path.is_empty() {
+            os.write_string(2, path).unwrap();
+        }
+        os.write_string(3, body).unwrap();
+        os.write_uint32(9, 7).unwrap(); // unknown field must be skipped
+        os.flush().unwrap();
+        drop(os);
+        out
+    }
+
+    #[test]
+    fn runc_options_are_decoded() {
+        let mut o = RuncOptions::new();
+        o.binary_name = "/usr/sbin/runc".into();
+        o.systemd_cgroup = true;
+        let cfg = decode_options(Some(&any(
+            "containerd.runc.v1.Options",
+            o.write_to_bytes().unwrap(),
+        )))
+        .unwrap();
+        assert_eq!(cfg.runc.binary_name, "/usr/sbin/runc");
+        assert!(cfg.runc.systemd_cgroup);
+        assert_eq!(cfg.baton, BatonSettings::default());
+    }
+
+    #[test]
+    fn runtime_options_toml_body_carries_runc_and_baton_keys() {
+        let body = "BinaryName = \"/opt/runc\"\nSystemdCgroup = true\nIoUid = 1000\n\
+                    ebpf = false\nfreezer = \"signal\"\ntrace_prefix = \"/dev/fake\"\nColour = 3\n";
+        let cfg = decode_options(Some(&any(
+            "type.googleapis.com/runtimeoptions.v1.Options",
+            encode_runtime_options("", body),
+        )))
+        .unwrap();
+        assert_eq!(cfg.runc.binary_name, "/opt/runc");
+        assert!(cfg.runc.systemd_cgroup);
+        assert_eq!(cfg.runc.io_uid, 1000);
+        assert!(!cfg.baton.ebpf);
+        assert_eq!(cfg.baton.freezer, Freezer::Signal);
+        assert_eq!(cfg.baton.trace_prefix, "/dev/fake");
+        assert_eq!(cfg.unknown_keys, vec!["Colour".to_string()]);
+    }
+
+    #[test]
+    fn runtime_options_config_path_is_read_when_body_is_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("baton.toml");
+        std::fs::write(&path, "NoPivotRoot = true\n").unwrap();
+        let bytes = encode_runtime_options(path.to_str().unwrap(), "");
+        let cfg = decode_options(Some(&any("runtimeoptions.v1.Options", bytes))).unwrap();
+        assert!(cfg.runc.no_pivot_root);
+    }
+
+    #[test]
+    fn malformed_toml_and_bad_types_name_the_problem() {
+        let err = parse_toml_options("ebpf = ").unwrap_err();
+        assert!(err.to_string().contains("options TOML"), "{err}");
+        let err = parse_toml_options("ebpf = \"maybe\"").unwrap_err();
+        assert!(err.to_string().contains("ebpf"), "{err}");
+        let err = parse_toml_options("freezer = \"ice\"").unwrap_err();
+        assert!(err.to_string().contains("freezer"), "{err}");
+        let err = parse_toml_options("IoUid = -1").unwrap_err();
+        assert!(err.to_string().contains("IoUid"), "{err}");
+    }
+
+    #[test]
+    fn unknown_type_url_is_refused() {
+        let err = decode_options(Some(&any("foo.Bar", vec![1, 2]))).unwrap_err();
+        assert!(matches!(err, ShimError::InvalidArgument(_)));
+        assert!(decode_options(None).is_ok());
+    }
+
+    #[test]
+    fn container_annotations_override_pod_which_overrides_node() {
+        let node = BatonSettings::default();
+        let pod: HashMap<String, String> = [
+            ("baton.io/ebpf".to_string(), "false".to_string()),
+            ("baton.io/freezer".to_string(), "signal".to_string()),
+        ]
+        .into();
+        let (pod_settings, unknown) = node.with_annotations(&pod, "pod").unwrap();
+        assert!(unknown.is_empty());
+        assert!(!pod_settings.ebpf);
+        let ctr: HashMap<String, String> = [
+            ("baton.io/ebpf".to_string(), "true".to_string()),
+            ("baton.io/sparkle".to_string(), "1".to_string()),
+            ("other.io/x".to_string(), "y".to_string()),
+        ]
+        .into();
+        let (c, unknown) = pod_settings.with_annotations(&ctr, "container").unwrap();
+        assert!(c.ebpf);
+        assert_eq!(c.freezer, Freezer::Signal);
+        assert_eq!(unknown, vec!["baton.io/sparkle".to_string()]);
+    }
+
+    #[test]
+    fn unparsable_annotation_names_the_key() {
+        let bad: HashMap<String, String> =
+            [("baton.io/ebpf".to_string(), "perhaps".to_string())].into();
+        let err = BatonSettings::default()
+            .with_annotations(&bad, "container")
+            .unwrap_err();
+        assert!(err.to_string().contains("ebpf") && err.to_string().contains("container"));
+    }
+}

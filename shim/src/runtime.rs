@@ -1,0 +1,178 @@
+//! runc, driven so that the reaper never steals its exit status: every runc command is spawned by
+//! [`ShimExecutor`], which subscribes to the crate's exit monitor before spawning and takes the
+//! status from there instead of from `waitpid` on the child.
+
+use std::{
+    os::unix::process::ExitStatusExt,
+    path::Path,
+    process::{ExitStatus, Stdio},
+    sync::Arc,
+};
+
+use async_trait::async_trait;
+use containerd_shim::{
+    asynchronous::monitor::{monitor_subscribe, monitor_unsubscribe},
+    monitor::{Subject, Topic},
+};
+use runc::{Command, Runc, Spawner, options::GlobalOpts};
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+use crate::{
+    checkpoint::RuncGlobal,
+    errors::{Result, ShimError},
+    reaper,
+};
+
+/// Spawns runc commands and waits for them through the exit monitor.
+#[derive(Debug, Default)]
+pub struct ShimExecutor;
+
+async fn read_all(pipe: Option<impl AsyncRead + Unpin>) -> String {
+    let mut out = Vec::new();
+    if let Some(mut pipe) = pipe {
+        // A read error only loses diagnostics; the exit status still decides.
+        let _ = pipe.read_to_end(&mut out).await;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The status the monitor reports (exit code, or 128+signal) as an `ExitStatus`.
+fn exit_status_from_code(code: i32) -> ExitStatus {
+    if code > 128 && code < 128 + 65 {
+        ExitStatus::from_raw(code - 128)
+    } else {
+        ExitStatus::from_raw((code & 0xff) << 8)
+    }
+}
+
+#[async_trait]
+impl Spawner for ShimExecutor {
+    async fn execute(&self, mut cmd: Command) -> runc::Result<(ExitStatus, u32, String, String)> {
+        let mut sub = monitor_subscribe(Topic::Pid)
+            .await
+            .map_err(|e| runc::error::Error::Other(Box::new(e)))?;
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = monitor_unsubscribe(sub.id).await;
+                return Err(runc::error::Error::ProcessSpawnFailed(e));
+            }
+        };
+        // `cmd` may hold fds meant for the child (stdio pipes): drop them now so EOF can come.
+        drop(cmd);
+        let pid = child.id().unwrap_or_default();
+        reaper::register_command(pid as i32);
+        let wait = async {
+            while let Some(ev) = sub.rx.recv().await {
+                if let Subject::Pid(p) = ev.subject
+                    && p == pid as i32
+                {
+                    return ev.exit_code;
+                }
+            }
+            -1
+        };
+        let (stdout, stderr, code) = tokio::join!(
+            read_all(child.stdout.take()),
+            read_all(child.stderr.take()),
+            wait
+        );
+        let _ = monitor_unsubscribe(sub.id).await;
+        Ok((exit_status_from_code(code), pid, stdout, stderr))
+    }
+}
+
+/// Builds the runc client for a container from its global flags.
+pub fn runc_client(global: &RuncGlobal) -> Result<Runc> {
+    let mut opts = GlobalOpts::new()
+        .command(&global.binary)
+        .root(&global.root)
+        .log(&global.log)
+        .log_json()
+        .systemd_cgroup(global.systemd_cgroup);
+    opts.custom_spawner(Arc::new(ShimExecutor));
+    opts.build().map_err(|e| {
+        ShimError::Other(format!(
+            "runc binary {}: {e}: install runc or set BinaryName in the runtime options",
+            global.binary.display()
+        ))
+    })
+}
+
+/// Runs `binary args...` (a runc subcommand the runc crate does not cover) through the
+/// reaper-safe executor. Returns stdout; a non-zero exit is a [`ShimError::Runtime`].
+pub async fn run_raw(
+    binary: &Path,
+    args: &[String],
+    action: &'static str,
+    id: &str,
+) -> Result<String> {
+    let mut cmd = Command::new(binary);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let (status, _pid, stdout, stderr) = ShimExecutor
+        .execute(cmd)
+        .await
+        .map_err(|e| ShimError::runtime(action, id, e))?;
+    if status.success() {
+        Ok(stdout)
+    } else {
+        Err(ShimError::Runtime {
+            action,
+            id: id.to_string(),
+            message: format!("{status}: {}{}", stdout.trim(), stderr.trim()),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+    use crate::checkpoint::{CriuOpts, checkpoint_args};
+
+    /// A fake runc that records its argv and fails when a `fail` file exists.
+    fn fake_runc(dir: &Path) -> std::path::PathBuf {
+        let path = dir.join("runc");
+        let script = format!(
+            "#!/bin/sh\necho \"$@\" > {d}/argv\nif [ -e {d}/fail ]; then echo 'criu: dump failed' >&2; exit 1; fi\nexit 0\n",
+            d = dir.display()
+        );
+        std::fs::write(&path, script).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
+
+    #[tokio::test]
+    async fn checkpoint_runs_runc_with_the_built_argv_and_reports_failure() {
+        tokio::spawn(crate::server::reap_children());
+        let dir = tempfile::tempdir().unwrap();
+        let runc = fake_runc(dir.path());
+        let global = RuncGlobal {
+            binary: runc.clone(),
+            root: "/run/test-root".into(),
+            log: dir.path().join("log.json"),
+            systemd_cgroup: false,
+        };
+        let criu = CriuOpts::for_checkpoint("/img", None, &Default::default()).unwrap();
+        let args = checkpoint_args(&global, "c1", &criu);
+        run_raw(&runc, &args, "checkpoint", "c1").await.unwrap();
+        let argv = std::fs::read_to_string(dir.path().join("argv")).unwrap();
+        assert_eq!(argv.trim(), args.join(" "));
+        assert!(argv.contains("checkpoint --image-path /img --leave-running c1"));
+
+        std::fs::write(dir.path().join("fail"), "").unwrap();
+        let err = run_raw(&runc, &args, "checkpoint", "c1").await.unwrap_err();
+        assert!(matches!(
+            err,
+            ShimError::Runtime {
+                action: "checkpoint",
+                ..
+            }
+        ));
+        assert!(err.to_string().contains("dump failed"), "{err}");
+    }
+}

@@ -1,0 +1,504 @@
+//! The ttrpc Task service: thin handlers that look the container up, delegate to
+//! [`Container`], publish the event and let `?` map the error (errors.rs is the only mapping).
+//! It also routes reaped exits to their process and publishes TaskOOM before TaskExit.
+
+use std::{
+    collections::HashMap,
+    path::Path,
+    sync::{Arc, Mutex},
+    time::{Duration, SystemTime},
+};
+
+use async_trait::async_trait;
+use containerd_shim::{
+    ExitSignal, TtrpcContext, TtrpcResult,
+    api::{
+        CloseIORequest, ConnectRequest, ConnectResponse, CreateTaskRequest, CreateTaskResponse,
+        DeleteRequest, DeleteResponse, ExecProcessRequest, KillRequest, PauseRequest, PidsRequest,
+        PidsResponse, ResizePtyRequest, ResumeRequest, ShutdownRequest, StartRequest,
+        StartResponse, StateRequest, StateResponse, StatsRequest, StatsResponse, UpdateTaskRequest,
+        WaitRequest, WaitResponse,
+    },
+    asynchronous::monitor::monitor_subscribe,
+    monitor::{Subject, Topic},
+    protos::{
+        api::CheckpointTaskRequest, protobuf::MessageField,
+        protobuf::well_known_types::empty::Empty, shim_async::Task,
+    },
+};
+
+use crate::{
+    container::Container,
+    errors::{Result, ShimError},
+    events::{Events, timestamp},
+    gpu::{GpuTracing, StartedContainer},
+    io::StdioSpec,
+    oom::{MemoryCgroup, OomWatch},
+    options::{self, BatonSettings, CONTAINER_TYPE_ANNOTATION},
+    process::ExitInfo,
+    reaper, stats,
+};
+
+/// How long an init's TaskExit waits for its exec processes' exits to be published first.
+const EXEC_EXIT_GRACE: Duration = Duration::from_secs(2);
+
+/// State shared by the handlers and the exit loop.
+pub struct Shared {
+    namespace: String,
+    events: Events,
+    containers: Mutex<HashMap<String, Arc<Container>>>,
+    pod_settings: Mutex<Option<BatonSettings>>,
+    gpu: GpuTracing,
+    exit: Arc<ExitSignal>,
+}
+
+/// The Task service containerd talks to.
+#[derive(Clone)]
+pub struct TaskService {
+    shared: Arc<Shared>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl TaskService {
+    /// A service for `namespace` publishing through `events`; Shutdown signals `exit`.
+    pub fn new(namespace: &str, events: Events, exit: Arc<ExitSignal>) -> Self {
+        let svc = Self {
+            shared: Arc::new(Shared {
+                namespace: namespace.to_string(),
+                events,
+                containers: Mutex::new(HashMap::new()),
+                pod_settings: Mutex::new(None),
+                gpu: GpuTracing::new(),
+                exit,
+            }),
+        };
+        svc.spawn_exit_loop();
+        svc
+    }
+
+    fn container(&self, id: &str) -> Result<Arc<Container>> {
+        lock(&self.shared.containers)
+            .get(id)
+            .cloned()
+            .ok_or_else(|| ShimError::ContainerNotFound { id: id.to_string() })
+    }
+
+    fn spawn_exit_loop(&self) {
+        let svc = self.clone();
+        tokio::spawn(async move {
+            let mut sub = match monitor_subscribe(Topic::Pid).await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot subscribe to process exits");
+                    return;
+                }
+            };
+            while let Some(ev) = sub.rx.recv().await {
+                let Subject::Pid(pid) = ev.subject else {
+                    continue;
+                };
+                if let Some((key, exit)) = reaper::route_exit(pid, ev.exit_code) {
+                    let svc = svc.clone();
+                    tokio::spawn(async move {
+                        svc.process_exited(&key.id, &key.exec_id, exit.code as u32, exit.at)
+                            .await;
+                    });
+                }
+            }
+        });
+    }
+
+    async fn process_exited(&self, id: &str, exec_id: &str, status: u32, at: SystemTime) {
+        let Ok(c) = self.container(id) else { return };
+        let _gate = c.event_gate.lock().await;
+        let pid = {
+            let mut procs = c.procs.lock().await;
+            let Ok(p) = procs.get_mut(id, exec_id) else {
+                return;
+            };
+            if p.exit_info().is_some() {
+                return;
+            }
+            p.set_exited(status, at);
+            p.pid
+        };
+        self.publish_exit(
+            &c,
+            exec_id,
+            pid,
+            ExitInfo {
+                status,
+                at: Some(at),
+            },
+        )
+        .await;
+    }
+
+    /// Publishes a process's exit; for the init, any OOM kill first and exec exits before.
+    async fn publish_exit(&self, c: &Container, exec_id: &str, pid: u32, exit: ExitInfo) {
+        let at = exit.at.unwrap_or_else(SystemTime::now);
+        if exec_id.is_empty() {
+            if c.oom.get().is_some_and(|w| w.check()) {
+                tracing::info!(id = %c.id, "container OOM killed");
+                self.shared.events.oom(&c.id).await;
+            }
+            let receivers: Vec<_> = {
+                let procs = c.procs.lock().await;
+                procs
+                    .execs
+                    .values()
+                    .map(|p| p.exit_tx.subscribe())
+                    .collect()
+            };
+            for mut rx in receivers {
+                let _ = tokio::time::timeout(EXEC_EXIT_GRACE, rx.wait_for(Option::is_some)).await;
+            }
+            self.shared
+                .events
+                .exit(&c.id, &c.id, pid, exit.status, at)
+                .await;
+        } else {
+            self.shared
+                .events
+                .exit(&c.id, exec_id, pid, exit.status, at)
+                .await;
+        }
+    }
+
+    async fn publish_unpublished_exit(&self, c: &Container, exec_id: &str) {
+        if let Some((pid, exit)) = c.take_unpublished_exit(exec_id).await {
+            self.publish_exit(c, exec_id, pid, exit).await;
+        }
+    }
+
+    /// Baton settings for a new container: node TOML < pod (sandbox annotations) < container.
+    fn settings_for(&self, node: &BatonSettings, bundle: &Path) -> Result<BatonSettings> {
+        let spec = crate::container::load_spec(bundle)?;
+        let annotations = spec.annotations().clone().unwrap_or_default();
+        let is_sandbox = annotations
+            .get(CONTAINER_TYPE_ANNOTATION)
+            .is_some_and(|t| t == "sandbox");
+        let mut pod = lock(&self.shared.pod_settings);
+        let base = if is_sandbox {
+            let (pod_settings, unknown) = node.with_annotations(&annotations, "pod")?;
+            warn_unknown("pod annotation", &unknown);
+            *pod = Some(pod_settings.clone());
+            return Ok(pod_settings);
+        } else {
+            pod.clone().unwrap_or_else(|| node.clone())
+        };
+        let (settings, unknown) = base.with_annotations(&annotations, "container")?;
+        warn_unknown("container annotation", &unknown);
+        Ok(settings)
+    }
+
+    async fn do_create(&self, req: CreateTaskRequest) -> Result<CreateTaskResponse> {
+        if lock(&self.shared.containers).contains_key(&req.id) {
+            return Err(ShimError::AlreadyExists {
+                what: "container",
+                id: req.id.clone(),
+            });
+        }
+        let cfg = options::decode_options(req.options.as_ref())?;
+        warn_unknown("runtime option", &cfg.unknown_keys);
+        let settings = self.settings_for(&cfg.baton, Path::new(&req.bundle))?;
+        let c =
+            Arc::new(Container::create(&req, &self.shared.namespace, cfg.runc, settings).await?);
+        lock(&self.shared.containers).insert(req.id.clone(), c.clone());
+        let pid = c.procs.lock().await.init.pid;
+        self.watch_oom(&c, pid);
+        self.shared
+            .events
+            .create(
+                &req.id,
+                &req.bundle,
+                pid,
+                &StdioSpec {
+                    stdin: req.stdin.clone(),
+                    stdout: req.stdout.clone(),
+                    stderr: req.stderr.clone(),
+                    terminal: req.terminal,
+                },
+            )
+            .await;
+        Ok(CreateTaskResponse {
+            pid,
+            ..Default::default()
+        })
+    }
+
+    fn watch_oom(&self, c: &Arc<Container>, pid: u32) {
+        if pid == 0 {
+            return;
+        }
+        let Some(cgroup) = MemoryCgroup::of_pid(pid) else {
+            tracing::warn!(id = %c.id, pid, "no memory cgroup found: OOM events disabled");
+            return;
+        };
+        let watch = OomWatch::new(cgroup);
+        let _ = c.oom.set(watch.clone());
+        let events = self.shared.events.clone();
+        let id = c.id.clone();
+        let task = tokio::spawn(async move {
+            let mut n = match watch.notifications().await {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::warn!(%id, error = %e, "OOM notifications unavailable");
+                    return;
+                }
+            };
+            while n.next().await {
+                if watch.check() {
+                    events.oom(&id).await;
+                }
+            }
+        });
+        lock(&c.tasks).push(task);
+    }
+
+    async fn do_start(&self, req: StartRequest) -> Result<StartResponse> {
+        let c = self.container(&req.id)?;
+        let gate = c.event_gate.lock().await;
+        let pid = if req.exec_id.is_empty() {
+            let pid = c.start_init().await?;
+            self.shared.events.start(&req.id, pid).await;
+            let cgroup = stats::cgroup_v2_path(pid);
+            self.shared.gpu.container_started(&StartedContainer {
+                id: &req.id,
+                init_pid: pid,
+                cgroup_v2_path: cgroup.as_deref(),
+                settings: &c.settings,
+            });
+            pid
+        } else {
+            let pid = c.start_exec(&req.exec_id).await?;
+            self.shared
+                .events
+                .exec_started(&req.id, &req.exec_id, pid)
+                .await;
+            pid
+        };
+        self.publish_unpublished_exit(&c, &req.exec_id).await;
+        drop(gate);
+        Ok(StartResponse {
+            pid,
+            ..Default::default()
+        })
+    }
+
+    async fn do_delete(&self, req: DeleteRequest) -> Result<DeleteResponse> {
+        let c = self.container(&req.id)?;
+        let (pid, exit) = c.delete(&req.exec_id).await?;
+        let at = exit.at.unwrap_or_else(SystemTime::now);
+        if req.exec_id.is_empty() {
+            lock(&self.shared.containers).remove(&req.id);
+            self.shared.gpu.container_deleted(&req.id);
+            self.shared
+                .events
+                .delete(&req.id, pid, exit.status, at)
+                .await;
+        }
+        Ok(DeleteResponse {
+            pid,
+            exit_status: exit.status,
+            exited_at: MessageField::some(timestamp(at)),
+            ..Default::default()
+        })
+    }
+
+    async fn do_state(&self, req: StateRequest) -> Result<StateResponse> {
+        let c = self.container(&req.id)?;
+        let procs = c.procs.lock().await;
+        let p = procs.get(&req.id, &req.exec_id)?;
+        let exit = p.exit_info();
+        Ok(StateResponse {
+            id: if req.exec_id.is_empty() {
+                req.id.clone()
+            } else {
+                req.exec_id.clone()
+            },
+            bundle: c.bundle.display().to_string(),
+            pid: p.pid,
+            status: p.state.api_status().into(),
+            stdin: p.stdio.stdin.clone(),
+            stdout: p.stdio.stdout.clone(),
+            stderr: p.stdio.stderr.clone(),
+            terminal: p.stdio.terminal,
+            exit_status: exit.map_or(0, |e| e.status),
+            exited_at: exit
+                .and_then(|e| e.at)
+                .map(timestamp)
+                .map_or(MessageField::none(), MessageField::some),
+            exec_id: req.exec_id.clone(),
+            ..Default::default()
+        })
+    }
+
+    async fn do_wait(&self, req: WaitRequest) -> Result<WaitResponse> {
+        let c = self.container(&req.id)?;
+        let mut rx = c.exit_receiver(&req.exec_id).await?;
+        drop(c);
+        let exit = rx
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| {
+                ShimError::Other(format!("{}: process went away without an exit", req.id))
+            })?
+            .unwrap_or_default();
+        Ok(WaitResponse {
+            exit_status: exit.status,
+            exited_at: MessageField::some(timestamp(exit.at.unwrap_or_else(SystemTime::now))),
+            ..Default::default()
+        })
+    }
+}
+
+fn warn_unknown(what: &str, keys: &[String]) {
+    for key in keys {
+        tracing::warn!("unknown {what} {key:?} ignored");
+    }
+}
+
+#[async_trait]
+impl Task for TaskService {
+    async fn state(&self, _: &TtrpcContext, req: StateRequest) -> TtrpcResult<StateResponse> {
+        Ok(self.do_state(req).await?)
+    }
+
+    async fn create(
+        &self,
+        _: &TtrpcContext,
+        req: CreateTaskRequest,
+    ) -> TtrpcResult<CreateTaskResponse> {
+        tracing::info!(id = %req.id, bundle = %req.bundle, "create");
+        Ok(self
+            .do_create(req)
+            .await
+            .inspect_err(|e| tracing::warn!(error = %e, "create failed"))?)
+    }
+
+    async fn start(&self, _: &TtrpcContext, req: StartRequest) -> TtrpcResult<StartResponse> {
+        Ok(self.do_start(req).await?)
+    }
+
+    async fn delete(&self, _: &TtrpcContext, req: DeleteRequest) -> TtrpcResult<DeleteResponse> {
+        Ok(self.do_delete(req).await?)
+    }
+
+    async fn pids(&self, _: &TtrpcContext, req: PidsRequest) -> TtrpcResult<PidsResponse> {
+        let processes = self.container(&req.id)?.pids().await?;
+        Ok(PidsResponse {
+            processes,
+            ..Default::default()
+        })
+    }
+
+    async fn pause(&self, _: &TtrpcContext, req: PauseRequest) -> TtrpcResult<Empty> {
+        self.container(&req.id)?.set_paused(true).await?;
+        self.shared.events.paused(&req.id).await;
+        Ok(Empty::new())
+    }
+
+    async fn resume(&self, _: &TtrpcContext, req: ResumeRequest) -> TtrpcResult<Empty> {
+        self.container(&req.id)?.set_paused(false).await?;
+        self.shared.events.resumed(&req.id).await;
+        Ok(Empty::new())
+    }
+
+    async fn checkpoint(&self, _: &TtrpcContext, req: CheckpointTaskRequest) -> TtrpcResult<Empty> {
+        self.container(&req.id)?
+            .checkpoint(&req.path, req.options.as_ref())
+            .await?;
+        self.shared.events.checkpointed(&req.id, &req.path).await;
+        Ok(Empty::new())
+    }
+
+    async fn kill(&self, _: &TtrpcContext, req: KillRequest) -> TtrpcResult<Empty> {
+        self.container(&req.id)?
+            .kill(&req.exec_id, req.signal, req.all)
+            .await?;
+        Ok(Empty::new())
+    }
+
+    async fn exec(&self, _: &TtrpcContext, req: ExecProcessRequest) -> TtrpcResult<Empty> {
+        let c = self.container(&req.id)?;
+        let stdio = StdioSpec {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: req.terminal,
+        };
+        let spec = req.spec.clone().into_option().ok_or_else(|| {
+            ShimError::InvalidArgument(format!("exec {}: no process spec", req.exec_id))
+        })?;
+        c.add_exec(&req.exec_id, stdio, &spec).await?;
+        self.shared.events.exec_added(&req.id, &req.exec_id).await;
+        Ok(Empty::new())
+    }
+
+    async fn resize_pty(&self, _: &TtrpcContext, req: ResizePtyRequest) -> TtrpcResult<Empty> {
+        let c = self.container(&req.id)?;
+        let procs = c.procs.lock().await;
+        let p = procs.get(&req.id, &req.exec_id)?;
+        if let Some(console) = &p.console {
+            crate::console::resize(console, req.width, req.height)?;
+        }
+        Ok(Empty::new())
+    }
+
+    async fn close_io(&self, _: &TtrpcContext, req: CloseIORequest) -> TtrpcResult<Empty> {
+        let c = self.container(&req.id)?;
+        let procs = c.procs.lock().await;
+        let p = procs.get(&req.id, &req.exec_id)?;
+        if req.stdin {
+            p.io.close_input();
+            p.stdin.close_soon();
+        }
+        Ok(Empty::new())
+    }
+
+    async fn update(&self, _: &TtrpcContext, req: UpdateTaskRequest) -> TtrpcResult<Empty> {
+        let c = self.container(&req.id)?;
+        let resources = req.resources.clone().into_option().unwrap_or_default();
+        c.update(&resources).await?;
+        Ok(Empty::new())
+    }
+
+    async fn wait(&self, _: &TtrpcContext, req: WaitRequest) -> TtrpcResult<WaitResponse> {
+        Ok(self.do_wait(req).await?)
+    }
+
+    async fn stats(&self, _: &TtrpcContext, req: StatsRequest) -> TtrpcResult<StatsResponse> {
+        let c = self.container(&req.id)?;
+        let pid = c.procs.lock().await.init.pid;
+        let stats = stats::collect(pid)?;
+        Ok(StatsResponse {
+            stats: MessageField::some(stats),
+            ..Default::default()
+        })
+    }
+
+    async fn connect(&self, _: &TtrpcContext, req: ConnectRequest) -> TtrpcResult<ConnectResponse> {
+        let task_pid = match self.container(&req.id) {
+            Ok(c) => c.procs.lock().await.init.pid,
+            Err(_) => 0,
+        };
+        Ok(ConnectResponse {
+            shim_pid: std::process::id(),
+            task_pid,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            ..Default::default()
+        })
+    }
+
+    async fn shutdown(&self, _: &TtrpcContext, _req: ShutdownRequest) -> TtrpcResult<Empty> {
+        if lock(&self.shared.containers).is_empty() {
+            tracing::info!("no containers left: shutting down");
+            self.shared.exit.signal();
+        }
+        Ok(Empty::new())
+    }
+}
