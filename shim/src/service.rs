@@ -210,6 +210,16 @@ impl TaskService {
         lock(&self.shared.containers).insert(req.id.clone(), c.clone());
         let pid = c.procs.lock().await.init.pid;
         self.watch_oom(&c, pid);
+        let cgroup = stats::cgroup_v2_path(pid);
+        self.shared
+            .gpu
+            .container_created(&StartedContainer {
+                id: &req.id,
+                init_pid: pid,
+                cgroup_v2_path: cgroup.as_deref(),
+                settings: &c.settings,
+            })
+            .await;
         self.shared
             .events
             .create(

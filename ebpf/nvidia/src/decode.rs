@@ -1165,7 +1165,7 @@ impl Serialize for Value {
 
 /// Serializes fields as an ordered JSON object (`{"hRoot": 3235905537, ...}`); field names are unique
 /// within a call.
-fn fields_as_map<S: Serializer>(fields: &[Field], s: S) -> Result<S::Ok, S::Error> {
+pub fn fields_as_map<S: Serializer>(fields: &[Field], s: S) -> Result<S::Ok, S::Error> {
     let mut map = s.serialize_map(Some(fields.len()))?;
     for field in fields {
         map.serialize_entry(field.name, &field.value)?;

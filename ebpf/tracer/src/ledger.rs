@@ -44,6 +44,19 @@ pub struct ContainerLedger {
     pub uvm: UvmState,
     /// Whether objects may be missing because the container's processes allocated them before tracing started.
     pub partial: bool,
+    /// Bytes of live video memory (kept as objects come and go).
+    vram: u64,
+    /// The highest `vram` seen.
+    peak_vram: u64,
+}
+
+/// Video-memory bytes an object holds.
+fn vram_of(o: &RmObject) -> u64 {
+    if class::is_video_memory(o.class) {
+        o.bytes
+    } else {
+        0
+    }
 }
 
 impl ContainerLedger {
@@ -110,26 +123,42 @@ impl ContainerLedger {
         bytes: u64,
         owner: u32,
     ) {
-        self.objects.insert(
-            (client, handle),
-            RmObject {
-                class,
-                parent,
-                bytes,
-                owner,
-            },
-        );
+        let obj = RmObject {
+            class,
+            parent,
+            bytes,
+            owner,
+        };
+        if let Some(old) = self.objects.insert((client, handle), obj) {
+            self.vram -= vram_of(&old);
+        }
+        self.vram += vram_of(&obj);
+        self.peak_vram = self.peak_vram.max(self.vram);
+    }
+
+    /// Removes the objects `doomed` selects, keeping the video-memory total right.
+    fn remove_where(&mut self, mut doomed: impl FnMut(&(u32, u32), &RmObject) -> bool) {
+        let mut freed = 0;
+        self.objects.retain(|k, o| {
+            let gone = doomed(k, o);
+            if gone {
+                freed += vram_of(o);
+            }
+            !gone
+        });
+        self.vram -= freed;
     }
 
     /// Frees `object` of `client` and its subtree; freeing the client frees everything under it.
     pub fn free(&mut self, client: u32, object: u32) {
         if object == client {
-            self.objects.retain(|(c, _), _| *c != client);
+            self.remove_where(|(c, _), _| *c == client);
             return;
         }
         let mut doomed = vec![object];
         while let Some(h) = doomed.pop() {
-            if self.objects.remove(&(client, h)).is_some() {
+            if let Some(o) = self.objects.remove(&(client, h)) {
+                self.vram -= vram_of(&o);
                 doomed.extend(
                     self.objects
                         .iter()
@@ -142,7 +171,7 @@ impl ContainerLedger {
 
     /// The driver released every file of `pid`: its objects are gone, and so is its UVM state.
     pub fn release_process(&mut self, pid: u32) {
-        self.objects.retain(|_, o| o.owner != pid);
+        self.remove_where(|_, o| o.owner == pid);
         if self.objects.is_empty() {
             self.uvm = UvmState::default();
         }
@@ -164,11 +193,12 @@ impl ContainerLedger {
 
     /// Bytes held by live video-memory objects.
     pub fn vram_bytes(&self) -> u64 {
-        self.objects
-            .values()
-            .filter(|o| class::is_video_memory(o.class))
-            .map(|o| o.bytes)
-            .sum()
+        self.vram
+    }
+
+    /// The most video memory the container held at once while traced.
+    pub fn peak_vram_bytes(&self) -> u64 {
+        self.peak_vram
     }
 
     /// Bytes held by all live memory objects (video and system memory).
@@ -258,6 +288,11 @@ mod tests {
         assert_eq!(l.live_objects(), 4);
         assert_eq!(l.vram_bytes(), 1 << 20);
         l.free(0xc1, 0xd0);
+        assert_eq!(
+            (l.vram_bytes(), l.peak_vram_bytes()),
+            (0, 1 << 20),
+            "memory freed with its device"
+        );
         assert_eq!(l.live_objects(), 1, "device subtree freed, client left");
         alloc(&mut l, 0xc1, 0xc1, 0xd0, NV01_DEVICE_0, None);
         l.apply(

@@ -1,6 +1,9 @@
 //! The JSON schema of trace events (`baton trace --json`): one object per event. This is the one definition
 //! of that schema; `baton trace`, tests and later the shim's event export all serialise through it.
-use baton_nvidia::{decode::Field, fdkind, status};
+use baton_nvidia::{
+    decode::{self, Field},
+    fdkind, status,
+};
 use serde::Serialize;
 
 use crate::event::{Body, Event};
@@ -44,8 +47,11 @@ pub struct TraceEvent<'a> {
     /// Time in the driver (ioctl), ns.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub latency_ns: Option<u64>,
-    /// Decoded parameter fields (ioctl).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// Decoded parameter fields (ioctl), as an object in the struct's order (`{"hRoot": 3235905537, ...}`).
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "fields_object"
+    )]
     pub fields: Option<&'a [Field]>,
     /// Device file name (open).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -62,6 +68,13 @@ pub struct TraceEvent<'a> {
     /// Child pid (fork).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub child: Option<u32>,
+}
+
+fn fields_object<S: serde::Serializer>(fields: &Option<&[Field]>, s: S) -> Result<S::Ok, S::Error> {
+    match fields {
+        Some(f) => decode::fields_as_map(f, s),
+        None => s.serialize_none(),
+    }
 }
 
 /// The name of an RM status, or its hex value.

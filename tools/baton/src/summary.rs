@@ -92,10 +92,11 @@ impl Summary {
                     })
                     .collect();
                 out.push_str(&format!(
-                    "live objects: {} [{}]\nGPU memory held: {} bytes (all memory classes: {} bytes){}\n",
+                    "live objects: {} [{}]\nGPU memory held: {} bytes, peak {} (all memory classes: {} bytes){}\n",
                     l.live_objects(),
                     live.join(" "),
                     l.vram_bytes(),
+                    l.peak_vram_bytes(),
                     l.memory_bytes(),
                     if l.partial { " (partial: some objects were allocated before tracing started)" } else { "" }
                 ));

@@ -1,0 +1,134 @@
+//! The `baton trace` command as a user runs it: JSON lines with the documented keys, the summary, the
+//! `--container` filter picking up a container started after the tracer, and one-line errors.
+use std::{
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use baton_integration::{
+    skip,
+    trace_env::{TraceEnv, missing_trace_prerequisite, workspace_binary},
+};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+fn baton() -> std::path::PathBuf {
+    workspace_binary("baton", "baton").unwrap()
+}
+
+#[test]
+fn json_lines_carry_the_documented_keys_and_the_summary_the_ledger() {
+    if let Some(reason) = missing_trace_prerequisite() {
+        skip::announce(&reason);
+        return;
+    }
+    let mut env = TraceEnv::start("cli", "595.45.04").unwrap();
+    env.make_cgroup("job").unwrap();
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let mut trace = Command::new(baton())
+        .args([
+            "trace",
+            "--container",
+            "job",
+            "--json",
+            "--summary",
+            "--duration",
+            "6",
+            "--prefix",
+        ])
+        .arg(env.prefix())
+        .arg("-o")
+        .arg(out.path())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let w = env.spawn_workload("job", 300, 2).unwrap();
+    env.workload(w).wait_line("phase holding", WAIT).unwrap();
+    let summary = env.workload(w).finish().unwrap();
+    let status = trace.wait().unwrap();
+    assert!(status.success(), "baton trace failed: {status}");
+
+    let text = std::fs::read_to_string(out.path()).unwrap();
+    let (json, rest): (Vec<&str>, Vec<&str>) = text.lines().partition(|l| l.starts_with('{'));
+    let events: Vec<serde_json::Value> = json
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let ioctls: Vec<&serde_json::Value> = events.iter().filter(|e| e["event"] == "ioctl").collect();
+    let calls: u64 =
+        summary.escapes.values().sum::<u64>() + summary.uvm_commands.values().sum::<u64>();
+    assert_eq!(
+        ioctls.len() as u64,
+        calls,
+        "one JSON object per driver call"
+    );
+    for e in &ioctls {
+        for key in [
+            "ts_ns",
+            "cgroup_id",
+            "container",
+            "pid",
+            "tid",
+            "fd_kind",
+            "escape",
+            "cmd",
+            "latency_ns",
+            "fields",
+        ] {
+            assert!(e.get(key).is_some(), "key {key} missing in {e}");
+        }
+        assert!(e["container"].as_str().unwrap().ends_with("/job"), "{e}");
+    }
+    let alloc = ioctls
+        .iter()
+        .find(|e| e["fields"]["hClass"]["name"] == "NV01_MEMORY_LOCAL_USER")
+        .expect("the video memory allocation is decoded");
+    assert_eq!(alloc["status_name"], "NV_OK");
+    assert_eq!(alloc["fields"]["size"], 300u64 << 20);
+
+    let report = rest.join("\n");
+    assert!(
+        report.contains("== container"),
+        "summary printed:\n{report}"
+    );
+    assert!(report.contains("NV_ESC_RM_ALLOC"), "{report}");
+    assert!(
+        report.contains("live objects: 0"),
+        "everything freed at the end:\n{report}"
+    );
+}
+
+#[test]
+fn errors_say_what_to_do() {
+    let out = Command::new(baton()).args(["trace"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("nothing to trace: give --container"), "{err}");
+
+    let out = Command::new(baton())
+        .args(["trace", "--all", "--driver-version", "banana"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--driver-version \"banana\" is not"));
+
+    if !nix::unistd::geteuid().is_root() {
+        skip::announce("needs root to check the not-root message by dropping privileges");
+        return;
+    }
+    let setpriv = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(baton())
+        .args(["trace", "--all", "--duration", "1"])
+        .output();
+    match setpriv {
+        Ok(out) => {
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success());
+            assert!(err.contains("needs root"), "{err}");
+        }
+        Err(e) => skip::announce(&format!(
+            "setpriv not available ({e}): not-root message unchecked"
+        )),
+    }
+}
