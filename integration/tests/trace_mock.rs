@@ -1,6 +1,7 @@
 //! `baton trace` end to end on this kernel: the real probes, the mock NVIDIA driver served through FUSE, and
 //! mock CUDA workloads in cgroups of their own. Each test compares what the tracer saw (events, ledger, fd
 //! mirror) with what the workload reports it did.
+#![allow(clippy::unwrap_used, reason = "test helpers fail the test by panicking")]
 use std::{collections::BTreeMap, time::Duration};
 
 use baton_integration::{
@@ -336,4 +337,114 @@ async fn older_driver_layouts_decode_with_their_band() {
             "driver {version}: statuses read at the band's offsets"
         );
     }
+}
+
+/// A process that dups its nvidiactl fd, closes the original, forks a child that calls the driver through the
+/// inherited fd, then execs (the dup is CLOEXEC): every step shows in the events and the fd mirror.
+#[tokio::test(flavor = "current_thread")]
+async fn fds_are_followed_through_dup_fork_and_exec() {
+    require_trace_env!();
+    let Some(python) = baton_integration::skip::which("python3") else {
+        skip::announce("python3 not found: the dup/fork/exec script needs it");
+        return;
+    };
+    let env = TraceEnv::start("fdlife", "595.45.04").unwrap();
+    let cg = env.make_cgroup("p").unwrap();
+    let mut tracer = env.tracer().unwrap();
+    tracer.watch_cgroup(cg).unwrap();
+    let cmd = baton_nvidia::ioc::iowr(
+        baton_nvidia::ioc::NV_IOCTL_MAGIC,
+        baton_nvidia::escape::RM_FREE,
+        baton_nvidia::params::nvos00::SIZE,
+    );
+    let script = format!(
+        r#"
+import fcntl, os, sys, time
+fd = os.open("{dev}/nvidiactl", os.O_RDWR)
+fd2 = os.dup(fd)          # CLOEXEC, as Python makes every new fd
+os.close(fd)
+pid = os.fork()
+if pid == 0:
+    time.sleep(0.3)       # let the tracer copy the inherited fd (see docs/design.md)
+    try:
+        fcntl.ioctl(fd2, {cmd}, bytearray(16))
+    except OSError:
+        pass
+    os._exit(0)
+os.waitpid(pid, 0)
+print(fd2, pid, flush=True)
+os.execv("/bin/sleep", ["sleep", "0.3"])
+"#,
+        dev = env.dev_dir().display()
+    );
+    let cg_path = baton_tracer::cgroups::find_v2_root()
+        .unwrap()
+        .join(env.cgroup_rel("p").trim_start_matches('/'));
+    // The tracer must read events while the script runs: it copies the inherited fd into the kernel map when
+    // it sees the fork.
+    let script_run = tokio::process::Command::from(baton_tracer::cgroups::command_in(
+        &cg_path,
+        &python,
+        &["-c".into(), script],
+    ))
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .output();
+    let traced = collect_until(&mut tracer, WAIT, |_, ev| {
+        ev.iter().any(|e| matches!(e.body, Body::Exec))
+    });
+    let (out, events) = tokio::join!(script_run, traced);
+    let (out, events) = (out.unwrap(), events.unwrap());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = String::from_utf8_lossy(&out.stdout);
+    let mut it = printed
+        .split_whitespace()
+        .map(|s| s.parse::<i32>().unwrap());
+    let (dup_fd, child) = (it.next().unwrap(), it.next().unwrap() as u32);
+    let parent = events
+        .iter()
+        .find(|e| matches!(e.body, Body::Open { .. }))
+        .expect("open traced")
+        .pid;
+    let kinds: Vec<String> = events
+        .iter()
+        .map(|e| match &e.body {
+            Body::Open { fd, .. } => format!("{} open {fd}", e.pid),
+            Body::Dup { fd, old_fd, .. } => format!("{} dup {old_fd}->{fd}", e.pid),
+            Body::Close { fd } => format!("{} close {fd}", e.pid),
+            Body::Fork { child } => format!("{} fork {child}", e.pid),
+            Body::Ioctl(io) => format!("{} ioctl {} {}", e.pid, io.fd, io.decoded.escape),
+            Body::Exec => format!("{} exec", e.pid),
+            Body::Exit => format!("{} exit", e.pid),
+            other => format!("{} {other:?}", e.pid),
+        })
+        .collect();
+    let has = |s: String| assert!(kinds.contains(&s), "{s:?} not in {kinds:#?}");
+    has(format!("{parent} dup {}->{dup_fd}", old_fd(&events)));
+    has(format!("{parent} fork {child}"));
+    has(format!("{child} ioctl {dup_fd} NV_ESC_RM_FREE"));
+    has(format!("{parent} exec"));
+    assert!(
+        tracer.fd_table().get(parent).is_none(),
+        "the CLOEXEC fd is gone after exec: {:?}",
+        tracer.fd_table().get(parent)
+    );
+}
+
+/// The fd the first open returned.
+fn old_fd(events: &[Event]) -> i32 {
+    events
+        .iter()
+        .find_map(|e| {
+            if let Body::Open { fd, .. } = e.body {
+                Some(fd)
+            } else {
+                None
+            }
+        })
+        .unwrap()
 }

@@ -1,0 +1,365 @@
+//! A private containerd 1.6: its own root, state, socket and config in a temporary folder, the shim under test
+//! first on its PATH, the CRI plugin disabled (it is not needed and slows startup). Also runs `ctr` against it.
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+/// How long containerd may take to open its socket.
+const START_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long one `ctr` command may run before it is killed.
+pub const CTR_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long [`run_with_timeout`] keeps ctr's stdin open after writing it.
+const STDIN_LINGER: Duration = Duration::from_secs(2);
+
+/// Errors starting, stopping or talking to containerd.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A file in the private folder could not be written.
+    #[error("writing {path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// containerd or ctr could not be spawned.
+    #[error("spawning {program}: {source}: install Debian package containerd")]
+    Spawn {
+        /// The program.
+        program: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// containerd exited or never opened its socket.
+    #[error(
+        "containerd did not open {socket} within {START_TIMEOUT:?}; its log ({log}) ends with:\n{tail}"
+    )]
+    NotReady {
+        /// The socket path.
+        socket: PathBuf,
+        /// The log file.
+        log: PathBuf,
+        /// The log's last lines.
+        tail: String,
+    },
+    /// A ctr command failed.
+    #[error("`ctr {args}` failed ({status}): {stderr}")]
+    Ctr {
+        /// The arguments.
+        args: String,
+        /// How it ended.
+        status: String,
+        /// Its stderr.
+        stderr: String,
+    },
+}
+
+/// What a `ctr` command printed and how it ended.
+#[derive(Debug, Clone)]
+pub struct CtrOutput {
+    /// Exit code (`None` when killed by a signal or the timeout).
+    pub code: Option<i32>,
+    /// Standard output.
+    pub stdout: String,
+    /// Standard error.
+    pub stderr: String,
+}
+
+impl CtrOutput {
+    /// Whether ctr exited 0.
+    pub fn success(&self) -> bool {
+        self.code == Some(0)
+    }
+}
+
+/// A containerd instance owned by a test. Dropping it only stops containerd; [`crate::TestEnv`] does the full
+/// cleanup of containers, shims, mounts and cgroups.
+pub struct Containerd {
+    dir: PathBuf,
+    namespace: String,
+    child: Option<Child>,
+}
+
+impl Containerd {
+    /// Writes the config into `dir` (which must exist) and starts containerd with `shim_dir` first on its PATH.
+    pub fn start(dir: &Path, namespace: &str, shim_dir: &Path) -> Result<Self, Error> {
+        for sub in ["root", "state"] {
+            std::fs::create_dir_all(dir.join(sub)).map_err(|source| Error::Io {
+                path: dir.join(sub),
+                source,
+            })?;
+        }
+        let config = dir.join("config.toml");
+        std::fs::write(&config, config_toml(dir)).map_err(|source| Error::Io {
+            path: config,
+            source,
+        })?;
+        let path = format!(
+            "{}:{}",
+            shim_dir.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        std::fs::write(dir.join("path"), &path).map_err(|source| Error::Io {
+            path: dir.join("path"),
+            source,
+        })?;
+        let mut containerd = Self {
+            dir: dir.to_path_buf(),
+            namespace: namespace.to_string(),
+            child: None,
+        };
+        containerd.spawn()?;
+        Ok(containerd)
+    }
+
+    /// containerd's gRPC socket.
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("containerd.sock")
+    }
+
+    /// The containerd namespace this test uses.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// containerd's state folder (bundles live in `<state>/io.containerd.runtime.v2.task/<ns>/<id>`).
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+
+    /// The private temporary folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// containerd's log file.
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.join("containerd.log")
+    }
+
+    /// The pid of the running containerd, if any.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Stops containerd (SIGTERM, then SIGKILL after 10 s). Shims and containers keep running.
+    pub fn stop(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        if let Ok(pid) = i32::try_from(child.id()) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if matches!(child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    /// Stops and starts containerd on the same root, state and socket.
+    pub fn restart(&mut self) -> Result<(), Error> {
+        self.stop();
+        self.spawn()
+    }
+
+    fn spawn(&mut self) -> Result<(), Error> {
+        let log_path = self.log_path();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|source| Error::Io {
+                path: log_path.clone(),
+                source,
+            })?;
+        let log_err = log.try_clone().map_err(|source| Error::Io {
+            path: log_path.clone(),
+            source,
+        })?;
+        let path = std::fs::read_to_string(self.dir.join("path")).unwrap_or_default();
+        let child = Command::new("containerd")
+            .arg("--config")
+            .arg(self.dir.join("config.toml"))
+            .env("PATH", path)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .spawn()
+            .map_err(|source| Error::Spawn {
+                program: "containerd".into(),
+                source,
+            })?;
+        self.child = Some(child);
+        self.wait_ready()
+    }
+
+    fn wait_ready(&mut self) -> Result<(), Error> {
+        let deadline = Instant::now() + START_TIMEOUT;
+        while Instant::now() < deadline {
+            if UnixStream::connect(self.socket()).is_ok() && self.ctr(&["version"]).success() {
+                return Ok(());
+            }
+            let exited = self
+                .child
+                .as_mut()
+                .is_none_or(|child| matches!(child.try_wait(), Ok(Some(_))));
+            if exited {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Err(Error::NotReady {
+            socket: self.socket(),
+            log: self.log_path(),
+            tail: self.log_tail(30),
+        })
+    }
+
+    /// The last `lines` lines of containerd's log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(self.log_path()).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(lines).collect();
+        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+    }
+
+    /// Runs `ctr --address <socket> --namespace <ns> ARGS` and returns what it printed (never fails: look at
+    /// [`CtrOutput::code`]).
+    pub fn ctr(&self, args: &[&str]) -> CtrOutput {
+        self.ctr_with_stdin(args, None)
+    }
+
+    /// Like [`Containerd::ctr`], feeding `stdin` to ctr (then closing it).
+    pub fn ctr_with_stdin(&self, args: &[&str], stdin: Option<&[u8]>) -> CtrOutput {
+        let mut command = self.ctr_command();
+        command.args(args);
+        run_with_timeout(command, stdin, CTR_TIMEOUT)
+    }
+
+    /// Like [`Containerd::ctr`] but an error when ctr does not exit 0; returns stdout.
+    pub fn ctr_ok(&self, args: &[&str]) -> Result<String, Error> {
+        let output = self.ctr(args);
+        if output.success() {
+            Ok(output.stdout)
+        } else {
+            Err(Error::Ctr {
+                args: args.join(" "),
+                status: format!("{:?}", output.code),
+                stderr: output.stderr,
+            })
+        }
+    }
+
+    /// A `ctr` command bound to this containerd and namespace, for callers that need to spawn it themselves.
+    pub fn ctr_command(&self) -> Command {
+        let mut command = Command::new("ctr");
+        command
+            .arg("--address")
+            .arg(self.socket())
+            .arg("--namespace")
+            .arg(&self.namespace);
+        command
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Runs `command` with piped output, optional stdin, killing it after `timeout`.
+pub fn run_with_timeout(
+    mut command: Command,
+    stdin: Option<&[u8]>,
+    timeout: Duration,
+) -> CtrOutput {
+    command
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = match command.spawn() {
+        Ok(child) => child,
+        Err(error) => {
+            return CtrOutput {
+                code: None,
+                stdout: String::new(),
+                stderr: format!("spawn failed: {error}"),
+            };
+        }
+    };
+    if let (Some(data), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        let data = data.to_vec();
+        // ctr closes the task's stdin on EOF only once the task exists: keep the pipe open a moment.
+        std::thread::spawn(move || {
+            let _ = pipe.write_all(&data);
+            std::thread::sleep(STDIN_LINGER);
+        });
+    }
+    let pid = child.id();
+    let (sender, receiver) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = sender.send(child.wait_with_output());
+    });
+    match receiver.recv_timeout(timeout) {
+        Ok(Ok(output)) => CtrOutput {
+            code: exit_code(output.status),
+            stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+        },
+        Ok(Err(error)) => CtrOutput {
+            code: None,
+            stdout: String::new(),
+            stderr: error.to_string(),
+        },
+        Err(_) => {
+            if let Ok(pid) = i32::try_from(pid) {
+                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            }
+            CtrOutput {
+                code: None,
+                stdout: String::new(),
+                stderr: format!("timed out after {timeout:?}"),
+            }
+        }
+    }
+}
+
+fn exit_code(status: ExitStatus) -> Option<i32> {
+    status.code()
+}
+
+fn config_toml(dir: &Path) -> String {
+    let dir = dir.display();
+    format!(
+        r#"version = 2
+root = "{dir}/root"
+state = "{dir}/state"
+disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"]
+
+[grpc]
+  address = "{dir}/containerd.sock"
+
+[ttrpc]
+  address = "{dir}/containerd.sock.ttrpc"
+
+[debug]
+  level = "info"
+"#
+    )
+}

@@ -1,0 +1,23 @@
+//! Test harness for Baton's integration tests: private containerd instances, busybox rootfs bundles, the mock NVIDIA driver mounted through FUSE, and loud skips.
+//!
+//! The containerd side: [`TestEnv::start`] checks the prerequisites (printing `skipped: <reason>` when one is
+//! missing), builds or finds the shim under test, makes a busybox rootfs and starts a private containerd 1.6 with
+//! its own root, state and socket in a temporary folder. Tests drive it with `ctr` ([`Containerd::ctr`]) and with
+//! containerd's gRPC API ([`Api`]) for what `ctr` 1.6 cannot do (update, resize, runtime options, events).
+//! Dropping the environment kills what the test left (container processes, shims, containerd), deletes runc
+//! state, unmounts and removes the cgroups, even when the test panicked.
+
+pub mod api;
+pub mod cleanup;
+pub mod containerd;
+pub mod env;
+pub mod fifo;
+pub mod procs;
+pub mod rootfs;
+pub mod shim_binary;
+pub mod skip;
+pub mod trace_env;
+
+pub use api::{Api, EventLog, TaskEvent};
+pub use containerd::{Containerd, CtrOutput};
+pub use env::TestEnv;
