@@ -2,7 +2,10 @@
 //! at /dev/nvidia*) and runs the mock CUDA workload is watched from before its program starts, its release of
 //! the GPU is noticed, and its ledger is logged at delete; a container without NVIDIA devices loads nothing,
 //! and `baton.io/ebpf=false` turns tracing off.
-#![allow(clippy::unwrap_used, reason = "test helpers fail the test by panicking")]
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers fail the test by panicking"
+)]
 use std::{path::Path, time::Duration};
 
 use baton_integration::{

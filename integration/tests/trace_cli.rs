@@ -1,6 +1,9 @@
 //! The `baton trace` command as a user runs it: JSON lines with the documented keys, the summary, the
 //! `--container` filter picking up a container started after the tracer, and one-line errors.
-#![allow(clippy::unwrap_used, reason = "test helpers fail the test by panicking")]
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers fail the test by panicking"
+)]
 use std::{
     process::{Command, Stdio},
     time::Duration,

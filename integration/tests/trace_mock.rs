@@ -1,7 +1,10 @@
 //! `baton trace` end to end on this kernel: the real probes, the mock NVIDIA driver served through FUSE, and
 //! mock CUDA workloads in cgroups of their own. Each test compares what the tracer saw (events, ledger, fd
 //! mirror) with what the workload reports it did.
-#![allow(clippy::unwrap_used, reason = "test helpers fail the test by panicking")]
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers fail the test by panicking"
+)]
 use std::{collections::BTreeMap, time::Duration};
 
 use baton_integration::{
