@@ -1,17 +1,26 @@
 //! TTY processes: a unix socket handed to runc as `--console-socket`; runc sends the pty master
-//! over it (SCM_RIGHTS); ResizePty sets the window size on that master.
+//! over it (SCM_RIGHTS); ResizePty sets the window size on that master. The master is shared by
+//! the copies and ResizePty as a [`Console`], which the end of the process's stdin closes for all
+//! of them, as the Go shim's console does: once CloseIO has let go of stdin and containerd's writer
+//! is gone, the terminal hangs up, so the process sees the end of its input.
 
 use std::{
     fs::File,
     io::IoSliceMut,
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
     path::PathBuf,
+    pin::Pin,
+    sync::{Arc, Mutex, PoisonError},
+    task::{Context, Poll, Waker},
     time::Duration,
 };
 
 use containerd_shim::asynchronous::io::Pty;
 use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
-use tokio::{io::Interest, net::UnixListener};
+use tokio::{
+    io::{AsyncRead, AsyncWrite, Interest, ReadBuf},
+    net::UnixListener,
+};
 
 use crate::errors::{Result, ShimError};
 
@@ -43,7 +52,7 @@ impl ConsoleSocket {
     }
 
     /// Accepts runc's connection and takes the pty master it sends.
-    pub async fn receive_master(&self) -> Result<Pty> {
+    pub async fn receive_master(&self) -> Result<Console> {
         let path = self.path();
         let (stream, _) = tokio::time::timeout(RECEIVE_TIMEOUT, self.listener.accept())
             .await
@@ -56,7 +65,110 @@ impl ConsoleSocket {
         .await
         .map_err(|_| ShimError::Other(format!("no console fd on {}", path.display())))?
         .map_err(|e| ShimError::io(format!("receive console on {}", path.display()), e))?;
-        Pty::new(File::from(fd)).map_err(ShimError::from)
+        Console::new(File::from(fd))
+    }
+}
+
+/// A process's pty master, shared by its output copy (reading), its stdin copy (writing, through
+/// [`Console::input`]) and ResizePty. [`Console::close`] releases the master for all of them at
+/// once: a parked read then ends (EOF) and a write fails, so the copies end and drop their handles.
+#[derive(Clone)]
+pub struct Console(Arc<ConsoleShared>);
+
+struct ConsoleShared {
+    /// The master; `None` once closed.
+    master: Mutex<Option<Pty>>,
+    /// The tasks parked reading and writing, woken by close (the reactor forgets them when the
+    /// master's registration goes away).
+    reader: Mutex<Option<Waker>>,
+    writer: Mutex<Option<Waker>>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Console {
+    /// Wraps a pty master (made non-blocking and registered with the reactor).
+    pub fn new(master: File) -> Result<Self> {
+        let pty = Pty::new(master).map_err(ShimError::from)?;
+        Ok(Self(Arc::new(ConsoleShared {
+            master: Mutex::new(Some(pty)),
+            reader: Mutex::new(None),
+            writer: Mutex::new(None),
+        })))
+    }
+
+    /// The master, unless closed. `waiter` is parked first, so a close that comes after this
+    /// look-up wakes it.
+    fn master(&self, waiter: &Mutex<Option<Waker>>, waker: &Waker) -> Option<Pty> {
+        locked(waiter).replace(waker.clone());
+        locked(&self.0.master).clone()
+    }
+
+    /// Closes the master for every holder (the terminal hangs up once the last in-flight use ends).
+    pub fn close(&self) {
+        drop(locked(&self.0.master).take());
+        for waiter in [&self.0.reader, &self.0.writer] {
+            if let Some(waker) = locked(waiter).take() {
+                waker.wake();
+            }
+        }
+    }
+
+    /// Whether [`Self::close`] ran.
+    #[cfg(test)]
+    pub fn is_closed(&self) -> bool {
+        locked(&self.0.master).is_none()
+    }
+
+    /// The writer for the stdin copy: when the copy ends (end of stdin after CloseIO, a broken
+    /// fifo, or the copies being shut down) and drops it, the console closes.
+    pub fn input(&self) -> ConsoleInput {
+        ConsoleInput(self.clone())
+    }
+}
+
+impl AsyncRead for Console {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.master(&self.0.reader, cx.waker()) {
+            Some(mut pty) => Pin::new(&mut pty).poll_read(cx, buf),
+            None => Poll::Ready(Ok(())),
+        }
+    }
+}
+
+/// The stdin side of a [`Console`]; closes the console when dropped.
+pub struct ConsoleInput(Console);
+
+impl Drop for ConsoleInput {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
+impl AsyncWrite for ConsoleInput {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.0.master(&self.0.0.writer, cx.waker()) {
+            Some(mut pty) => Pin::new(&mut pty).poll_write(cx, buf),
+            None => Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into())),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -82,9 +194,12 @@ fn recv_fd(sock: i32) -> std::io::Result<OwnedFd> {
 
 nix::ioctl_write_ptr_bad!(set_window_size, libc::TIOCSWINSZ, libc::winsize);
 
-/// Sets the terminal size of a console master (ResizePty).
-pub fn resize(console: &Pty, width: u32, height: u32) -> Result<()> {
+/// Sets the terminal size of a console master (ResizePty); nothing to do once it is closed.
+pub fn resize(console: &Console, width: u32, height: u32) -> Result<()> {
     use std::os::fd::AsFd;
+    let Some(console) = locked(&console.0.master).clone() else {
+        return Ok(());
+    };
     let ws = libc::winsize {
         ws_row: u16::try_from(height).unwrap_or(u16::MAX),
         ws_col: u16::try_from(width).unwrap_or(u16::MAX),
@@ -96,4 +211,99 @@ pub fn resize(console: &Pty, width: u32, height: u32) -> Result<()> {
     unsafe { set_window_size(console.as_fd().as_raw_fd(), &ws) }
         .map_err(|e| ShimError::io("resize console", e.into()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        io::{Read, Write},
+        time::Duration,
+    };
+
+    use containerd_shim::asynchronous::io::IoTasks;
+    use nix::sys::termios::{SetArg, cfmakeraw, tcgetattr, tcsetattr};
+    use tokio::{io::AsyncReadExt, net::unix::pipe, time::timeout};
+
+    use super::*;
+    use crate::io::{StdioSpec, start_console_copies};
+
+    fn mkfifo(dir: &std::path::Path, name: &str) -> PathBuf {
+        let path = dir.join(name);
+        nix::unistd::mkfifo(&path, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        path
+    }
+
+    /// Reads once from the terminal's slave side, off the runtime (5 s at most).
+    async fn read_slave(slave: &File) -> std::io::Result<Vec<u8>> {
+        let mut slave = slave.try_clone().unwrap();
+        let read = tokio::task::spawn_blocking(move || {
+            let mut buf = [0u8; 64];
+            slave.read(&mut buf).map(|n| buf[..n].to_vec())
+        });
+        timeout(Duration::from_secs(5), read)
+            .await
+            .expect("the slave read returns")
+            .unwrap()
+    }
+
+    /// The console carries input and output; containerd's writer going away alone keeps it open;
+    /// after CloseIO the end of stdin closes the master: the terminal hangs up (the process reads
+    /// EOF) and the output copy ends, as with the Go shim.
+    #[tokio::test]
+    async fn end_of_stdin_after_close_io_hangs_up_the_terminal() {
+        let dir = tempfile::tempdir().unwrap();
+        let stdin = mkfifo(dir.path(), "stdin");
+        let stdout = mkfifo(dir.path(), "stdout");
+        let pty = nix::pty::openpty(None, None).unwrap();
+        let mut termios = tcgetattr(&pty.slave).unwrap();
+        cfmakeraw(&mut termios);
+        tcsetattr(&pty.slave, SetArg::TCSANOW, &termios).unwrap();
+        let slave = File::from(pty.slave);
+        let console = Console::new(File::from(pty.master)).unwrap();
+        let io = IoTasks::default();
+        let mut out = pipe::OpenOptions::new().open_receiver(&stdout).unwrap();
+        let spec = StdioSpec {
+            stdin: stdin.display().to_string(),
+            stdout: stdout.display().to_string(),
+            stderr: String::new(),
+            terminal: true,
+        };
+        start_console_copies(&console, &spec, &io).unwrap();
+
+        let mut containerd = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&stdin)
+            .unwrap();
+        containerd.write_all(b"ping").unwrap();
+        assert_eq!(read_slave(&slave).await.unwrap(), b"ping");
+        (&slave).write_all(b"pong").unwrap();
+        let mut buf = [0u8; 16];
+        let n = timeout(Duration::from_secs(5), out.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&buf[..n], b"pong");
+
+        drop(containerd);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!console.is_closed(), "open until CloseIO");
+
+        io.close_input();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !console.is_closed() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(console.is_closed(), "the end of stdin closes the console");
+        match read_slave(&slave).await {
+            Ok(data) => assert!(data.is_empty(), "hung up, not {data:?}"),
+            Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}"),
+        }
+        let mut rest = Vec::new();
+        timeout(Duration::from_secs(5), out.read_to_end(&mut rest))
+            .await
+            .expect("the output copy ends")
+            .unwrap();
+        assert!(rest.is_empty());
+        resize(&console, 80, 24).unwrap();
+    }
 }

@@ -344,7 +344,9 @@ impl Container {
                 self.options.io_gid,
             )?);
             let mut cmd = runc::Command::new(&self.global.binary);
+            // What runc (and so CRIU's inherited stdio) gets; the pipes replace these below.
             cmd.args(&args)
+                .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped());
             runc::Io::set(pipes.as_ref(), &mut cmd)
@@ -629,5 +631,83 @@ impl Container {
             t.abort();
         }
         Ok((pid, exit))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write as _;
+
+    use super::*;
+    use crate::fake_runc::{FakeRunc, exclusive};
+
+    fn runc_options(fake: &FakeRunc) -> RuncOptions {
+        let mut o = RuncOptions::new();
+        o.binary_name = fake.binary.display().to_string();
+        o.root = fake.dir().join("root").display().to_string();
+        o
+    }
+
+    /// A container created from a checkpoint (non-TTY, with stdin): Start restores it, and the
+    /// restored process reads what containerd writes into the request's stdin fifo, until
+    /// CloseIO ends its input.
+    #[tokio::test]
+    async fn restore_hands_the_request_stdin_to_the_restored_process() {
+        let _guard = exclusive().await;
+        let fake = FakeRunc::new();
+        let stdin = fake.fifo("r1-stdin");
+        let req = CreateTaskRequest {
+            id: "r1".into(),
+            bundle: fake.bundle("r1").display().to_string(),
+            stdin: stdin.display().to_string(),
+            checkpoint: "/ckpt/r1".into(),
+            ..Default::default()
+        };
+        let c = Container::create(&req, "test", runc_options(&fake), BatonSettings::default())
+            .await
+            .unwrap();
+        let global = c.global.args();
+        assert!(
+            fake.take_calls(&global).is_empty(),
+            "restore waits for Start"
+        );
+        assert_eq!(c.procs.lock().await.init.state, State::CreatedCheckpoint);
+
+        let pid = c.start_init().await.unwrap();
+        assert_eq!(Some(pid as i32), fake.pid_of("r1"));
+        let calls = fake.take_calls(&global);
+        assert_eq!(calls.len(), 1, "{calls:?}");
+        assert!(
+            calls[0].starts_with("restore --image-path /ckpt/r1 --detach"),
+            "{calls:?}"
+        );
+        assert!(
+            fake.stdin_of("r1", "restore").starts_with("pipe:"),
+            "runc restore got stdin {:?}, not the stdin pipe",
+            fake.stdin_of("r1", "restore")
+        );
+
+        let mut containerd = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&stdin)
+            .unwrap();
+        containerd.write_all(b"hello\n").unwrap();
+        assert_eq!(fake.wait_for_input("r1", "hello\n").await, "hello\n");
+        assert!(!fake.input_ended("r1"), "no EOF before CloseIO");
+
+        drop(containerd);
+        {
+            let procs = c.procs.lock().await;
+            procs.init.io.close_input();
+            procs.init.stdin.close_soon();
+        }
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !fake.input_ended("r1") && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert!(
+            fake.input_ended("r1"),
+            "CloseIO ends the restored process's stdin"
+        );
     }
 }

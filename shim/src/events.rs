@@ -18,7 +18,10 @@ use containerd_shim_protos::{
         TaskCheckpointed, TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskIO,
         TaskOOM, TaskPaused, TaskResumed, TaskStart,
     },
-    protobuf::{MessageDyn, MessageField, well_known_types::timestamp::Timestamp},
+    protobuf::{
+        Message, MessageField,
+        well_known_types::{any::Any, timestamp::Timestamp},
+    },
     topics,
 };
 
@@ -30,6 +33,20 @@ pub fn timestamp(t: SystemTime) -> Timestamp {
         nanos: d.subsec_nanos() as i32,
         ..Default::default()
     }
+}
+
+/// The protobuf package of containerd's task events (their type URLs are `<package>.<name>`).
+const EVENTS_PACKAGE: &str = "containerd.events";
+
+/// An event as the `Any` containerd expects. The type URL is built from the message's name rather
+/// than read from its descriptor, which would build (and keep on the heap for the shim's life)
+/// the reflection tables of the events' proto files.
+fn event_any<E: Message>(event: &E) -> containerd_shim::protos::protobuf::Result<Any> {
+    Ok(Any {
+        type_url: format!("{EVENTS_PACKAGE}.{}", E::NAME),
+        value: event.write_to_bytes()?,
+        ..Default::default()
+    })
 }
 
 /// How many times one event is tried before it is dropped (about a minute of backoff).
@@ -83,16 +100,29 @@ async fn forward_loop(address: String, mut queue: mpsc::Receiver<Envelope>) {
 impl Events {
     /// A publisher to containerd's ttrpc `address` for `namespace`.
     pub fn new(address: &str, namespace: &str) -> Self {
-        let (queue, rx) = mpsc::channel(1024);
+        let (events, rx) = Self::queued(namespace);
         tokio::spawn(forward_loop(ttrpc_address(address), rx));
-        Self {
-            queue,
-            namespace: namespace.to_string(),
-        }
+        events
     }
 
-    async fn send(&self, topic: &str, event: Box<dyn MessageDyn>) {
-        let any = match containerd_shim::util::convert_to_any(event) {
+    /// A publisher whose events stay in the returned queue (what tests read instead of containerd).
+    fn queued(namespace: &str) -> (Self, mpsc::Receiver<Envelope>) {
+        let (queue, rx) = mpsc::channel(1024);
+        let events = Self {
+            queue,
+            namespace: namespace.to_string(),
+        };
+        (events, rx)
+    }
+
+    /// A publisher for tests: the events it publishes are read from the returned receiver.
+    #[cfg(test)]
+    pub fn captured(namespace: &str) -> (Self, mpsc::Receiver<Envelope>) {
+        Self::queued(namespace)
+    }
+
+    async fn send<E: Message>(&self, topic: &str, event: E) {
+        let any = match event_any(&event) {
             Ok(any) => any,
             Err(e) => {
                 tracing::warn!(topic, error = %e, "encode event failed");
@@ -124,8 +154,7 @@ impl Events {
             }),
             ..Default::default()
         };
-        self.send(topics::TASK_CREATE_EVENT_TOPIC, Box::new(ev))
-            .await;
+        self.send(topics::TASK_CREATE_EVENT_TOPIC, ev).await;
     }
 
     /// TaskStart.
@@ -135,8 +164,7 @@ impl Events {
             pid,
             ..Default::default()
         };
-        self.send(topics::TASK_START_EVENT_TOPIC, Box::new(ev))
-            .await;
+        self.send(topics::TASK_START_EVENT_TOPIC, ev).await;
     }
 
     /// TaskExecAdded.
@@ -146,8 +174,7 @@ impl Events {
             exec_id: exec_id.into(),
             ..Default::default()
         };
-        self.send(topics::TASK_EXEC_ADDED_EVENT_TOPIC, Box::new(ev))
-            .await;
+        self.send(topics::TASK_EXEC_ADDED_EVENT_TOPIC, ev).await;
     }
 
     /// TaskExecStarted.
@@ -158,8 +185,7 @@ impl Events {
             pid,
             ..Default::default()
         };
-        self.send(topics::TASK_EXEC_STARTED_EVENT_TOPIC, Box::new(ev))
-            .await;
+        self.send(topics::TASK_EXEC_STARTED_EVENT_TOPIC, ev).await;
     }
 
     /// TaskPaused.
@@ -168,8 +194,7 @@ impl Events {
             container_id: id.into(),
             ..Default::default()
         };
-        self.send(topics::TASK_PAUSED_EVENT_TOPIC, Box::new(ev))
-            .await;
+        self.send(topics::TASK_PAUSED_EVENT_TOPIC, ev).await;
     }
 
     /// TaskResumed.
@@ -178,8 +203,7 @@ impl Events {
             container_id: id.into(),
             ..Default::default()
         };
-        self.send(topics::TASK_RESUMED_EVENT_TOPIC, Box::new(ev))
-            .await;
+        self.send(topics::TASK_RESUMED_EVENT_TOPIC, ev).await;
     }
 
     /// TaskCheckpointed.
@@ -189,8 +213,7 @@ impl Events {
             checkpoint: checkpoint.into(),
             ..Default::default()
         };
-        self.send(topics::TASK_CHECKPOINTED_EVENT_TOPIC, Box::new(ev))
-            .await;
+        self.send(topics::TASK_CHECKPOINTED_EVENT_TOPIC, ev).await;
     }
 
     /// TaskOOM.
@@ -199,7 +222,7 @@ impl Events {
             container_id: id.into(),
             ..Default::default()
         };
-        self.send(topics::TASK_OOM_EVENT_TOPIC, Box::new(ev)).await;
+        self.send(topics::TASK_OOM_EVENT_TOPIC, ev).await;
     }
 
     /// TaskExit (`id` is the exec id, or the container id for init, as in Go).
@@ -212,7 +235,7 @@ impl Events {
             exited_at: MessageField::some(timestamp(at)),
             ..Default::default()
         };
-        self.send(topics::TASK_EXIT_EVENT_TOPIC, Box::new(ev)).await;
+        self.send(topics::TASK_EXIT_EVENT_TOPIC, ev).await;
     }
 
     /// TaskDelete.
@@ -224,7 +247,32 @@ impl Events {
             exited_at: MessageField::some(timestamp(at)),
             ..Default::default()
         };
-        self.send(topics::TASK_DELETE_EVENT_TOPIC, Box::new(ev))
-            .await;
+        self.send(topics::TASK_DELETE_EVENT_TOPIC, ev).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use containerd_shim_protos::protobuf::MessageFull;
+
+    use super::*;
+
+    fn type_url_matches_descriptor<E: MessageFull + Default>() {
+        let any = event_any(&E::default()).unwrap();
+        assert_eq!(any.type_url, E::descriptor().full_name());
+    }
+
+    #[test]
+    fn type_urls_are_the_descriptors_full_names() {
+        type_url_matches_descriptor::<TaskCreate>();
+        type_url_matches_descriptor::<TaskStart>();
+        type_url_matches_descriptor::<TaskExecAdded>();
+        type_url_matches_descriptor::<TaskExecStarted>();
+        type_url_matches_descriptor::<TaskPaused>();
+        type_url_matches_descriptor::<TaskResumed>();
+        type_url_matches_descriptor::<TaskCheckpointed>();
+        type_url_matches_descriptor::<TaskOOM>();
+        type_url_matches_descriptor::<TaskExit>();
+        type_url_matches_descriptor::<TaskDelete>();
     }
 }

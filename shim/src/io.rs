@@ -13,11 +13,14 @@ use std::{
 };
 
 use async_trait::async_trait;
-use containerd_shim::asynchronous::io::{IoTasks, Pty};
+use containerd_shim::asynchronous::io::IoTasks;
 use runc::{Command, PipedIo, io::IoOption};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 
-use crate::errors::{Result, ShimError};
+use crate::{
+    console::Console,
+    errors::{Result, ShimError},
+};
 
 /// Stdio of a process as containerd sent it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -345,10 +348,11 @@ async fn start_logging_binary(
     }
 }
 
-/// Starts the copies for a TTY process: console master to stdout, stdin to console.
-pub fn start_console_copies(console: &Pty, spec: &StdioSpec, io: &IoTasks) -> Result<()> {
+/// Starts the copies for a TTY process: console master to stdout, stdin to console. The end of
+/// the stdin copy closes the console (see [`Console::input`]), as in the Go shim.
+pub fn start_console_copies(console: &Console, spec: &StdioSpec, io: &IoTasks) -> Result<()> {
     if !spec.stdin.is_empty() {
-        io.copy_from_fifo(&spec.stdin, console.clone())?;
+        io.copy_from_fifo(&spec.stdin, console.input())?;
     }
     match parse_output(&spec.stdout)? {
         OutputTarget::Fifo(path) => io.copy_to_fifo(console.clone(), &path)?,

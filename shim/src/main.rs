@@ -8,6 +8,8 @@ mod console;
 mod container;
 mod errors;
 mod events;
+#[cfg(test)]
+mod fake_runc;
 mod gpu;
 mod io;
 mod logging;

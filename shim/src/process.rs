@@ -5,7 +5,7 @@
 
 use std::time::SystemTime;
 
-use containerd_shim::asynchronous::io::{IoTasks, Pty};
+use containerd_shim::asynchronous::io::IoTasks;
 use containerd_shim_protos::api::Status as ApiStatus;
 use tokio::sync::watch;
 
@@ -152,7 +152,7 @@ pub struct Process {
     /// The writer into the stdin pipe, which CloseIO closes.
     pub stdin: crate::io::StdinCloser,
     /// Console master for a TTY process.
-    pub console: Option<Pty>,
+    pub console: Option<crate::console::Console>,
     /// Exec spec (JSON of an OCI process) for exec processes.
     pub exec_spec: Option<oci_spec::runtime::Process>,
     /// For a container created from a checkpoint: how Start restores it.

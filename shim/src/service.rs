@@ -512,3 +512,6 @@ impl Task for TaskService {
         Ok(Empty::new())
     }
 }
+
+#[cfg(test)]
+mod lifecycle_tests;
