@@ -253,6 +253,9 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         s.push_str(&c.to_string());
         cur = c.source();
     }
+    if !Path::new("/sys/kernel/btf/vmlinux").exists() {
+        s.push_str(" (this kernel has no BTF at /sys/kernel/btf/vmlinux: build it with CONFIG_DEBUG_INFO_BTF=y)");
+    }
     if s.contains("Operation not permitted") {
         s.push_str(" (needs root with CAP_BPF/CAP_SYS_ADMIN; is kernel.unprivileged_bpf_disabled or lockdown in the way?)");
     }
