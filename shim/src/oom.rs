@@ -30,15 +30,11 @@ pub enum MemoryCgroup {
 }
 
 impl MemoryCgroup {
-    /// The memory cgroup of `pid`: v2 when `/sys/fs/cgroup` is the unified tree and the container's
-    /// v2 cgroup has `memory.events`, otherwise the v1 memory controller.
+    /// The memory cgroup of `pid`: the v1 memory controller, or v2 when the container's
+    /// cgroup in the v2 hierarchy (wherever it is mounted) has `memory.events`.
     pub fn of_pid(pid: u32) -> Option<Self> {
         let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-        let v2_root = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
-            Path::new("/sys/fs/cgroup")
-        } else {
-            Path::new("/sys/fs/cgroup/unified")
-        };
+        let v2_root = baton_tracer::cgroups::find_v2_root().ok();
         for line in text.lines() {
             let mut parts = line.splitn(3, ':');
             let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
@@ -49,7 +45,7 @@ impl MemoryCgroup {
                     return Some(Self::V1(dir));
                 }
             }
-            if ctrls.is_empty() {
+            if let (true, Some(v2_root)) = (ctrls.is_empty(), v2_root.as_deref()) {
                 let dir = v2_root.join(rel);
                 if dir.join("memory.events").exists() {
                     return Some(Self::V2(dir));

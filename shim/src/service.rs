@@ -210,7 +210,7 @@ impl TaskService {
         lock(&self.shared.containers).insert(req.id.clone(), c.clone());
         let pid = c.procs.lock().await.init.pid;
         self.watch_oom(&c, pid);
-        let cgroup = stats::cgroup_v2_path(pid);
+        let cgroup = baton_tracer::cgroups::v2_path_of_pid(pid);
         self.shared
             .gpu
             .container_created(&StartedContainer {
@@ -275,7 +275,7 @@ impl TaskService {
         let pid = if req.exec_id.is_empty() {
             let pid = c.start_init().await?;
             self.shared.events.start(&req.id, pid).await;
-            let cgroup = stats::cgroup_v2_path(pid);
+            let cgroup = baton_tracer::cgroups::v2_path_of_pid(pid);
             self.shared.gpu.container_started(&StartedContainer {
                 id: &req.id,
                 init_pid: pid,

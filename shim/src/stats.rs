@@ -62,14 +62,6 @@ fn add_memory_usage(cgroup: &Cgroup, metrics: &mut Metrics) {
     usage.failcnt = m.fail_cnt;
 }
 
-/// Reads the cgroup v2 path of `pid` (the `0::` line), for the GPU seam.
-pub fn cgroup_v2_path(pid: u32) -> Option<String> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("0::"))
-        .map(str::to_string)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,6 +78,6 @@ mod tests {
             "{}",
             any.type_url
         );
-        assert!(cgroup_v2_path(std::process::id()).is_some());
+        assert!(baton_tracer::cgroups::v2_path_of_pid(std::process::id()).is_some());
     }
 }

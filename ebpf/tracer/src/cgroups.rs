@@ -134,10 +134,18 @@ impl CgroupIndex {
     }
 }
 
-/// The cgroup v2 id of a process, from /proc/PID/cgroup's `0::` line.
-pub fn cgroup_id_of_pid(root: &Path, pid: i32) -> Option<u64> {
+/// The cgroup v2 path of a process (relative to the v2 root, starting with `/`), from /proc/PID/cgroup's
+/// `0::` line.
+pub fn v2_path_of_pid(pid: u32) -> Option<String> {
     let text = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    let rel = text.lines().find_map(|l| l.strip_prefix("0::"))?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .map(str::to_owned)
+}
+
+/// The cgroup v2 id of a process.
+pub fn cgroup_id_of_pid(root: &Path, pid: i32) -> Option<u64> {
+    let rel = v2_path_of_pid(u32::try_from(pid).ok()?)?;
     fs::metadata(root.join(rel.trim_start_matches('/')))
         .ok()
         .map(|m| m.ino())
