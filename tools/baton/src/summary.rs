@@ -8,12 +8,23 @@ use baton_tracer::{
     event::{Body, Event},
     schema::status_name,
 };
+use hdrhistogram::Histogram;
 
-/// Latencies and errors of one escape in one container.
-#[derive(Default)]
+/// Latencies and errors of one escape in one container. A histogram (3 significant digits) keeps the
+/// memory of a long trace bounded.
 struct Calls {
-    latencies: Vec<u64>,
+    latencies: Histogram<u64>,
     errors: u64,
+}
+
+impl Default for Calls {
+    fn default() -> Self {
+        Self {
+            latencies: Histogram::new(3)
+                .unwrap_or_else(|_| unreachable!("3 significant digits are valid")),
+            errors: 0,
+        }
+    }
 }
 
 /// Counts gathered while tracing.
@@ -33,7 +44,7 @@ impl Summary {
             .or_default()
             .entry(io.decoded.escape.to_string())
             .or_default();
-        calls.latencies.push(io.latency_ns);
+        calls.latencies.saturating_record(io.latency_ns);
         let failed = io.ret != 0 || io.decoded.status.is_some_and(|s| s != 0);
         if failed {
             calls.errors += 1;
@@ -65,14 +76,13 @@ impl Summary {
                 "call", "calls", "errors", "p50 us", "p99 us"
             ));
             for (esc, c) in self.by_container.get(&id).into_iter().flatten() {
-                let mut l = c.latencies.clone();
-                l.sort_unstable();
+                let l = &c.latencies;
                 out.push_str(&format!(
                     "{esc:<34} {:>8} {:>7} {:>12.1} {:>12.1}\n",
                     l.len(),
                     c.errors,
-                    percentile(&l, 50.0) as f64 / 1000.0,
-                    percentile(&l, 99.0) as f64 / 1000.0
+                    l.value_at_quantile(0.50) as f64 / 1000.0,
+                    l.value_at_quantile(0.99) as f64 / 1000.0
                 ));
             }
             if let Some(errs) = self.errors.get(&id) {
