@@ -96,7 +96,23 @@ fn json_lines_carry_the_documented_keys_and_the_summary_the_ledger() {
         report.contains("== container"),
         "summary printed:\n{report}"
     );
-    assert!(report.contains("NV_ESC_RM_ALLOC"), "{report}");
+    let alloc_row: Vec<&str> = report
+        .lines()
+        .find(|l| l.starts_with("NV_ESC_RM_ALLOC "))
+        .unwrap_or_else(|| panic!("no RM_ALLOC row:\n{report}"))
+        .split_whitespace()
+        .collect();
+    let allocs: u64 = summary.allocs_by_class.values().sum();
+    assert_eq!(
+        alloc_row[1].parse::<u64>().unwrap(),
+        allocs,
+        "calls column: {alloc_row:?}"
+    );
+    let (p50, p99): (f64, f64) = (alloc_row[3].parse().unwrap(), alloc_row[4].parse().unwrap());
+    assert!(
+        p50 > 0.0 && p99 >= p50,
+        "latency percentiles of real FUSE round trips: {alloc_row:?}"
+    );
     assert!(
         report.contains("live objects: 0"),
         "everything freed at the end:\n{report}"

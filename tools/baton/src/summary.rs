@@ -17,11 +17,16 @@ struct Calls {
     errors: u64,
 }
 
+/// The longest latency the summary distinguishes (longer calls count as this): one hour, in ns.
+const MAX_LATENCY_NS: u64 = 3_600_000_000_000;
+
 impl Default for Calls {
     fn default() -> Self {
+        let latencies = Histogram::new_with_bounds(1, MAX_LATENCY_NS, 3).unwrap_or_else(|_| {
+            unreachable!("1 ns to 1 h at 3 significant digits are valid bounds")
+        });
         Self {
-            latencies: Histogram::new(3)
-                .unwrap_or_else(|_| unreachable!("3 significant digits are valid")),
+            latencies,
             errors: 0,
         }
     }
