@@ -138,12 +138,15 @@ pub fn parse(bytes: &[u8], layout: &Layout) -> Result<Event, ParseError> {
         len: bytes.len(),
         kind: hdr.kind,
     };
-    let body = if kind == RecordKind::Ioctl {
-        let rec: IoctlRecord = read_pod(bytes).ok_or(short)?;
-        Body::Ioctl(Box::new(ioctl(&rec, layout)))
-    } else {
-        let rec: FdRecord = read_pod(bytes).ok_or(short)?;
-        fd_body(kind, &rec)
+    let body = match kind {
+        RecordKind::Ioctl => {
+            let rec: IoctlRecord = read_pod(bytes).ok_or(short)?;
+            Body::Ioctl(Box::new(ioctl(&rec, layout)))
+        }
+        _ => {
+            let rec: FdRecord = read_pod(bytes).ok_or(short)?;
+            fd_body(kind, &rec).ok_or(ParseError::UnknownKind(hdr.kind))?
+        }
     };
     Ok(Event {
         ts_ns: hdr.ts_ns,
@@ -178,9 +181,10 @@ fn ioctl(rec: &IoctlRecord, layout: &Layout) -> Ioctl {
     }
 }
 
-fn fd_body(kind: RecordKind, rec: &FdRecord) -> Body {
+/// The body of an fd lifecycle record (`None` for kinds that are not carried by an `FdRecord`).
+fn fd_body(kind: RecordKind, rec: &FdRecord) -> Option<Body> {
     let fd_kind = FdKind::from_u8(rec.fd_kind);
-    match kind {
+    Some(match kind {
         RecordKind::Open => Body::Open {
             fd: rec.fd,
             kind: fd_kind,
@@ -208,12 +212,80 @@ fn fd_body(kind: RecordKind, rec: &FdRecord) -> Body {
         RecordKind::Fork => Body::Fork {
             child: rec.aux as u32,
         },
-        // Ioctl records are parsed by `parse` before this is called.
-        RecordKind::Ioctl => Body::Exec,
-    }
+        RecordKind::Ioctl => return None,
+    })
 }
 
 fn name(raw: &[u8; NAME_CAP]) -> String {
     let end = raw.iter().position(|b| *b == 0).unwrap_or(NAME_CAP);
     String::from_utf8_lossy(&raw[..end]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn as_bytes<T: Copy>(v: &T) -> Vec<u8> {
+        // SAFETY: test records are plain #[repr(C)] data; reading their bytes is what the ring buffer does.
+        unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), size_of::<T>()) }.to_vec()
+    }
+
+    fn open_record() -> FdRecord {
+        let mut name = [0u8; NAME_CAP];
+        name[..9].copy_from_slice(b"nvidiactl");
+        FdRecord {
+            hdr: Header {
+                kind: RecordKind::Open as u32,
+                pid: 10,
+                tid: 11,
+                cgroup_id_lo: 5,
+                cgroup_id_hi: 1,
+                _pad: 0,
+                ts_ns: 99,
+            },
+            fd: 3,
+            aux: -1,
+            fd_kind: FdKind::Ctl as u8,
+            minor: 255,
+            _pad: [0; 6],
+            addr: 0,
+            len: 0,
+            name,
+        }
+    }
+
+    #[test]
+    fn records_parse_into_events_and_bad_ones_are_errors() {
+        let bytes = as_bytes(&open_record());
+        let e = parse(&bytes, &Layout::DEFAULT).unwrap();
+        assert_eq!(
+            (e.pid, e.tid, e.ts_ns, e.cgroup_id),
+            (10, 11, 99, (1 << 32) | 5)
+        );
+        assert!(
+            matches!(e.body, Body::Open { fd: 3, kind: FdKind::Ctl, ref name, .. } if name == "nvidiactl")
+        );
+
+        assert!(matches!(
+            parse(&bytes[..bytes.len() - 1], &Layout::DEFAULT),
+            Err(ParseError::Short { .. })
+        ));
+        assert!(matches!(
+            parse(&bytes[..4], &Layout::DEFAULT),
+            Err(ParseError::Short { .. })
+        ));
+        let mut bad = open_record();
+        bad.hdr.kind = 77;
+        assert!(matches!(
+            parse(&as_bytes(&bad), &Layout::DEFAULT),
+            Err(ParseError::UnknownKind(77))
+        ));
+        // An fd-sized record that claims to be an ioctl is too short for one.
+        let mut short_ioctl = open_record();
+        short_ioctl.hdr.kind = RecordKind::Ioctl as u32;
+        assert!(matches!(
+            parse(&as_bytes(&short_ioctl), &Layout::DEFAULT),
+            Err(ParseError::Short { .. })
+        ));
+    }
 }
