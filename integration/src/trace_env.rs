@@ -2,16 +2,17 @@
 //! cgroups of their own under the cgroup v2 root, mock CUDA workloads started inside them, and a
 //! [`baton_tracer::Tracer`] that watches them. Everything is torn down on drop, also after a failed assertion.
 use std::{
-    io::{BufRead, BufReader, Write},
     path::{Path, PathBuf},
-    process::{Child, ChildStdin, Command, Stdio},
-    sync::mpsc::{Receiver, RecvTimeoutError, channel},
-    time::{Duration, Instant},
+    process::Command,
+    time::Duration,
 };
 
 use baton_mock_nvidia::{
     driver::{MockDriver, MountOptions, MountedDriver, fuse_unavailable_reason},
-    workload::Summary,
+    workload::{
+        Summary, WorkloadOptions,
+        process::{self, WorkloadProcess},
+    },
 };
 use baton_tracer::{Tracer, TracerConfig, cgroups, event::Event};
 
@@ -117,54 +118,23 @@ impl TraceEnv {
     ) -> anyhow::Result<usize> {
         self.make_cgroup(name)?;
         let bin = workspace_binary("baton-mock-nvidia", "baton-mock-cuda")?;
-        let summary = self.dev_dir().with_file_name(format!(
-            "{}-{name}.json",
-            self.test_cgroup.trim_start_matches('/')
-        ));
-        let args: Vec<String> = [
-            "--dev-dir",
-            &self.dev_dir().display().to_string(),
-            "--vram-mib",
-            &vram_mib.to_string(),
-            "--steps",
-            &steps.to_string(),
-            "--step-ms",
-            "1",
-            "--driver-version",
-            &self.driver_version,
-            "--hold",
-            "--summary-json",
-            &summary.display().to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        let options = WorkloadOptions {
+            steps,
+            step_ms: 1,
+            vram_mib,
+            driver_version: self.driver_version.clone(),
+            ..WorkloadOptions::new(self.dev_dir())
+        };
+        let args: Vec<String> = process::args(&options, true)
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
         let cg = self
             .cgroup_root
             .join(self.cgroup_rel(name).trim_start_matches('/'));
-        let mut child = cgroups::command_in(&cg, &bin, &args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()?;
-        let stdin = child.stdin.take();
-        let stdout = child
-            .stdout
-            .take()
-            .ok_or_else(|| anyhow::anyhow!("workload has no stdout"))?;
-        let (tx, rx) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        self.workloads.push(Workload {
-            child,
-            stdin,
-            lines: rx,
-            summary,
-        });
+        let mut cmd = cgroups::command_in(&cg, &bin, &args);
+        let proc = WorkloadProcess::start_command(&mut cmd, &bin)?;
+        self.workloads.push(Workload { proc: Some(proc) });
         Ok(self.workloads.len() - 1)
     }
 
@@ -176,10 +146,8 @@ impl TraceEnv {
 
 impl Drop for TraceEnv {
     fn drop(&mut self) {
-        for w in &mut self.workloads {
-            let _ = w.child.kill();
-            let _ = w.child.wait();
-        }
+        // Workloads still running are killed when dropped (WorkloadProcess), before the unmount.
+        self.workloads.clear();
         if let Some(d) = self.driver.take() {
             let _ = d.unmount();
         }
@@ -195,53 +163,48 @@ impl Drop for TraceEnv {
     }
 }
 
-/// A running `baton-mock-cuda`.
+/// A running `baton-mock-cuda` in a test cgroup.
 pub struct Workload {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: Receiver<String>,
-    summary: PathBuf,
+    proc: Option<WorkloadProcess>,
 }
 
 impl Workload {
-    /// Its pid.
-    pub fn pid(&self) -> u32 {
-        self.child.id()
+    fn proc(&mut self) -> anyhow::Result<&mut WorkloadProcess> {
+        self.proc
+            .as_mut()
+            .ok_or_else(|| anyhow::anyhow!("the workload already finished"))
     }
 
-    /// Waits until it prints a line starting with `prefix`.
-    pub fn wait_line(&mut self, prefix: &str, timeout: Duration) -> anyhow::Result<String> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) if l.starts_with(prefix) => return Ok(l),
-                Ok(_) => {}
-                Err(RecvTimeoutError::Timeout) => {
-                    anyhow::bail!("workload did not print {prefix:?} in {timeout:?}")
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    anyhow::bail!("workload exited before printing {prefix:?}")
-                }
-            }
-        }
+    /// Its pid (0 once finished).
+    pub fn pid(&self) -> u32 {
+        self.proc.as_ref().map_or(0, WorkloadProcess::pid)
+    }
+
+    /// Waits until it prints `line` (`phase holding`, `released`, `reacquired`).
+    pub fn wait_line(&mut self, line: &str, timeout: Duration) -> anyhow::Result<()> {
+        Ok(self.proc()?.wait_for_line(line, timeout)?)
     }
 
     /// Sends a signal (SIGUSR1 releases, SIGUSR2 re-acquires).
-    pub fn signal(&self, sig: nix::sys::signal::Signal) -> anyhow::Result<()> {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig)?;
-        Ok(())
+    pub fn signal(&mut self, sig: nix::sys::signal::Signal) -> anyhow::Result<()> {
+        Ok(self.proc()?.signal(sig)?)
     }
 
     /// Ends `--hold` (closes stdin), waits for the exit, and returns its summary.
     pub fn finish(&mut self) -> anyhow::Result<Summary> {
-        if let Some(mut s) = self.stdin.take() {
-            let _ = s.flush();
-        }
-        let status = self.child.wait()?;
-        anyhow::ensure!(status.success(), "workload failed: {status}");
-        let text = std::fs::read_to_string(&self.summary)?;
-        Ok(serde_json::from_str(&text)?)
+        let proc = self
+            .proc
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("the workload already finished"))?;
+        let done = proc.finish(Duration::from_secs(20))?;
+        anyhow::ensure!(
+            done.status.success(),
+            "workload failed: {}: {:?}",
+            done.status,
+            done.lines
+        );
+        done.summary
+            .ok_or_else(|| anyhow::anyhow!("the workload printed no summary: {:?}", done.lines))
     }
 }
 
