@@ -83,17 +83,29 @@ fn locate_or_build(release: bool) -> Result<PathBuf, Error> {
             Err(Error::Missing { path })
         };
     }
+    let profile = build_package(SHIM_PACKAGE, release)?;
+    let path = target_dir().join(profile).join(BATON_SHIM_NAME);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(Error::Missing { path })
+    }
+}
+
+/// Runs `cargo build -p package` (with `--release` when `release`) in this workspace and target folder;
+/// returns the profile folder name (`debug` or `release`) the binaries land in.
+pub fn build_package(package: &str, release: bool) -> Result<&'static str, Error> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
     let manifest = workspace_root().join("Cargo.toml");
     let mut command = Command::new(&cargo);
     let profile = if release { "release" } else { "debug" };
     command
-        .args(["build", "--quiet", "-p", SHIM_PACKAGE, "--manifest-path"])
+        .args(["build", "--quiet", "-p", package, "--manifest-path"])
         .arg(&manifest)
         .args(release.then_some("--release"))
         .env("CARGO_TARGET_DIR", target_dir());
     let shown = format!(
-        "{cargo} build -p {SHIM_PACKAGE} --{profile} --manifest-path {}",
+        "{cargo} build -p {package} --{profile} --manifest-path {}",
         manifest.display()
     );
     let output = command.output().map_err(|error| Error::Build {
@@ -108,10 +120,5 @@ fn locate_or_build(release: bool) -> Result<PathBuf, Error> {
             detail: tail.into_iter().rev().collect::<Vec<_>>().join("\n"),
         });
     }
-    let path = target_dir().join(profile).join(BATON_SHIM_NAME);
-    if path.is_file() {
-        Ok(path)
-    } else {
-        Err(Error::Missing { path })
-    }
+    Ok(profile)
 }

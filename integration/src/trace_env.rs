@@ -3,7 +3,6 @@
 //! [`baton_tracer::Tracer`] that watches them. Everything is torn down on drop, also after a failed assertion.
 use std::{
     path::{Path, PathBuf},
-    process::Command,
     time::Duration,
 };
 
@@ -16,7 +15,7 @@ use baton_mock_nvidia::{
 };
 use baton_tracer::{Tracer, TracerConfig, cgroups, event::Event};
 
-use crate::shim_binary::{target_dir, workspace_root};
+use crate::shim_binary::{build_package, target_dir};
 
 /// The reason the tracing tests cannot run here, or `None`.
 pub fn missing_trace_prerequisite() -> Option<String> {
@@ -36,12 +35,7 @@ pub fn missing_trace_prerequisite() -> Option<String> {
 pub fn workspace_binary(package: &str, name: &str) -> anyhow::Result<PathBuf> {
     let path = target_dir().join("debug").join(name);
     if !path.is_file() {
-        let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-            .args(["build", "--quiet", "-p", package, "--manifest-path"])
-            .arg(workspace_root().join("Cargo.toml"))
-            .env("CARGO_TARGET_DIR", target_dir())
-            .status()?;
-        anyhow::ensure!(status.success(), "cargo build -p {package} failed");
+        build_package(package, false)?;
     }
     anyhow::ensure!(path.is_file(), "{name} not found at {}", path.display());
     Ok(path)
