@@ -2,13 +2,13 @@
 //! driver (FUSE), runs the mock CUDA workload in a cgroup of its own and traces it live, then prints the
 //! summary. With a real driver (/dev/nvidiactl present) it traces the real devices instead.
 use std::{
-    io::{BufRead, BufReader},
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::Stdio,
     time::Duration,
 };
 
 use anyhow::{Context, bail};
+use baton_mock_nvidia::driver::{MockDriver, MountOptions};
 use baton_tracer::cgroups;
 use clap::Args;
 
@@ -85,52 +85,17 @@ fn sibling(name: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-/// Kills and reaps a child on drop.
-struct Reaped(Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        // SIGTERM first so the FUSE server unmounts cleanly.
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.0.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        for _ in 0..50 {
-            if matches!(self.0.try_wait(), Ok(Some(_))) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts the mock driver on `dir` and waits for its "ready" line.
-fn start_mock(dir: &Path) -> anyhow::Result<Reaped> {
-    let mut child = Command::new(sibling("baton-mock-nvidia")?)
-        .arg("--mount")
-        .arg(dir)
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("cannot start baton-mock-nvidia")?;
-    let stdout = child.stdout.take().context("mock driver has no stdout")?;
-    let guard = Reaped(child);
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line)?;
-    if !line.starts_with("ready") {
-        bail!(
-            "the mock NVIDIA driver did not start (said {line:?}): is FUSE available (modprobe fuse; apt-get install fuse3)?"
-        );
-    }
-    Ok(guard)
-}
-
 async fn mock_driver(args: &DemoArgs) -> anyhow::Result<()> {
     let dir = tempfile::Builder::new()
         .prefix("baton-demo-dev")
         .tempdir()?;
-    let _mock = start_mock(dir.path())?;
+    // Served by threads of this process; dropping it unmounts.
+    let _mock = MockDriver::mount(MountOptions::new(dir.path())).with_context(|| {
+        format!(
+            "cannot mount the mock NVIDIA driver at {} (is FUSE available? apt-get install fuse3)",
+            dir.path().display()
+        )
+    })?;
     eprintln!(
         "baton demo: no NVIDIA driver here: mock driver mounted at {}",
         dir.path().display()
