@@ -1,7 +1,6 @@
 //! The [`Tracer`]: probes, record stream, fd mirror, ledgers and the cgroup index, kept consistent.
 use std::{
     collections::HashMap,
-    os::fd::AsRawFd,
     path::{Path, PathBuf},
 };
 
@@ -141,11 +140,6 @@ impl Tracer {
             }
         }
         Ok(t)
-    }
-
-    /// The struct layouts in use.
-    pub fn layout(&self) -> &Layout {
-        &self.layout
     }
 
     /// The cgroup v2 root.
@@ -439,10 +433,5 @@ impl Tracer {
         };
         self.names.insert(cgroup_id, name.clone());
         name
-    }
-
-    /// The raw fd of the ring buffer (for callers that poll it themselves).
-    pub fn ring_fd(&self) -> i32 {
-        self.ring.get_ref().as_raw_fd()
     }
 }

@@ -13,7 +13,7 @@ use baton_nvidia::{escape, ioc, params};
 use baton_tracer::{Tracer, TracerConfig, cgroups};
 use clap::Args;
 
-use crate::{summary::percentile, trace::now_monotonic_ns};
+use crate::trace::now_monotonic_ns;
 
 /// Options of `baton bench`.
 #[derive(Args, Debug)]
@@ -328,4 +328,27 @@ pub fn worker_main(a: WorkerArgs) -> anyhow::Result<()> {
     };
     println!("{ns}");
     Ok(())
+}
+
+/// The `p`th percentile of sorted values (nearest rank); 0 for none.
+pub fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percentile;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<u64> = (1..=100).collect();
+        assert_eq!(percentile(&v, 50.0), 50);
+        assert_eq!(percentile(&v, 99.0), 99);
+        assert_eq!(percentile(&[7], 99.0), 7);
+        assert_eq!(percentile(&[], 50.0), 0);
+    }
 }

@@ -67,7 +67,6 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
 /// What the selection options resolve to.
 struct Selection {
     names: Vec<String>,
-    pids: HashSet<u32>,
     watched: HashSet<u64>,
 }
 
@@ -136,7 +135,6 @@ pub async fn run_until(
     })?;
     let mut sel = Selection {
         names: args.containers.clone(),
-        pids: args.pids.iter().copied().collect(),
         watched: HashSet::new(),
     };
     for path in &args.cgroups {
@@ -154,14 +152,20 @@ pub async fn run_until(
     }
     sel.refresh(&mut tracer)?;
 
-    let mut out: Box<dyn Write> = match &args.output {
+    let out: Box<dyn Write> = match &args.output {
         Some(p) => Box::new(
             std::fs::File::create(p).with_context(|| format!("cannot create {}", p.display()))?,
         ),
         None => Box::new(std::io::stdout().lock()),
     };
-    let mut summary = Summary::default();
-    let t0 = now_monotonic_ns();
+    let mut output = Output {
+        out,
+        summary: Summary::default(),
+        pids: args.pids.iter().copied().collect(),
+        json: args.json,
+        quiet: args.quiet,
+        t0: now_monotonic_ns(),
+    };
     let deadline = async {
         match args.duration {
             Some(s) => tokio::time::sleep(Duration::from_secs_f64(s)).await,
@@ -179,34 +183,51 @@ pub async fn run_until(
                 sel.refresh(&mut tracer)?;
                 reported_drops = report_drops(&tracer, reported_drops);
             }
-            batch = tracer.next_events() => {
-                for e in batch? {
-                    if !sel.pids.is_empty() && !sel.pids.contains(&e.pid) {
-                        continue;
-                    }
-                    on_event(&e);
-                    summary.add(&e);
-                    if !args.quiet {
-                        emit(&mut out, &e, &mut tracer, args.json, t0)?;
-                    }
-                }
-                out.flush()?;
-            }
+            batch = tracer.next_events() => output.take(batch?, &mut tracer, &mut on_event)?,
         }
     }
-    for e in tracer.drain_now()? {
-        on_event(&e);
-        summary.add(&e);
-        if !args.quiet && (sel.pids.is_empty() || sel.pids.contains(&e.pid)) {
-            emit(&mut out, &e, &mut tracer, args.json, t0)?;
-        }
-    }
+    output.take(tracer.drain_now()?, &mut tracer, &mut on_event)?;
     report_drops(&tracer, reported_drops);
     if args.summary {
-        writeln!(out, "{}", summary.render(&mut tracer))?;
+        let report = output.summary.render(&mut tracer);
+        writeln!(output.out, "{report}")?;
     }
-    out.flush()?;
+    output.out.flush()?;
     Ok(())
+}
+
+/// Where events go: the live lines or JSON objects, and the summary.
+struct Output {
+    out: Box<dyn Write>,
+    summary: Summary,
+    /// `--pid` filter (empty: every process of the traced containers).
+    pids: HashSet<u32>,
+    json: bool,
+    quiet: bool,
+    t0: u64,
+}
+
+impl Output {
+    /// Takes a batch of events: the ones `--pid` selects are counted, handed to `on_event` and printed.
+    fn take(
+        &mut self,
+        events: Vec<Event>,
+        tracer: &mut Tracer,
+        on_event: &mut impl FnMut(&Event),
+    ) -> anyhow::Result<()> {
+        for e in events
+            .iter()
+            .filter(|e| self.pids.is_empty() || self.pids.contains(&e.pid))
+        {
+            on_event(e);
+            self.summary.add(e);
+            if !self.quiet {
+                emit(&mut *self.out, e, tracer, self.json, self.t0)?;
+            }
+        }
+        self.out.flush()?;
+        Ok(())
+    }
 }
 
 fn emit(
