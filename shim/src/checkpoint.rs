@@ -2,68 +2,17 @@
 //! are built by pure functions, as the Go shim (go-runc) builds them, and run by the shim's
 //! reaper-safe executor.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use containerd_shim_protos::{
     protobuf::{Message, well_known_types::any::Any},
     shim::oci::{CheckpointOptions, Options as RuncOptions},
 };
 
-use crate::errors::{Result, ShimError};
-
-/// runc's global flags, the same for every subcommand of one container.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RuncGlobal {
-    /// runc binary.
-    pub binary: PathBuf,
-    /// `--root` (state directory, per namespace).
-    pub root: PathBuf,
-    /// `--log` file (JSON) in the bundle.
-    pub log: PathBuf,
-    /// `--systemd-cgroup`.
-    pub systemd_cgroup: bool,
-}
-
-impl RuncGlobal {
-    /// The default runc root containerd's runc shim uses.
-    pub const DEFAULT_ROOT: &'static str = "/run/containerd/runc";
-
-    /// Global flags for a container of `namespace` in `bundle` with runc `options`.
-    pub fn new(options: &RuncOptions, namespace: &str, bundle: &Path) -> Self {
-        let binary = if options.binary_name.is_empty() {
-            PathBuf::from("runc")
-        } else {
-            PathBuf::from(&options.binary_name)
-        };
-        let root = if options.root.is_empty() {
-            Path::new(Self::DEFAULT_ROOT)
-        } else {
-            Path::new(&options.root)
-        };
-        Self {
-            binary,
-            root: root.join(namespace),
-            log: bundle.join("log.json"),
-            systemd_cgroup: options.systemd_cgroup,
-        }
-    }
-
-    /// The flags in the order go-runc writes them.
-    pub fn args(&self) -> Vec<String> {
-        let mut args = vec![
-            "--root".to_string(),
-            self.root.display().to_string(),
-            "--log".to_string(),
-            self.log.display().to_string(),
-            "--log-format".to_string(),
-            "json".to_string(),
-        ];
-        if self.systemd_cgroup {
-            args.push("--systemd-cgroup".to_string());
-        }
-        args
-    }
-}
+use crate::{
+    errors::{Result, ShimError},
+    runtime::RuncGlobal,
+};
 
 /// What CRIU is asked to do, from the request and its `CheckpointOptions`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -225,6 +174,8 @@ pub fn restore_args(
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
 
     fn global() -> RuncGlobal {

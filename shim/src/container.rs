@@ -1,12 +1,19 @@
 //! One container: its runc client, init process and exec processes, and the operations on them.
 //! Each operation checks the process state machine first, runs runc, and commits the new state
 //! only when runc succeeded; a failed Create undoes what it did (runc delete, unmount rootfs).
+//!
+//! Locking: `procs` (the process table) is only ever held for a check or a commit, never across
+//! a runc call, so State, Kill and Wait answer while a slow `runc exec` runs. `init_op`
+//! serialises the operations that change the init's state through runc (start, pause, resume,
+//! update, delete). Starting processes lives in `container/start.rs`.
+
+mod start;
 
 use std::{
     collections::HashMap,
     path::{Path, PathBuf},
     sync::Arc,
-    time::SystemTime,
+    time::{Duration, SystemTime},
 };
 
 use containerd_shim::asynchronous::util::{mount_rootfs, write_options, write_runtime};
@@ -15,25 +22,25 @@ use containerd_shim_protos::{
     protobuf::{Message, well_known_types::any::Any},
     shim::oci::{Options as RuncOptions, ProcessDetails},
 };
+use oci_spec::runtime::{LinuxNamespaceType, Spec};
 use runc::{
     Runc,
-    options::{CreateOpts, DeleteOpts, ExecOpts, KillOpts},
+    options::{DeleteOpts, KillOpts},
 };
 use tokio::sync::{Mutex, watch};
 
 use crate::{
-    checkpoint::{self, CriuOpts, RestoreTarget, RuncGlobal},
-    console::ConsoleSocket,
+    checkpoint::{self, CriuOpts},
     errors::{Result, ShimError},
-    io::{ProcessPipes, StdioSpec, start_console_copies, start_pipe_copies},
+    io::StdioSpec,
     options::BatonSettings,
     process::{ExitInfo, Op, Process, State},
-    reaper::{self, ProcessKey},
-    runtime,
+    reaper::{self, ExitSubscription},
+    runtime::{self, RuncGlobal},
 };
 
-/// Pid file of the init process in the bundle.
-const INIT_PID_FILE: &str = "init.pid";
+/// How long Delete lets `file://` copies finish writing what the process printed.
+const FILE_COPY_DRAIN: Duration = Duration::from_secs(5);
 
 /// The processes of a container, behind one lock.
 pub struct Procs {
@@ -41,6 +48,8 @@ pub struct Procs {
     pub init: Process,
     /// Exec processes by exec id.
     pub execs: HashMap<String, Process>,
+    /// The init's exit was seen (its TaskExit may still wait for the execs'): no exec starts.
+    pub init_exit_seen: bool,
 }
 
 impl Procs {
@@ -87,13 +96,20 @@ pub struct Container {
     pub options: RuncOptions,
     /// Baton settings after layering.
     pub settings: BatonSettings,
+    /// The container has no pid namespace of its own: when its init exits, the kernel does not
+    /// kill the other processes, so the shim does (`runc kill --all`), as the Go shim does.
+    pub kill_all_on_exit: bool,
     /// The processes.
     pub procs: Mutex<Procs>,
+    /// Serialises the runc operations that change the init's state.
+    init_op: Mutex<()>,
+    /// Exec processes starting or running (their TaskExit comes before the init's).
+    pub running_execs: watch::Sender<usize>,
     /// Background tasks (OOM watch) to stop on delete.
     pub tasks: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
     /// OOM counter of the container's memory cgroup, once known.
     pub oom: std::sync::OnceLock<Arc<crate::oom::OomWatch>>,
-    /// Held while a start and its event are published, and while an exit is published, so that
+    /// Held while a start and its event are published, and while an exit is claimed, so that
     /// TaskExit never overtakes TaskStart / TaskExecStarted.
     pub event_gate: Mutex<()>,
 }
@@ -134,17 +150,8 @@ fn with_log(err: ShimError, log: &Path) -> ShimError {
     }
 }
 
-async fn read_pid(path: &Path) -> Result<u32> {
-    let text = tokio::fs::read_to_string(path)
-        .await
-        .map_err(|e| ShimError::io(format!("read pid file {}", path.display()), e))?;
-    text.trim()
-        .parse()
-        .map_err(|_| ShimError::Other(format!("pid file {} holds {text:?}", path.display())))
-}
-
 /// Checks the bundle before anything is mounted: it must exist and hold a valid config.json.
-pub fn load_spec(bundle: &Path) -> Result<oci_spec::runtime::Spec> {
+pub fn load_spec(bundle: &Path) -> Result<Spec> {
     let config = bundle.join("config.json");
     if !bundle.is_dir() {
         return Err(ShimError::InvalidArgument(format!(
@@ -158,6 +165,20 @@ pub fn load_spec(bundle: &Path) -> Result<oci_spec::runtime::Spec> {
         .map_err(|e| ShimError::InvalidArgument(format!("invalid {}: {e}", config.display())))
 }
 
+/// True unless the spec gives the container a new pid namespace of its own (the Go shim's
+/// `ShouldKillAllOnExit`): sharing the host's, or joining another by path.
+fn shares_a_pid_namespace(spec: &Spec) -> bool {
+    let own = spec
+        .linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().as_ref())
+        .is_some_and(|nss| {
+            nss.iter()
+                .any(|ns| ns.typ() == LinuxNamespaceType::Pid && ns.path().is_none())
+        });
+    !own
+}
+
 fn unmount_rootfs(bundle: &Path) {
     let rootfs = bundle.join("rootfs");
     if let Some(path) = rootfs.to_str()
@@ -169,6 +190,8 @@ fn unmount_rootfs(bundle: &Path) {
 
 impl Container {
     /// Creates the container (runc create, or the checkpointed state that Start restores).
+    /// Exits of its init are kept by `exits`; the caller registers the init with
+    /// [`Self::register_init`] once TaskCreate is published.
     pub async fn create(
         req: &CreateTaskRequest,
         namespace: &str,
@@ -177,7 +200,7 @@ impl Container {
     ) -> Result<Self> {
         let id = req.id.clone();
         let bundle = PathBuf::from(&req.bundle);
-        load_spec(&bundle)?;
+        let spec = load_spec(&bundle)?;
         write_options(&bundle, &options).await?;
         let global = RuncGlobal::new(&options, namespace, &bundle);
         write_runtime(&bundle, &global.binary.display().to_string()).await?;
@@ -210,10 +233,14 @@ impl Container {
             runc,
             options,
             settings,
+            kill_all_on_exit: shares_a_pid_namespace(&spec),
             procs: Mutex::new(Procs {
                 init: Process::new(&id, "", StdioSpec::default()),
                 execs: HashMap::new(),
+                init_exit_seen: false,
             }),
+            init_op: Mutex::new(()),
+            running_execs: watch::channel(0).0,
             tasks: std::sync::Mutex::new(Vec::new()),
             oom: std::sync::OnceLock::new(),
             event_gate: Mutex::new(()),
@@ -238,154 +265,39 @@ impl Container {
         Ok(container)
     }
 
-    async fn runc_create(&self, init: &mut Process) -> Result<()> {
-        let pid_file = self.bundle.join(INIT_PID_FILE);
-        let mut opts = CreateOpts::new()
-            .pid_file(&pid_file)
-            .no_pivot(self.options.no_pivot_root)
-            .no_new_keyring(self.options.no_new_keyring);
-        let console = if init.stdio.terminal {
-            let socket = ConsoleSocket::new()?;
-            opts.console_socket = Some(socket.path());
-            Some(socket)
-        } else {
-            None
-        };
-        let pipes = if init.stdio.terminal {
-            None
-        } else {
-            let p = Arc::new(ProcessPipes::new(
-                &init.stdio,
-                self.options.io_uid,
-                self.options.io_gid,
-            )?);
-            opts.io = Some(p.clone());
-            Some(p)
-        };
-        self.runc
-            .create(&self.id, &self.bundle, Some(&opts))
-            .await
-            .map_err(|e| ShimError::runtime("create", &self.id, e))?;
-        self.attach_io(init, console, pipes).await?;
-        init.pid = read_pid(&pid_file).await?;
-        self.register(init, "");
-        Ok(())
+    /// Registers the init's pid with the reaper. Returns its exit when it already died (since
+    /// `exits` was taken, before its Create): the caller publishes it.
+    pub async fn register_init(&self, exits: &ExitSubscription) -> Option<reaper::Exit> {
+        let procs = self.procs.lock().await;
+        self.register(procs.init.pid, "", exits)
     }
 
-    async fn attach_io(
-        &self,
-        p: &mut Process,
-        console: Option<ConsoleSocket>,
-        pipes: Option<Arc<ProcessPipes>>,
-    ) -> Result<()> {
-        if let Some(socket) = console {
-            let pty = socket.receive_master().await?;
-            start_console_copies(&pty, &p.stdio, &p.io)?;
-            p.console = Some(pty);
-        } else if let Some(pipes) = pipes {
-            start_pipe_copies(&pipes, &p.stdio, &p.io, &p.stdin, &self.id, &self.namespace).await?;
+    fn register(&self, pid: u32, exec_id: &str, exits: &ExitSubscription) -> Option<reaper::Exit> {
+        if pid == 0 {
+            return None;
         }
-        Ok(())
-    }
-
-    /// Registers the pid with the reaper; an exit that already happened is applied at once.
-    fn register(&self, p: &mut Process, exec_id: &str) {
-        let key = ProcessKey {
+        let key = reaper::ProcessKey {
             id: self.id.clone(),
             exec_id: exec_id.to_string(),
         };
-        if let Some(exit) = reaper::register_process(p.pid as i32, key) {
-            p.set_exited(exit.code as u32, exit.at);
-            p.exit_unpublished = true;
-        }
+        exits.register(pid as i32, key)
     }
 
-    /// Starts the init process (restoring it when created from a checkpoint). Returns its pid.
-    pub async fn start_init(&self) -> Result<u32> {
-        let mut procs = self.procs.lock().await;
-        let next = procs.init.check(Op::Start)?;
-        if let Some(criu) = procs.init.restore.clone() {
-            self.restore(&mut procs.init, &criu)
-                .await
-                .map_err(|e| with_log(e, &self.global.log))?;
-            procs.init.restore = None;
-        } else {
-            self.runc.start(&self.id).await.map_err(|e| {
-                with_log(ShimError::runtime("start", &self.id, e), &self.global.log)
-            })?;
-        }
-        // An exit seen meanwhile wins over Running.
-        if procs.init.state != State::Stopped {
-            procs.init.state = next;
-        }
-        Ok(procs.init.pid)
-    }
-
-    async fn restore(&self, init: &mut Process, criu: &CriuOpts) -> Result<()> {
-        let pid_file = self.bundle.join(INIT_PID_FILE);
-        let console = if init.stdio.terminal {
-            Some(ConsoleSocket::new()?)
-        } else {
-            None
-        };
-        let target = RestoreTarget {
-            bundle: self.bundle.clone(),
-            pid_file: pid_file.clone(),
-            console_socket: console.as_ref().map(ConsoleSocket::path),
-            no_pivot: self.options.no_pivot_root,
-        };
-        let args = checkpoint::restore_args(&self.global, &self.id, criu, &target);
-        if init.stdio.terminal {
-            runtime::run_raw(&self.global.binary, &args, "restore", &self.id).await?;
-        } else {
-            let pipes = Arc::new(ProcessPipes::new(
-                &init.stdio,
-                self.options.io_uid,
-                self.options.io_gid,
-            )?);
-            let mut cmd = runc::Command::new(&self.global.binary);
-            // What runc (and so CRIU's inherited stdio) gets; the pipes replace these below.
-            cmd.args(&args)
-                .stdin(std::process::Stdio::null())
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped());
-            runc::Io::set(pipes.as_ref(), &mut cmd)
-                .await
-                .map_err(|e| ShimError::io("set restore stdio", e))?;
-            let (status, _, out, err) = runc::Spawner::execute(&runtime::ShimExecutor, cmd)
-                .await
-                .map_err(|e| ShimError::runtime("restore", &self.id, e))?;
-            runc::Io::close_after_start(pipes.as_ref()).await;
-            if !status.success() {
-                return Err(ShimError::Runtime {
-                    action: "restore",
-                    id: self.id.clone(),
-                    message: format!("{status}: {}{}", out.trim(), err.trim()),
-                });
-            }
-            self.attach_io(init, None, Some(pipes)).await?;
-        }
-        if let Some(socket) = console {
-            self.attach_io(init, Some(socket), None).await?;
-        }
-        init.pid = read_pid(&pid_file).await?;
-        self.register(init, "");
-        Ok(())
-    }
-
-    /// Adds an exec process (not started yet).
+    /// Adds an exec process (not started yet). The request's `terminal` decides whether it gets
+    /// a TTY, whatever its process spec says (as in the Go shim).
     pub async fn add_exec(&self, exec_id: &str, stdio: StdioSpec, spec: &Any) -> Result<()> {
-        let process: oci_spec::runtime::Process =
+        let mut process: oci_spec::runtime::Process =
             serde_json::from_slice(&spec.value).map_err(|e| {
                 ShimError::InvalidArgument(format!("exec {exec_id}: invalid process spec: {e}"))
             })?;
-        let mut procs = self.procs.lock().await;
-        procs.init.check(Op::Exec)?;
+        process.set_terminal(Some(stdio.terminal));
         if exec_id.is_empty() {
             return Err(ShimError::InvalidArgument(
                 "exec id must not be empty".into(),
             ));
         }
+        let mut procs = self.procs.lock().await;
+        procs.init.check(Op::Exec)?;
         if procs.execs.contains_key(exec_id) {
             return Err(ShimError::AlreadyExists {
                 what: "exec",
@@ -398,106 +310,72 @@ impl Container {
         Ok(())
     }
 
-    /// Starts exec process `exec_id` (`runc exec --detach`). Returns its pid.
-    pub async fn start_exec(&self, exec_id: &str) -> Result<u32> {
-        let mut procs = self.procs.lock().await;
-        if matches!(procs.init.state, State::Stopped | State::Deleted) {
-            return Err(ShimError::FailedPrecondition {
-                id: self.id.clone(),
-                action: "exec in",
-                state: "stopped".into(),
-            });
-        }
-        let p = procs.get_mut(&self.id, exec_id)?;
-        let next = p.check(Op::Start)?;
-        let spec = p
-            .exec_spec
-            .clone()
-            .ok_or_else(|| ShimError::Other(format!("{} has no spec", p.name())))?;
-        let pid_file = self.bundle.join(format!("{exec_id}.pid"));
-        let mut opts = ExecOpts::new().pid_file(&pid_file).detach(true);
-        let console = if p.stdio.terminal {
-            let socket = ConsoleSocket::new()?;
-            opts.console_socket = Some(socket.path());
-            Some(socket)
-        } else {
-            None
-        };
-        let pipes = if p.stdio.terminal {
-            None
-        } else {
-            let pipes = Arc::new(ProcessPipes::new(
-                &p.stdio,
-                self.options.io_uid,
-                self.options.io_gid,
-            )?);
-            opts.io = Some(pipes.clone());
-            Some(pipes)
-        };
-        if let Err(e) = self.runc.exec(&self.id, &spec, Some(&opts)).await {
-            return Err(with_log(
-                ShimError::runtime("exec", &self.id, e),
-                &self.global.log,
-            ));
-        }
-        if let Err(e) = self.attach_io(p, console, pipes).await {
-            p.io.abort().await;
-            return Err(e);
-        }
-        p.pid = read_pid(&pid_file).await?;
-        let _ = tokio::fs::remove_file(&pid_file).await;
-        p.state = next;
-        self.register(p, exec_id);
-        Ok(p.pid)
-    }
-
     /// Signals a process (`all`: every process of the container, init only).
     pub async fn kill(&self, exec_id: &str, signal: u32, all: bool) -> Result<()> {
-        let procs = self.procs.lock().await;
-        let p = procs.get(&self.id, exec_id)?;
-        p.check(Op::Kill)?;
+        let (pid, name) = {
+            let procs = self.procs.lock().await;
+            let p = procs.get(&self.id, exec_id)?;
+            p.check(Op::Kill)?;
+            (p.pid, p.name())
+        };
         if exec_id.is_empty() {
-            let opts = KillOpts::new().all(all);
-            self.runc
-                .kill(&self.id, signal, Some(&opts))
-                .await
-                .map_err(|e| {
-                    let err = ShimError::runtime("kill", &self.id, e);
-                    if err.to_string().contains("not running")
-                        || err.to_string().contains("process already finished")
-                    {
-                        ShimError::ProcessFinished {
-                            id: self.id.clone(),
-                        }
-                    } else {
-                        err
+            return self.runc_kill(signal, all).await;
+        }
+        let sig = nix::sys::signal::Signal::try_from(signal as i32)
+            .map_err(|_| ShimError::InvalidArgument(format!("invalid signal {signal}")))?;
+        // The state check above guarantees a pid (an exec is signalled only once started).
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).map_err(|e| {
+            if e == nix::errno::Errno::ESRCH {
+                ShimError::ProcessFinished { id: name }
+            } else {
+                ShimError::io(format!("kill {name}"), e.into())
+            }
+        })
+    }
+
+    async fn runc_kill(&self, signal: u32, all: bool) -> Result<()> {
+        let opts = KillOpts::new().all(all);
+        self.runc
+            .kill(&self.id, signal, Some(&opts))
+            .await
+            .map_err(|e| {
+                let err = ShimError::runtime("kill", &self.id, e);
+                if err.to_string().contains("not running")
+                    || err.to_string().contains("process already finished")
+                {
+                    ShimError::ProcessFinished {
+                        id: self.id.clone(),
                     }
-                })
-        } else {
-            let sig = nix::sys::signal::Signal::try_from(signal as i32)
-                .map_err(|_| ShimError::InvalidArgument(format!("invalid signal {signal}")))?;
-            nix::sys::signal::kill(nix::unistd::Pid::from_raw(p.pid as i32), sig).map_err(|e| {
-                if e == nix::errno::Errno::ESRCH {
-                    ShimError::ProcessFinished { id: p.name() }
                 } else {
-                    ShimError::io(format!("kill {}", p.name()), e.into())
+                    err
                 }
             })
+    }
+
+    /// After the init of a container without a pid namespace of its own exited: kills every
+    /// process left in it, so that its exec processes exit before the init's TaskExit.
+    pub async fn kill_all_after_init_exit(&self) {
+        if !self.kill_all_on_exit {
+            return;
+        }
+        match self.runc_kill(libc::SIGKILL as u32, true).await {
+            Ok(()) | Err(ShimError::ProcessFinished { .. }) => {}
+            Err(e) => tracing::warn!(id = %self.id, error = %e, "kill --all after init exit"),
         }
     }
 
     /// Pauses (true) or resumes (false) the container.
     pub async fn set_paused(&self, pause: bool) -> Result<()> {
-        let mut procs = self.procs.lock().await;
-        let next = procs
-            .init
-            .check(if pause { Op::Pause } else { Op::Resume })?;
+        let _op = self.init_op.lock().await;
+        let op = if pause { Op::Pause } else { Op::Resume };
+        let next = self.procs.lock().await.init.check(op)?;
         let res = if pause {
             self.runc.pause(&self.id).await
         } else {
             self.runc.resume(&self.id).await
         };
         res.map_err(|e| ShimError::runtime(if pause { "pause" } else { "resume" }, &self.id, e))?;
+        let mut procs = self.procs.lock().await;
         if procs.init.state != State::Stopped {
             procs.init.state = next;
         }
@@ -506,11 +384,9 @@ impl Container {
 
     /// Checkpoints the container with CRIU (`runc checkpoint`).
     pub async fn checkpoint(&self, path: &str, options: Option<&Any>) -> Result<()> {
-        let procs = self.procs.lock().await;
-        procs.init.check(Op::Checkpoint)?;
+        self.procs.lock().await.init.check(Op::Checkpoint)?;
         let criu = CriuOpts::for_checkpoint(path, options, &self.options)?;
         let args = checkpoint::checkpoint_args(&self.global, &self.id, &criu);
-        drop(procs);
         runtime::run_raw(&self.global.binary, &args, "checkpoint", &self.id)
             .await
             .map(|_| ())
@@ -519,8 +395,8 @@ impl Container {
 
     /// Updates the container's resources (JSON of an OCI `LinuxResources`).
     pub async fn update(&self, resources: &Any) -> Result<()> {
-        let procs = self.procs.lock().await;
-        procs.init.check(Op::Update)?;
+        let _op = self.init_op.lock().await;
+        self.procs.lock().await.init.check(Op::Update)?;
         let res: oci_spec::runtime::LinuxResources = serde_json::from_slice(&resources.value)
             .map_err(|e| {
                 ShimError::InvalidArgument(format!("update {}: invalid resources: {e}", self.id))
@@ -577,33 +453,23 @@ impl Container {
         Ok(procs.get(&self.id, exec_id)?.exit_tx.subscribe())
     }
 
-    /// Takes an exit that was applied at registration and not yet published.
-    pub async fn take_unpublished_exit(&self, exec_id: &str) -> Option<(u32, ExitInfo)> {
-        let mut procs = self.procs.lock().await;
-        let p = procs.get_mut(&self.id, exec_id).ok()?;
-        if !std::mem::take(&mut p.exit_unpublished) {
-            return None;
-        }
-        Some((p.pid, p.exit_info()?))
-    }
-
     /// Deletes exec `exec_id`, or the container itself when empty. Returns pid and exit.
     pub async fn delete(&self, exec_id: &str) -> Result<(u32, ExitInfo)> {
-        let mut procs = self.procs.lock().await;
-        let p = procs.get(&self.id, exec_id)?;
-        p.check(Op::Delete)?;
-        let pid = p.pid;
-        let exit = p.exit_info().unwrap_or(ExitInfo {
-            status: 0,
-            at: Some(SystemTime::now()),
-        });
         if !exec_id.is_empty() {
-            if let Some(p) = procs.execs.remove(exec_id) {
-                p.io.shutdown().await;
-                reaper::forget(p.pid as i32);
-            }
-            return Ok((pid, exit));
+            return self.delete_exec(exec_id).await;
         }
+        let _op = self.init_op.lock().await;
+        // An init whose exit was seen is deleted only once its TaskExit is queued, so that
+        // TaskDelete can never come first.
+        let mut exited = self.exit_receiver("").await?;
+        if self.procs.lock().await.init_exit_seen {
+            let _ = exited.wait_for(Option::is_some).await;
+        }
+        let (pid, exit) = {
+            let procs = self.procs.lock().await;
+            procs.init.check(Op::Delete)?;
+            (procs.init.pid, exit_or_now(&procs.init))
+        };
         if let Err(e) = self
             .runc
             .delete(&self.id, Some(&DeleteOpts::new().force(true)))
@@ -615,7 +481,8 @@ impl Container {
                 return Err(err);
             }
         }
-        procs.init.io.shutdown().await;
+        let mut procs = self.procs.lock().await;
+        finish_output(&mut procs.init).await;
         for p in procs.execs.values() {
             p.io.abort().await;
         }
@@ -632,82 +499,46 @@ impl Container {
         }
         Ok((pid, exit))
     }
+
+    async fn delete_exec(&self, exec_id: &str) -> Result<(u32, ExitInfo)> {
+        let mut p = {
+            let mut procs = self.procs.lock().await;
+            let p = procs.get(&self.id, exec_id)?;
+            p.check(Op::Delete)?;
+            procs
+                .execs
+                .remove(exec_id)
+                .ok_or_else(|| ShimError::ProcessNotFound {
+                    id: self.id.clone(),
+                    exec_id: exec_id.to_string(),
+                })?
+        };
+        finish_output(&mut p).await;
+        reaper::forget(p.pid as i32);
+        Ok((p.pid, exit_or_now(&p)))
+    }
+}
+
+fn exit_or_now(p: &Process) -> ExitInfo {
+    p.exit_info().unwrap_or(ExitInfo {
+        status: 0,
+        at: Some(SystemTime::now()),
+    })
+}
+
+/// Lets the output copies of a deleted process finish (`file://` ones included), then stops
+/// what is left.
+async fn finish_output(p: &mut Process) {
+    let name = p.name();
+    for copy in p.file_copies.drain(..) {
+        let abort = copy.abort_handle();
+        if tokio::time::timeout(FILE_COPY_DRAIN, copy).await.is_err() {
+            tracing::warn!(process = %name, "file:// copy still running at delete: stopped");
+            abort.abort();
+        }
+    }
+    p.io.shutdown().await;
 }
 
 #[cfg(test)]
-mod tests {
-    use std::io::Write as _;
-
-    use super::*;
-    use crate::fake_runc::{FakeRunc, exclusive};
-
-    fn runc_options(fake: &FakeRunc) -> RuncOptions {
-        let mut o = RuncOptions::new();
-        o.binary_name = fake.binary.display().to_string();
-        o.root = fake.dir().join("root").display().to_string();
-        o
-    }
-
-    /// A container created from a checkpoint (non-TTY, with stdin): Start restores it, and the
-    /// restored process reads what containerd writes into the request's stdin fifo, until
-    /// CloseIO ends its input.
-    #[tokio::test]
-    async fn restore_hands_the_request_stdin_to_the_restored_process() {
-        let _guard = exclusive().await;
-        let fake = FakeRunc::new();
-        let stdin = fake.fifo("r1-stdin");
-        let req = CreateTaskRequest {
-            id: "r1".into(),
-            bundle: fake.bundle("r1").display().to_string(),
-            stdin: stdin.display().to_string(),
-            checkpoint: "/ckpt/r1".into(),
-            ..Default::default()
-        };
-        let c = Container::create(&req, "test", runc_options(&fake), BatonSettings::default())
-            .await
-            .unwrap();
-        let global = c.global.args();
-        assert!(
-            fake.take_calls(&global).is_empty(),
-            "restore waits for Start"
-        );
-        assert_eq!(c.procs.lock().await.init.state, State::CreatedCheckpoint);
-
-        let pid = c.start_init().await.unwrap();
-        assert_eq!(Some(pid as i32), fake.pid_of("r1"));
-        let calls = fake.take_calls(&global);
-        assert_eq!(calls.len(), 1, "{calls:?}");
-        assert!(
-            calls[0].starts_with("restore --image-path /ckpt/r1 --detach"),
-            "{calls:?}"
-        );
-        assert!(
-            fake.stdin_of("r1", "restore").starts_with("pipe:"),
-            "runc restore got stdin {:?}, not the stdin pipe",
-            fake.stdin_of("r1", "restore")
-        );
-
-        let mut containerd = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&stdin)
-            .unwrap();
-        containerd.write_all(b"hello\n").unwrap();
-        assert_eq!(fake.wait_for_input("r1", "hello\n").await, "hello\n");
-        assert!(!fake.input_ended("r1"), "no EOF before CloseIO");
-
-        drop(containerd);
-        {
-            let procs = c.procs.lock().await;
-            procs.init.io.close_input();
-            procs.init.stdin.close_soon();
-        }
-        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
-        while !fake.input_ended("r1") && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-        assert!(
-            fake.input_ended("r1"),
-            "CloseIO ends the restored process's stdin"
-        );
-    }
-}
+mod tests;

@@ -1,7 +1,13 @@
 //! Task events to containerd, published through the crate's `RemotePublisher` on the topics
 //! containerd's task service listens to.
 
-use std::time::{Duration, SystemTime};
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, SystemTime},
+};
 
 use containerd_shim::{
     Context,
@@ -10,7 +16,7 @@ use containerd_shim::{
         shim_async::{Client, EventsClient},
     },
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use crate::io::StdioSpec;
 use containerd_shim_protos::{
@@ -59,6 +65,10 @@ const MAX_ATTEMPTS: u32 = 40;
 pub struct Events {
     queue: mpsc::Sender<Envelope>,
     namespace: String,
+    /// Events queued so far.
+    queued: Arc<AtomicU64>,
+    /// Events the forwarder is done with (delivered or dropped); `None` when nothing forwards.
+    done: Option<watch::Receiver<u64>>,
 }
 
 fn ttrpc_address(address: &str) -> String {
@@ -69,30 +79,41 @@ fn ttrpc_address(address: &str) -> String {
     }
 }
 
-async fn forward_loop(address: String, mut queue: mpsc::Receiver<Envelope>) {
+async fn forward_loop(
+    address: String,
+    mut queue: mpsc::Receiver<Envelope>,
+    done: watch::Sender<u64>,
+) {
     let mut client: Option<EventsClient> = None;
     while let Some(envelope) = queue.recv().await {
-        let mut req = ForwardRequest::new();
-        req.set_envelope(envelope);
-        for attempt in 0..MAX_ATTEMPTS {
-            if client.is_none() {
-                client = Client::connect(&address).await.ok().map(EventsClient::new);
-            }
-            if let Some(c) = &client {
-                match c.forward(Context::default(), &req).await {
-                    Ok(_) => break,
-                    Err(e) => {
-                        tracing::debug!(error = %e, attempt, "forward event failed; reconnecting");
-                        client = None;
-                    }
+        forward_one(&address, &mut client, envelope).await;
+        done.send_modify(|n| *n += 1);
+    }
+}
+
+/// Forwards one event, reconnecting and retrying with growing delays; drops it after
+/// [`MAX_ATTEMPTS`].
+async fn forward_one(address: &str, client: &mut Option<EventsClient>, envelope: Envelope) {
+    let mut req = ForwardRequest::new();
+    req.set_envelope(envelope);
+    for attempt in 0..MAX_ATTEMPTS {
+        if client.is_none() {
+            *client = Client::connect(address).await.ok().map(EventsClient::new);
+        }
+        if let Some(c) = client.as_ref() {
+            match c.forward(Context::default(), &req).await {
+                Ok(_) => return,
+                Err(e) => {
+                    tracing::debug!(error = %e, attempt, "forward event failed; reconnecting");
+                    *client = None;
                 }
             }
-            if attempt + 1 == MAX_ATTEMPTS {
-                tracing::warn!(topic = %req.envelope.topic, "event dropped: containerd unreachable at {address}");
-            } else {
-                let backoff = Duration::from_millis(100 << attempt.min(4));
-                tokio::time::sleep(backoff).await;
-            }
+        }
+        if attempt + 1 == MAX_ATTEMPTS {
+            tracing::warn!(topic = %req.envelope.topic, "event dropped: containerd unreachable at {address}");
+        } else {
+            let backoff = Duration::from_millis(100 << attempt.min(4));
+            tokio::time::sleep(backoff).await;
         }
     }
 }
@@ -100,8 +121,10 @@ async fn forward_loop(address: String, mut queue: mpsc::Receiver<Envelope>) {
 impl Events {
     /// A publisher to containerd's ttrpc `address` for `namespace`.
     pub fn new(address: &str, namespace: &str) -> Self {
-        let (events, rx) = Self::queued(namespace);
-        tokio::spawn(forward_loop(ttrpc_address(address), rx));
+        let (mut events, rx) = Self::queued(namespace);
+        let (done_tx, done_rx) = watch::channel(0);
+        events.done = Some(done_rx);
+        tokio::spawn(forward_loop(ttrpc_address(address), rx, done_tx));
         events
     }
 
@@ -111,8 +134,22 @@ impl Events {
         let events = Self {
             queue,
             namespace: namespace.to_string(),
+            queued: Arc::new(AtomicU64::new(0)),
+            done: None,
         };
         (events, rx)
+    }
+
+    /// Waits until every event queued so far has been forwarded to containerd (or given up
+    /// on), for at most `within`. False when time ran out first.
+    pub async fn flush(&self, within: Duration) -> bool {
+        let Some(mut done) = self.done.clone() else {
+            return true;
+        };
+        let target = self.queued.load(Ordering::SeqCst);
+        tokio::time::timeout(within, done.wait_for(|n| *n >= target))
+            .await
+            .is_ok_and(|r| r.is_ok())
     }
 
     /// A publisher for tests: the events it publishes are read from the returned receiver.
@@ -136,7 +173,9 @@ impl Events {
         envelope.set_event(any);
         if self.queue.send(envelope).await.is_err() {
             tracing::warn!(topic, "event queue closed");
+            return;
         }
+        self.queued.fetch_add(1, Ordering::SeqCst);
     }
 
     /// TaskCreate, with the init's stdio as containerd sent it.

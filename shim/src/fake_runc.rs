@@ -30,6 +30,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 cmd=$1; shift
+[ -e "$D/block-$cmd" ] && : > "$D/blocked-$cmd"
+while [ -e "$D/block-$cmd" ]; do sleep 0.01; done
 if [ -e "$D/fail-$cmd" ]; then
   msg=$(cat "$D/fail-$cmd")
   [ -n "$log" ] && printf '{"level":"error","msg":"%s"}\n' "$msg" >> "$log"
@@ -43,6 +45,19 @@ for a in "$@"; do
 done
 case $cmd in
   create|restore)
+    if [ -e "$D/init-dies-$cmd" ]; then
+      # The init dies before runc returns. Forked twice, it dies only once it is the shim's
+      # (the subreaper's) child, not a shell's, so the shim reaps it.
+      dead=$(sh -c 'sh -c '\''while [ "$(cut -d" " -f4 /proc/$$/stat)" = "$0" ]; do sleep 0.01; done
+        exit 3'\'' "$$" </dev/null >/dev/null 2>&1 & echo $!')
+      while [ -e "/proc/$dead" ] && ! grep -q '^State:.*Z' "/proc/$dead/status" 2>/dev/null; do
+        sleep 0.01
+      done
+      rm -f "$D/init-dies-$cmd"
+      echo $dead > "$D/$last.pid"
+      [ -n "$pidfile" ] && printf %s $dead > "$pidfile"
+      exit 0
+    fi
     readlink /proc/$$/fd/0 > "$D/$last.$cmd-stdin"
     # Through another fd: an asynchronous list gets /dev/null as stdin otherwise (dash applies
     # that even over `0<&0`).
@@ -52,7 +67,19 @@ case $cmd in
     echo $! > "$D/$last.pid"
     [ -n "$pidfile" ] && printf %s $! > "$pidfile"
     ;;
-  kill) kill -"$last" "$(cat "$D/$penult.pid")" ;;
+  exec)
+    # An exec process: a sleeper that holds none of runc's pipes.
+    sh -c 'exec sleep 1000' </dev/null >/dev/null 2>&1 &
+    echo $! >> "$D/$last.exec-pids"
+    [ -n "$pidfile" ] && printf %s $! > "$pidfile"
+    ;;
+  kill)
+    kill -"$last" "$(cat "$D/$penult.pid")"
+    # --all: every process of the container, the exec processes too.
+    case " $* " in
+      *" --all "*) for p in $(cat "$D/$penult.exec-pids" 2>/dev/null); do kill -"$last" "$p"; done ;;
+    esac
+    ;;
   pause) kill -STOP "$(cat "$D/$last.pid")" ;;
   resume) kill -CONT "$(cat "$D/$last.pid")" ;;
   checkpoint)
@@ -83,7 +110,7 @@ pub async fn exclusive() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::const_new(());
     let guard = LOCK.lock().await;
     nix::sys::prctl::set_child_subreaper(true).expect("become child subreaper");
-    tokio::spawn(crate::server::reap_children());
+    tokio::spawn(crate::reaper::reap_children());
     // Let the reaper install its SIGCHLD handler before anything is spawned.
     tokio::task::yield_now().await;
     guard
@@ -107,15 +134,52 @@ impl FakeRunc {
         self.dir.path()
     }
 
-    /// A bundle for container `id` with a minimal config.json (no rootfs mounts).
+    /// Makes `cmd` wait, once it is called, until [`Self::unblock`]; returns at once.
+    pub fn block(&self, cmd: &str) {
+        std::fs::write(self.dir().join(format!("block-{cmd}")), "").expect("block file");
+    }
+
+    /// Lets blocked `cmd` calls go on.
+    pub fn unblock(&self, cmd: &str) {
+        let _ = std::fs::remove_file(self.dir().join(format!("block-{cmd}")));
+    }
+
+    /// Waits until a call of blocked `cmd` is waiting.
+    pub async fn wait_blocked(&self, cmd: &str) {
+        let marker = self.dir().join(format!("blocked-{cmd}"));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !marker.exists() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "runc {cmd} was never called"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Makes the next `cmd` (create or restore) leave an init that dies before runc returns.
+    pub fn init_dies_during(&self, cmd: &str) {
+        std::fs::write(self.dir().join(format!("init-dies-{cmd}")), "").expect("marker");
+    }
+
+    /// A bundle for container `id` with a minimal config.json (no rootfs mounts) and a pid
+    /// namespace of its own.
     pub fn bundle(&self, id: &str) -> PathBuf {
+        self.bundle_with(id, r#"{"namespaces":[{"type":"pid"},{"type":"mount"}]}"#)
+    }
+
+    /// A bundle for container `id` that shares the host's pid namespace.
+    pub fn bundle_in_host_pid_namespace(&self, id: &str) -> PathBuf {
+        self.bundle_with(id, r#"{"namespaces":[{"type":"mount"}]}"#)
+    }
+
+    fn bundle_with(&self, id: &str, linux: &str) -> PathBuf {
         let bundle = self.dir().join("bundles").join(id);
         std::fs::create_dir_all(&bundle).expect("bundle dir");
-        std::fs::write(
-            bundle.join("config.json"),
-            r#"{"ociVersion":"1.0.2","process":{"cwd":"/","args":["sleep","1000"],"user":{"uid":0,"gid":0}},"root":{"path":"rootfs"}}"#,
-        )
-        .expect("config.json");
+        let config = format!(
+            r#"{{"ociVersion":"1.0.2","process":{{"cwd":"/","args":["sleep","1000"],"user":{{"uid":0,"gid":0}}}},"root":{{"path":"rootfs"}},"linux":{linux}}}"#
+        );
+        std::fs::write(bundle.join("config.json"), config).expect("config.json");
         bundle
     }
 

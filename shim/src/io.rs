@@ -213,7 +213,8 @@ impl AsyncWrite for StdinCloser {
     }
 }
 
-/// Starts the copies for a non-TTY process after runc created it.
+/// Starts the copies for a non-TTY process after runc created it. Returns the `file://`
+/// copies, which Delete lets finish (the fifo copies belong to `io`).
 pub async fn start_pipe_copies(
     pipes: &ProcessPipes,
     spec: &StdioSpec,
@@ -221,7 +222,8 @@ pub async fn start_pipe_copies(
     stdin: &StdinCloser,
     id: &str,
     namespace: &str,
-) -> Result<()> {
+) -> Result<Vec<tokio::task::JoinHandle<()>>> {
+    let mut file_copies = Vec::new();
     use runc::Io as _;
     if !spec.stdin.is_empty()
         && let Some(w) = pipes.stdin()
@@ -250,10 +252,10 @@ pub async fn start_pipe_copies(
                     .await
                     .map_err(|e| ShimError::io(format!("dup {}", path.display()), e))?;
                 let mut reader = reader;
-                tokio::spawn(async move {
+                file_copies.push(tokio::spawn(async move {
                     let _ = tokio::io::copy(&mut reader, &mut file).await;
                     let _ = file.flush().await;
-                });
+                }));
             }
         }
         OutputTarget::Binary { path, args } => {
@@ -262,7 +264,7 @@ pub async fn start_pipe_copies(
             start_logging_binary(&path, &args, out, err, id, namespace).await?;
         }
     }
-    Ok(())
+    Ok(file_copies)
 }
 
 async fn open_log_file(path: &Path) -> Result<tokio::fs::File> {

@@ -20,6 +20,8 @@ use crate::{
 pub enum State {
     /// Created by `runc create` / `runc exec` not yet run.
     Created,
+    /// An exec process whose `runc exec` is running (no pid yet).
+    Starting,
     /// Created from a checkpoint: Start restores it.
     CreatedCheckpoint,
     /// Running.
@@ -36,7 +38,7 @@ impl State {
     /// containerd's status enum.
     pub fn api_status(self) -> ApiStatus {
         match self {
-            State::Created | State::CreatedCheckpoint => ApiStatus::CREATED,
+            State::Created | State::Starting | State::CreatedCheckpoint => ApiStatus::CREATED,
             State::Running => ApiStatus::RUNNING,
             State::Paused => ApiStatus::PAUSED,
             State::Stopped | State::Deleted => ApiStatus::STOPPED,
@@ -46,6 +48,7 @@ impl State {
     fn name(self) -> &'static str {
         match self {
             State::Created => "created",
+            State::Starting => "starting",
             State::CreatedCheckpoint => "created (from checkpoint)",
             State::Running => "running",
             State::Paused => "paused",
@@ -106,10 +109,16 @@ pub fn transition(id: &str, init: bool, from: State, op: Op) -> Result<State> {
     if !init && matches!(op, Pause | Resume | Checkpoint | Update | Exec) {
         return Err(refused());
     }
+    // An exec that never started has no pid to signal (Go: "process not created").
+    if !init && matches!(from, Created | Starting) && op == Kill {
+        return Err(refused());
+    }
     let next = match (from, op) {
+        (Created, Start) if !init => Starting,
+        (Starting, Start) => return Err(refused()),
         (Created | CreatedCheckpoint, Start) => Running,
         (Created | CreatedCheckpoint | Stopped, Delete) => Deleted,
-        (Created | Running | Paused | CreatedCheckpoint, Exit) => Stopped,
+        (Created | Starting | Running | Paused | CreatedCheckpoint, Exit) => Stopped,
         (Stopped, Exit) => Stopped,
         (Created | Running | Paused, Kill) => from,
         (CreatedCheckpoint, Kill) => from,
@@ -157,11 +166,10 @@ pub struct Process {
     pub exec_spec: Option<oci_spec::runtime::Process>,
     /// For a container created from a checkpoint: how Start restores it.
     pub restore: Option<CriuOpts>,
-    /// Exit, once known; `Wait` subscribes here.
+    /// Exit, once known and its TaskExit queued; `Wait` subscribes here.
     pub exit_tx: watch::Sender<Option<ExitInfo>>,
-    /// The exit was applied at registration (it came before the pid was known) and its
-    /// TaskExit is still to be published by whoever started the process.
-    pub exit_unpublished: bool,
+    /// Copies of `file://` output, which Delete lets finish.
+    pub file_copies: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Process {
@@ -179,7 +187,7 @@ impl Process {
             exec_spec: None,
             restore: None,
             exit_tx: watch::channel(None).0,
-            exit_unpublished: false,
+            file_copies: Vec::new(),
         }
     }
 
@@ -217,6 +225,8 @@ impl Process {
 
 #[cfg(test)]
 mod tests {
+    use containerd_shim_protos::ttrpc;
+
     use super::*;
 
     fn t(init: bool, from: State, op: Op) -> Result<State> {
@@ -271,10 +281,37 @@ mod tests {
     #[test]
     fn exec_processes_cannot_pause_or_checkpoint() {
         use {Op::*, State::*};
-        assert_eq!(t(false, Created, Start).unwrap(), Running);
+        assert_eq!(t(false, Created, Start).unwrap(), Starting);
+        assert_eq!(
+            t(false, Starting, Start).unwrap_err().code(),
+            ttrpc::Code::FAILED_PRECONDITION
+        );
+        assert_eq!(t(false, Starting, Exit).unwrap(), Stopped);
+        assert!(t(false, Starting, Delete).is_err());
         for op in [Pause, Resume, Checkpoint, Update, Exec] {
             assert!(t(false, Running, op).is_err(), "{op:?}");
         }
+    }
+
+    /// Killing an exec that was created but never started must not signal pid 0 (the shim's
+    /// own process group): it is refused as the Go shim refuses it.
+    #[test]
+    fn kill_of_an_exec_without_a_pid_is_a_failed_precondition() {
+        use {Op::*, State::*};
+        for from in [Created, Starting] {
+            let err = t(false, from, Kill).unwrap_err();
+            assert_eq!(
+                err.code(),
+                ttrpc::Code::FAILED_PRECONDITION,
+                "{from:?}: {err}"
+            );
+        }
+        assert_eq!(t(false, Running, Kill).unwrap(), Running);
+        assert_eq!(
+            t(true, Created, Kill).unwrap(),
+            Created,
+            "an init has a pid once created"
+        );
     }
 
     #[test]

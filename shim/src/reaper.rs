@@ -1,18 +1,26 @@
-//! Who gets a reaped child's exit status.
+//! Reaping children and saying whose each exit is.
 //!
-//! The shim is a child subreaper and the crate's SIGCHLD loop reaps every child with
-//! `waitpid(-1)`, publishing each exit on the crate's monitor. This module is the one table that
-//! says whose a pid is: a container process (so its exit goes to the task), or a runc command the
-//! shim ran (whose status goes back to that command's caller, never stolen). An exit that arrives
-//! before its pid is known (a process that dies before `runc create`/`exec` returns) is kept as an
-//! early exit and claimed when the pid is registered. One mutex covers both maps, so no exit is
+//! The shim is a child subreaper: [`reap_children`] reaps every child with `waitpid(-1)` on
+//! SIGCHLD and publishes each exit on the crate's monitor. [`route_exit`] then says whose it is,
+//! from one table: a container process (its exit goes to the task), or a runc command the shim
+//! ran (whose status goes back to that command's caller, never stolen).
+//!
+//! A process can die before its pid is known (before `runc create` or `runc exec` returns). As in
+//! the Go shim, whoever is about to start a process first takes an [`ExitSubscription`]: exits of
+//! unknown pids are kept only for the live subscriptions, and [`ExitSubscription::register`]
+//! claims the one of its pid. An exit nobody was waiting for is dropped, so a reused pid can never
+//! inherit a stranger's status. One mutex covers the table and the subscriptions, so no exit is
 //! lost between looking up and registering.
 
 use std::{
     collections::HashMap,
     sync::{LazyLock, Mutex},
-    time::{Duration, Instant},
+    time::SystemTime,
 };
+
+use containerd_shim::asynchronous::monitor::monitor_notify_by_pid;
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use tokio::signal::unix::{SignalKind, signal};
 
 /// Which process of which container a pid belongs to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -29,7 +37,7 @@ pub struct Exit {
     /// Exit code (128 + signal for a signalled process).
     pub code: i32,
     /// When the reaper saw it.
-    pub at: std::time::SystemTime,
+    pub at: SystemTime,
 }
 
 #[derive(Debug)]
@@ -41,11 +49,10 @@ enum Owner {
 #[derive(Default)]
 struct Table {
     owners: HashMap<i32, Owner>,
-    early: HashMap<i32, (Exit, Instant)>,
+    /// Exits of unknown pids seen while each subscription lived, by subscription id.
+    pending: HashMap<u64, Vec<(i32, Exit)>>,
+    next_subscription: u64,
 }
-
-/// Unclaimed exits older than this are dropped (pids of processes nobody will register).
-const EARLY_EXIT_TTL: Duration = Duration::from_secs(30);
 
 static TABLE: LazyLock<Mutex<Table>> = LazyLock::new(Mutex::default);
 
@@ -56,22 +63,47 @@ fn table() -> std::sync::MutexGuard<'static, Table> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Registers `pid` as `key`'s process. Returns its exit if it already died.
-pub fn register_process(pid: i32, key: ProcessKey) -> Option<Exit> {
-    let mut t = table();
-    if let Some((exit, _)) = t.early.remove(&pid) {
-        return Some(exit);
+/// Keeps the exits of not-yet-registered pids from its creation until it is dropped.
+#[derive(Debug)]
+pub struct ExitSubscription {
+    id: u64,
+}
+
+impl ExitSubscription {
+    /// Starts keeping exits of unknown pids (take it before spawning the process).
+    pub fn new() -> Self {
+        let mut t = table();
+        let id = t.next_subscription;
+        t.next_subscription += 1;
+        t.pending.insert(id, Vec::new());
+        Self { id }
     }
-    t.owners.insert(pid, Owner::Process(key));
-    None
+
+    /// Registers `pid` as `key`'s process. Returns its exit if it died since the subscription
+    /// was taken (the pid is then not registered: it will not exit again).
+    pub fn register(&self, pid: i32, key: ProcessKey) -> Option<Exit> {
+        let mut t = table();
+        let early = t
+            .pending
+            .get(&self.id)
+            .and_then(|exits| exits.iter().find(|(p, _)| *p == pid))
+            .map(|(_, exit)| *exit);
+        if early.is_none() {
+            t.owners.insert(pid, Owner::Process(key));
+        }
+        early
+    }
+}
+
+impl Drop for ExitSubscription {
+    fn drop(&mut self) {
+        table().pending.remove(&self.id);
+    }
 }
 
 /// Registers `pid` as a runc command the shim waits for itself (its exit is not a task's).
 pub fn register_command(pid: i32) {
-    let mut t = table();
-    if t.early.remove(&pid).is_none() {
-        t.owners.insert(pid, Owner::Command);
-    }
+    table().owners.insert(pid, Owner::Command);
 }
 
 /// Forgets a process pid (after its container is deleted).
@@ -79,22 +111,45 @@ pub fn forget(pid: i32) {
     table().owners.remove(&pid);
 }
 
-/// Routes a reaped exit: the process it belongs to, or `None` (a command's, or kept as early).
+/// Routes a reaped exit: the process it belongs to, or `None` (a command's, or an unknown pid's,
+/// which is kept for the live subscriptions only).
 pub fn route_exit(pid: i32, code: i32) -> Option<(ProcessKey, Exit)> {
     let exit = Exit {
         code,
-        at: std::time::SystemTime::now(),
+        at: SystemTime::now(),
     };
     let mut t = table();
     match t.owners.remove(&pid) {
         Some(Owner::Process(key)) => Some((key, exit)),
         Some(Owner::Command) => None,
         None => {
-            let now = Instant::now();
-            t.early
-                .retain(|_, (_, seen)| now.duration_since(*seen) < EARLY_EXIT_TTL);
-            t.early.insert(pid, (exit, now));
+            for exits in t.pending.values_mut() {
+                exits.push((pid, exit));
+            }
             None
+        }
+    }
+}
+
+/// Reaps every child and hands each exit to the crate's monitor (and so to [`route_exit`] and to
+/// the runc commands' callers).
+pub async fn reap_children() {
+    let Ok(mut sigchld) = signal(SignalKind::child()) else {
+        tracing::error!("cannot watch SIGCHLD: children will not be reaped");
+        return;
+    };
+    while sigchld.recv().await.is_some() {
+        loop {
+            match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(pid, code)) => {
+                    let _ = monitor_notify_by_pid(pid.as_raw(), code).await;
+                }
+                Ok(WaitStatus::Signaled(pid, sig, _)) => {
+                    let _ = monitor_notify_by_pid(pid.as_raw(), 128 + sig as i32).await;
+                }
+                Ok(WaitStatus::StillAlive) | Err(_) => break,
+                Ok(_) => {}
+            }
         }
     }
 }
@@ -111,15 +166,41 @@ mod tests {
     }
 
     #[test]
-    fn exit_before_registration_is_claimed() {
+    fn exit_before_registration_is_claimed_by_the_subscription() {
+        let sub = ExitSubscription::new();
         assert!(route_exit(900_001, 3).is_none());
-        let exit = register_process(900_001, key("e1")).expect("early exit kept");
+        let exit = sub.register(900_001, key("e1")).expect("early exit kept");
         assert_eq!(exit.code, 3);
-        // claimed once only
-        assert!(register_process(900_001, key("e1")).is_none());
-        let (k, e) = route_exit(900_001, 0).unwrap();
-        assert_eq!(k, key("e1"));
-        assert_eq!(e.code, 0);
+        // An early exit does not register the pid: its next exit is a stranger's.
+        assert!(route_exit(900_001, 0).is_none());
+        // A pid registered without an early exit is routed.
+        assert!(sub.register(900_003, key("e2")).is_none());
+        let (k, e) = route_exit(900_003, 5).expect("routed");
+        assert_eq!((k, e.code), (key("e2"), 5));
+    }
+
+    #[test]
+    fn a_reused_pid_does_not_inherit_an_exit_nobody_waited_for() {
+        // Process A (pid P) dies while nobody is starting anything: nobody claims its exit.
+        assert!(route_exit(900_004, 137).is_none());
+        // Later a new process gets the same pid P.
+        let sub = ExitSubscription::new();
+        assert!(
+            sub.register(900_004, key("new")).is_none(),
+            "the new process inherited the old one's exit status"
+        );
+        let (k, e) = route_exit(900_004, 0).expect("its own exit is routed");
+        assert_eq!((k, e.code), (key("new"), 0));
+    }
+
+    #[test]
+    fn exits_kept_for_a_dropped_subscription_are_gone() {
+        let sub = ExitSubscription::new();
+        assert!(route_exit(900_005, 1).is_none());
+        drop(sub);
+        let later = ExitSubscription::new();
+        assert!(later.register(900_005, key("x")).is_none());
+        forget(900_005);
     }
 
     #[test]
@@ -127,7 +208,8 @@ mod tests {
         register_command(900_002);
         assert!(route_exit(900_002, 1).is_none());
         // and not kept as an early exit either
-        assert!(register_process(900_002, key("")).is_none());
+        let sub = ExitSubscription::new();
+        assert!(sub.register(900_002, key("")).is_none());
         forget(900_002);
     }
 }

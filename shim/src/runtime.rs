@@ -1,10 +1,11 @@
 //! runc, driven so that the reaper never steals its exit status: every runc command is spawned by
 //! [`ShimExecutor`], which subscribes to the crate's exit monitor before spawning and takes the
-//! status from there instead of from `waitpid` on the child.
+//! status from there instead of from `waitpid` on the child. [`RuncGlobal`] holds the global
+//! flags every runc command of a container gets.
 
 use std::{
     os::unix::process::ExitStatusExt,
-    path::Path,
+    path::{Path, PathBuf},
     process::{ExitStatus, Stdio},
     sync::Arc,
 };
@@ -14,14 +15,68 @@ use containerd_shim::{
     asynchronous::monitor::{monitor_subscribe, monitor_unsubscribe},
     monitor::{Subject, Topic},
 };
+use containerd_shim_protos::shim::oci::Options as RuncOptions;
 use runc::{Command, Runc, Spawner, options::GlobalOpts};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 use crate::{
-    checkpoint::RuncGlobal,
     errors::{Result, ShimError},
     reaper,
 };
+
+/// runc's global flags, the same for every subcommand of one container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuncGlobal {
+    /// runc binary.
+    pub binary: PathBuf,
+    /// `--root` (state directory, per namespace).
+    pub root: PathBuf,
+    /// `--log` file (JSON) in the bundle.
+    pub log: PathBuf,
+    /// `--systemd-cgroup`.
+    pub systemd_cgroup: bool,
+}
+
+impl RuncGlobal {
+    /// The default runc root containerd's runc shim uses.
+    pub const DEFAULT_ROOT: &'static str = "/run/containerd/runc";
+
+    /// Global flags for a container of `namespace` in `bundle` with runc `options`.
+    pub fn new(options: &RuncOptions, namespace: &str, bundle: &Path) -> Self {
+        let binary = if options.binary_name.is_empty() {
+            PathBuf::from("runc")
+        } else {
+            PathBuf::from(&options.binary_name)
+        };
+        let root = if options.root.is_empty() {
+            Path::new(Self::DEFAULT_ROOT)
+        } else {
+            Path::new(&options.root)
+        };
+        Self {
+            binary,
+            root: root.join(namespace),
+            log: bundle.join("log.json"),
+            systemd_cgroup: options.systemd_cgroup,
+        }
+    }
+
+    /// The flags in the order go-runc writes them.
+    pub fn args(&self) -> Vec<String> {
+        let mut args = vec![
+            "--root".to_string(),
+            self.root.display().to_string(),
+            "--log".to_string(),
+            self.log.display().to_string(),
+            "--log-format".to_string(),
+            "json".to_string(),
+        ];
+        if self.systemd_cgroup {
+            args.push("--systemd-cgroup".to_string());
+        }
+        args
+    }
+}
 
 /// Spawns runc commands and waits for them through the exit monitor.
 #[derive(Debug, Default)]
@@ -78,6 +133,8 @@ impl Spawner for ShimExecutor {
             wait
         );
         let _ = monitor_unsubscribe(sub.id).await;
+        // Its exit may have come before it was registered: drop the entry either way.
+        reaper::forget(pid as i32);
         Ok((exit_status_from_code(code), pid, stdout, stderr))
     }
 }
@@ -148,7 +205,7 @@ mod tests {
 
     #[tokio::test]
     async fn checkpoint_runs_runc_with_the_built_argv_and_reports_failure() {
-        tokio::spawn(crate::server::reap_children());
+        tokio::spawn(crate::reaper::reap_children());
         let dir = tempfile::tempdir().unwrap();
         let runc = fake_runc(dir.path());
         let global = RuncGlobal {

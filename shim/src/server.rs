@@ -8,14 +8,12 @@ use std::{os::unix::net::UnixListener, path::Path, sync::Arc};
 use anyhow::{Context as _, Result};
 use containerd_shim::{
     Flags, Shim,
-    asynchronous::monitor::monitor_notify_by_pid,
     asynchronous::util::write_str_to_file,
     protos::{
         shim_async::{Client, create_task},
         ttrpc::r#async::{Server, transport::Listener},
     },
 };
-use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::{shim::BatonShim, shim::SHIM_CGROUP_ENV};
@@ -49,28 +47,6 @@ async fn bind(address: &str) -> Result<Option<UnixListener>> {
     }
 }
 
-/// Reaps every child and hands each exit to the crate's monitor (and so to the reaper table).
-pub(crate) async fn reap_children() {
-    let Ok(mut sigchld) = signal(SignalKind::child()) else {
-        tracing::error!("cannot watch SIGCHLD: children will not be reaped");
-        return;
-    };
-    while sigchld.recv().await.is_some() {
-        loop {
-            match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-                Ok(WaitStatus::Exited(pid, code)) => {
-                    let _ = monitor_notify_by_pid(pid.as_raw(), code).await;
-                }
-                Ok(WaitStatus::Signaled(pid, sig, _)) => {
-                    let _ = monitor_notify_by_pid(pid.as_raw(), 128 + sig as i32).await;
-                }
-                Ok(WaitStatus::StillAlive) | Err(_) => break,
-                Ok(_) => {}
-            }
-        }
-    }
-}
-
 /// Runs the shim server until Shutdown.
 pub async fn serve(flags: Flags) -> Result<()> {
     nix::sys::prctl::set_child_subreaper(true).context("become child subreaper")?;
@@ -83,7 +59,7 @@ pub async fn serve(flags: Flags) -> Result<()> {
         let mut s = signal(kind).context("install signal handler")?;
         tokio::spawn(async move { while s.recv().await.is_some() {} });
     }
-    tokio::spawn(reap_children());
+    tokio::spawn(crate::reaper::reap_children());
     if let Ok(cgroup) = std::env::var(SHIM_CGROUP_ENV)
         && let Err(e) = containerd_shim::cgroup::add_task_to_cgroup(&cgroup, std::process::id())
     {

@@ -1,9 +1,11 @@
 //! The ttrpc Task service: thin handlers that look the container up, delegate to
 //! [`Container`], publish the event and let `?` map the error (errors.rs is the only mapping).
-//! It also routes reaped exits to their process and publishes TaskOOM before TaskExit.
+//! Exits are handled in `service/exits.rs`, the id table in `service/registry.rs`.
+
+mod exits;
+mod registry;
 
 use std::{
-    collections::HashMap,
     path::Path,
     sync::{Arc, Mutex},
     time::{Duration, SystemTime},
@@ -19,8 +21,6 @@ use containerd_shim::{
         StartResponse, StateRequest, StateResponse, StatsRequest, StatsResponse, UpdateTaskRequest,
         WaitRequest, WaitResponse,
     },
-    asynchronous::monitor::monitor_subscribe,
-    monitor::{Subject, Topic},
     protos::{
         api::CheckpointTaskRequest, protobuf::MessageField,
         protobuf::well_known_types::empty::Empty, shim_async::Task,
@@ -35,18 +35,19 @@ use crate::{
     io::StdioSpec,
     oom::{MemoryCgroup, OomWatch},
     options::{self, BatonSettings, CONTAINER_TYPE_ANNOTATION},
-    process::ExitInfo,
-    reaper, stats,
+    reaper::ExitSubscription,
+    stats,
 };
+use registry::Registry;
 
-/// How long an init's TaskExit waits for its exec processes' exits to be published first.
-const EXEC_EXIT_GRACE: Duration = Duration::from_secs(2);
+/// How long Shutdown waits for queued events to reach containerd (as the Go shim does).
+const SHUTDOWN_EVENT_DRAIN: Duration = Duration::from_secs(5);
 
 /// State shared by the handlers and the exit loop.
 pub struct Shared {
     namespace: String,
     events: Events,
-    containers: Mutex<HashMap<String, Arc<Container>>>,
+    containers: Registry,
     pod_settings: Mutex<Option<BatonSettings>>,
     gpu: GpuTracing,
     exit: Arc<ExitSignal>,
@@ -69,7 +70,7 @@ impl TaskService {
             shared: Arc::new(Shared {
                 namespace: namespace.to_string(),
                 events,
-                containers: Mutex::new(HashMap::new()),
+                containers: Registry::default(),
                 pod_settings: Mutex::new(None),
                 gpu: GpuTracing::new(),
                 exit,
@@ -80,98 +81,7 @@ impl TaskService {
     }
 
     fn container(&self, id: &str) -> Result<Arc<Container>> {
-        lock(&self.shared.containers)
-            .get(id)
-            .cloned()
-            .ok_or_else(|| ShimError::ContainerNotFound { id: id.to_string() })
-    }
-
-    fn spawn_exit_loop(&self) {
-        let svc = self.clone();
-        tokio::spawn(async move {
-            let mut sub = match monitor_subscribe(Topic::Pid).await {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot subscribe to process exits");
-                    return;
-                }
-            };
-            while let Some(ev) = sub.rx.recv().await {
-                let Subject::Pid(pid) = ev.subject else {
-                    continue;
-                };
-                if let Some((key, exit)) = reaper::route_exit(pid, ev.exit_code) {
-                    let svc = svc.clone();
-                    tokio::spawn(async move {
-                        svc.process_exited(&key.id, &key.exec_id, exit.code as u32, exit.at)
-                            .await;
-                    });
-                }
-            }
-        });
-    }
-
-    async fn process_exited(&self, id: &str, exec_id: &str, status: u32, at: SystemTime) {
-        let Ok(c) = self.container(id) else { return };
-        let _gate = c.event_gate.lock().await;
-        let pid = {
-            let mut procs = c.procs.lock().await;
-            let Ok(p) = procs.get_mut(id, exec_id) else {
-                return;
-            };
-            if p.exit_info().is_some() {
-                return;
-            }
-            p.set_exited(status, at);
-            p.pid
-        };
-        self.publish_exit(
-            &c,
-            exec_id,
-            pid,
-            ExitInfo {
-                status,
-                at: Some(at),
-            },
-        )
-        .await;
-    }
-
-    /// Publishes a process's exit; for the init, any OOM kill first and exec exits before.
-    async fn publish_exit(&self, c: &Container, exec_id: &str, pid: u32, exit: ExitInfo) {
-        let at = exit.at.unwrap_or_else(SystemTime::now);
-        if exec_id.is_empty() {
-            if c.oom.get().is_some_and(|w| w.check()) {
-                tracing::info!(id = %c.id, "container OOM killed");
-                self.shared.events.oom(&c.id).await;
-            }
-            let receivers: Vec<_> = {
-                let procs = c.procs.lock().await;
-                procs
-                    .execs
-                    .values()
-                    .map(|p| p.exit_tx.subscribe())
-                    .collect()
-            };
-            for mut rx in receivers {
-                let _ = tokio::time::timeout(EXEC_EXIT_GRACE, rx.wait_for(Option::is_some)).await;
-            }
-            self.shared
-                .events
-                .exit(&c.id, &c.id, pid, exit.status, at)
-                .await;
-        } else {
-            self.shared
-                .events
-                .exit(&c.id, exec_id, pid, exit.status, at)
-                .await;
-        }
-    }
-
-    async fn publish_unpublished_exit(&self, c: &Container, exec_id: &str) {
-        if let Some((pid, exit)) = c.take_unpublished_exit(exec_id).await {
-            self.publish_exit(c, exec_id, pid, exit).await;
-        }
+        self.shared.containers.get(id)
     }
 
     /// Baton settings for a new container: node TOML < pod (sandbox annotations) < container.
@@ -196,18 +106,14 @@ impl TaskService {
     }
 
     async fn do_create(&self, req: CreateTaskRequest) -> Result<CreateTaskResponse> {
-        if lock(&self.shared.containers).contains_key(&req.id) {
-            return Err(ShimError::AlreadyExists {
-                what: "container",
-                id: req.id.clone(),
-            });
-        }
+        let reservation = self.shared.containers.reserve(&req.id)?;
         let cfg = options::decode_options(req.options.as_ref())?;
         warn_unknown("runtime option", &cfg.unknown_keys);
         let settings = self.settings_for(&cfg.baton, Path::new(&req.bundle))?;
+        let exits = ExitSubscription::new();
         let c =
             Arc::new(Container::create(&req, &self.shared.namespace, cfg.runc, settings).await?);
-        lock(&self.shared.containers).insert(req.id.clone(), c.clone());
+        reservation.fill(c.clone());
         let pid = c.procs.lock().await.init.pid;
         self.watch_oom(&c, pid);
         let cgroup = baton_tracer::cgroups::v2_path_of_pid(pid);
@@ -234,6 +140,9 @@ impl TaskService {
                 },
             )
             .await;
+        if let Some(exit) = c.register_init(&exits).await {
+            self.spawn_exit(c.id.clone(), String::new(), exit);
+        }
         Ok(CreateTaskResponse {
             pid,
             ..Default::default()
@@ -241,7 +150,7 @@ impl TaskService {
     }
 
     fn watch_oom(&self, c: &Arc<Container>, pid: u32) {
-        if pid == 0 {
+        if pid == 0 || c.oom.get().is_some() {
             return;
         }
         let Some(cgroup) = MemoryCgroup::of_pid(pid) else {
@@ -271,10 +180,13 @@ impl TaskService {
 
     async fn do_start(&self, req: StartRequest) -> Result<StartResponse> {
         let c = self.container(&req.id)?;
+        let exits = ExitSubscription::new();
         let gate = c.event_gate.lock().await;
-        let pid = if req.exec_id.is_empty() {
-            let pid = c.start_init().await?;
+        let (pid, early) = if req.exec_id.is_empty() {
+            let (pid, early) = c.start_init(&exits).await?;
             self.shared.events.start(&req.id, pid).await;
+            // A restored init gets its pid (and so its memory cgroup) only now.
+            self.watch_oom(&c, pid);
             let cgroup = baton_tracer::cgroups::v2_path_of_pid(pid);
             self.shared.gpu.container_started(&StartedContainer {
                 id: &req.id,
@@ -282,17 +194,19 @@ impl TaskService {
                 cgroup_v2_path: cgroup.as_deref(),
                 settings: &c.settings,
             });
-            pid
+            (pid, early)
         } else {
-            let pid = c.start_exec(&req.exec_id).await?;
+            let (pid, early) = c.start_exec(&req.exec_id, &exits).await?;
             self.shared
                 .events
                 .exec_started(&req.id, &req.exec_id, pid)
                 .await;
-            pid
+            (pid, early)
         };
-        self.publish_unpublished_exit(&c, &req.exec_id).await;
         drop(gate);
+        if let Some(exit) = early {
+            self.spawn_exit(c.id.clone(), req.exec_id.clone(), exit);
+        }
         Ok(StartResponse {
             pid,
             ..Default::default()
@@ -304,7 +218,7 @@ impl TaskService {
         let (pid, exit) = c.delete(&req.exec_id).await?;
         let at = exit.at.unwrap_or_else(SystemTime::now);
         if req.exec_id.is_empty() {
-            lock(&self.shared.containers).remove(&req.id);
+            self.shared.containers.remove(&req.id);
             self.shared.gpu.container_deleted(&req.id);
             self.shared
                 .events
@@ -505,8 +419,11 @@ impl Task for TaskService {
     }
 
     async fn shutdown(&self, _: &TtrpcContext, _req: ShutdownRequest) -> TtrpcResult<Empty> {
-        if lock(&self.shared.containers).is_empty() {
+        if self.shared.containers.is_empty() {
             tracing::info!("no containers left: shutting down");
+            if !self.shared.events.flush(SHUTDOWN_EVENT_DRAIN).await {
+                tracing::warn!("events still queued after {SHUTDOWN_EVENT_DRAIN:?}: dropped");
+            }
             self.shared.exit.signal();
         }
         Ok(Empty::new())
@@ -515,3 +432,5 @@ impl Task for TaskService {
 
 #[cfg(test)]
 mod lifecycle_tests;
+#[cfg(test)]
+mod parity_tests;

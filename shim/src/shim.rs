@@ -16,10 +16,10 @@ use containerd_shim::{
 use runc::options::DeleteOpts;
 
 use crate::{
-    checkpoint::RuncGlobal,
     events::{Events, timestamp},
     options::{GROUP_ANNOTATION, SANDBOX_ID_ANNOTATION, decode_options},
     runtime,
+    runtime::RuncGlobal,
     service::TaskService,
 };
 

@@ -30,23 +30,23 @@ use tokio::sync::mpsc;
 
 use super::TaskService;
 use crate::{
-    checkpoint::RuncGlobal,
     events::Events,
     fake_runc::{FakeRunc, exclusive},
+    runtime::RuncGlobal,
 };
 
-const NS: &str = "lifecycle";
+pub(super) const NS: &str = "lifecycle";
 
-struct Harness {
-    svc: TaskService,
-    events: mpsc::Receiver<Envelope>,
-    exit: Arc<ExitSignal>,
-    fake: FakeRunc,
-    ctx: TtrpcContext,
+pub(super) struct Harness {
+    pub(super) svc: TaskService,
+    pub(super) events: mpsc::Receiver<Envelope>,
+    pub(super) exit: Arc<ExitSignal>,
+    pub(super) fake: FakeRunc,
+    pub(super) ctx: TtrpcContext,
 }
 
 /// The ttrpc code of a failed call (panics on success).
-fn code_of<T: std::fmt::Debug>(res: TtrpcResult<T>) -> (Code, String) {
+pub(super) fn code_of<T: std::fmt::Debug>(res: TtrpcResult<T>) -> (Code, String) {
     match res {
         Err(ttrpc::Error::RpcStatus(s)) => (s.code(), s.message().to_string()),
         other => panic!("expected an error status, got {other:?}"),
@@ -54,7 +54,7 @@ fn code_of<T: std::fmt::Debug>(res: TtrpcResult<T>) -> (Code, String) {
 }
 
 impl Harness {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         let (events, rx) = Events::captured(NS);
         let exit = Arc::new(ExitSignal::default());
         Self {
@@ -67,19 +67,19 @@ impl Harness {
     }
 
     /// runc's global flags for a container in `bundle` (checked on every recorded line).
-    fn global(&self, bundle: &Path) -> Vec<String> {
+    pub(super) fn global(&self, bundle: &Path) -> Vec<String> {
         let mut o = containerd_shim_protos::shim::oci::Options::new();
         o.binary_name = self.fake.binary.display().to_string();
         o.root = self.fake.dir().join("root").display().to_string();
         RuncGlobal::new(&o, NS, bundle).args()
     }
 
-    fn calls(&self, bundle: &Path) -> Vec<String> {
+    pub(super) fn calls(&self, bundle: &Path) -> Vec<String> {
         self.fake.take_calls(&self.global(bundle))
     }
 
     /// The topics published since the last call.
-    fn topics(&mut self) -> Vec<String> {
+    pub(super) fn topics(&mut self) -> Vec<String> {
         let mut topics = Vec::new();
         while let Ok(env) = self.events.try_recv() {
             topics.push(env.topic);
@@ -89,7 +89,7 @@ impl Harness {
 
     /// Waits (5 s at most) for `n` more events, returns their topics sorted (for events whose
     /// relative order is a race, as in the Go shim).
-    async fn next_topics(&mut self, n: usize) -> Vec<String> {
+    pub(super) async fn next_topics(&mut self, n: usize) -> Vec<String> {
         let mut topics = Vec::new();
         for _ in 0..n {
             let env = tokio::time::timeout(Duration::from_secs(5), self.events.recv())
@@ -102,7 +102,7 @@ impl Harness {
         topics
     }
 
-    async fn status(&self, id: &str) -> Status {
+    pub(super) async fn status(&self, id: &str) -> Status {
         let req = StateRequest {
             id: id.into(),
             ..Default::default()
@@ -111,7 +111,7 @@ impl Harness {
         state.status.enum_value().expect("known status")
     }
 
-    async fn state_code(&self, id: &str) -> Code {
+    pub(super) async fn state_code(&self, id: &str) -> Code {
         let req = StateRequest {
             id: id.into(),
             ..Default::default()
@@ -119,7 +119,12 @@ impl Harness {
         code_of(self.svc.state(&self.ctx, req).await).0
     }
 
-    async fn create(&self, id: &str, bundle: &Path, checkpoint: &str) -> TtrpcResult<u32> {
+    pub(super) async fn create(
+        &self,
+        id: &str,
+        bundle: &Path,
+        checkpoint: &str,
+    ) -> TtrpcResult<u32> {
         let req = CreateTaskRequest {
             id: id.into(),
             bundle: bundle.display().to_string(),
@@ -130,7 +135,7 @@ impl Harness {
         self.svc.create(&self.ctx, req).await.map(|r| r.pid)
     }
 
-    async fn start(&self, id: &str) -> TtrpcResult<u32> {
+    pub(super) async fn start(&self, id: &str) -> TtrpcResult<u32> {
         let req = StartRequest {
             id: id.into(),
             ..Default::default()
@@ -138,7 +143,7 @@ impl Harness {
         self.svc.start(&self.ctx, req).await.map(|r| r.pid)
     }
 
-    async fn pause(&self, id: &str) -> TtrpcResult<()> {
+    pub(super) async fn pause(&self, id: &str) -> TtrpcResult<()> {
         let req = PauseRequest {
             id: id.into(),
             ..Default::default()
@@ -146,7 +151,7 @@ impl Harness {
         self.svc.pause(&self.ctx, req).await.map(drop)
     }
 
-    async fn resume(&self, id: &str) -> TtrpcResult<()> {
+    pub(super) async fn resume(&self, id: &str) -> TtrpcResult<()> {
         let req = ResumeRequest {
             id: id.into(),
             ..Default::default()
@@ -154,7 +159,7 @@ impl Harness {
         self.svc.resume(&self.ctx, req).await.map(drop)
     }
 
-    async fn checkpoint(&self, id: &str, path: &str, exit: bool) -> TtrpcResult<()> {
+    pub(super) async fn checkpoint(&self, id: &str, path: &str, exit: bool) -> TtrpcResult<()> {
         let mut opts = CheckpointOptions::new();
         opts.exit = exit;
         let req = CheckpointTaskRequest {
@@ -171,7 +176,7 @@ impl Harness {
         self.svc.checkpoint(&self.ctx, req).await.map(drop)
     }
 
-    async fn kill(&self, id: &str, signal: u32) -> TtrpcResult<()> {
+    pub(super) async fn kill(&self, id: &str, signal: u32) -> TtrpcResult<()> {
         let req = KillRequest {
             id: id.into(),
             signal,
@@ -180,7 +185,7 @@ impl Harness {
         self.svc.kill(&self.ctx, req).await.map(drop)
     }
 
-    async fn delete(&self, id: &str) -> TtrpcResult<u32> {
+    pub(super) async fn delete(&self, id: &str) -> TtrpcResult<u32> {
         let req = DeleteRequest {
             id: id.into(),
             ..Default::default()
@@ -188,7 +193,7 @@ impl Harness {
         self.svc.delete(&self.ctx, req).await.map(|r| r.exit_status)
     }
 
-    async fn wait(&self, id: &str) -> WaitResponse {
+    pub(super) async fn wait(&self, id: &str) -> WaitResponse {
         let req = WaitRequest {
             id: id.into(),
             ..Default::default()

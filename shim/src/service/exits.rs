@@ -1,0 +1,117 @@
+//! Process exits, in the Go shim's order: an exec's TaskExit after its TaskExecStarted; the
+//! init's TaskExit after TaskStart, after any TaskOOM, and after the TaskExit of every exec
+//! process that was starting or running (in a container without a pid namespace of its own
+//! they are killed first, `runc kill --all`). A process's exit becomes visible (State, Wait)
+//! only once its TaskExit is queued, so a client's Delete, and so TaskDelete, always comes after.
+//! Nothing here holds the event gate or the process table while waiting.
+
+use std::{sync::Arc, time::Duration};
+
+use containerd_shim::{
+    asynchronous::monitor::monitor_subscribe,
+    monitor::{Subject, Topic},
+};
+
+use super::TaskService;
+use crate::{container::Container, reaper};
+
+/// How long the init's TaskExit waits for the exits of its exec processes. They die with the
+/// init (the kernel kills a pid namespace's processes, the shim kills the others), so this
+/// only bounds a lost exit.
+const EXEC_EXITS_WAIT: Duration = Duration::from_secs(10);
+
+impl TaskService {
+    /// Routes every reaped exit of a container process to [`Self::process_exited`].
+    pub(super) fn spawn_exit_loop(&self) {
+        let svc = self.clone();
+        tokio::spawn(async move {
+            let mut sub = match monitor_subscribe(Topic::Pid).await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot subscribe to process exits");
+                    return;
+                }
+            };
+            while let Some(ev) = sub.rx.recv().await {
+                let Subject::Pid(pid) = ev.subject else {
+                    continue;
+                };
+                if let Some((key, exit)) = reaper::route_exit(pid, ev.exit_code) {
+                    svc.spawn_exit(key.id, key.exec_id, exit);
+                }
+            }
+        });
+    }
+
+    /// Handles an exit on a task of its own (the init's waits for its execs').
+    pub(super) fn spawn_exit(&self, id: String, exec_id: String, exit: reaper::Exit) {
+        let svc = self.clone();
+        tokio::spawn(async move { svc.process_exited(&id, &exec_id, exit).await });
+    }
+
+    async fn process_exited(&self, id: &str, exec_id: &str, exit: reaper::Exit) {
+        let Ok(c) = self.container(id) else { return };
+        if exec_id.is_empty() {
+            self.init_exited(&c, exit).await;
+        } else {
+            self.exec_exited(&c, exec_id, exit).await;
+        }
+    }
+
+    async fn exec_exited(&self, c: &Container, exec_id: &str, exit: reaper::Exit) {
+        let status = exit.code as u32;
+        {
+            // After TaskExecStarted, which is published under the gate.
+            let _gate = c.event_gate.lock().await;
+            let pid = {
+                let procs = c.procs.lock().await;
+                let Ok(p) = procs.get(&c.id, exec_id) else {
+                    return;
+                };
+                if p.exit_info().is_some() {
+                    return;
+                }
+                p.pid
+            };
+            self.shared
+                .events
+                .exit(&c.id, exec_id, pid, status, exit.at)
+                .await;
+        }
+        if let Ok(p) = c.procs.lock().await.get_mut(&c.id, exec_id) {
+            p.set_exited(status, exit.at);
+        }
+        c.running_execs.send_modify(|n| *n = n.saturating_sub(1));
+    }
+
+    async fn init_exited(&self, c: &Arc<Container>, exit: reaper::Exit) {
+        let pid = {
+            // After TaskStart, which is published under the gate.
+            let _gate = c.event_gate.lock().await;
+            let mut procs = c.procs.lock().await;
+            if procs.init_exit_seen {
+                return;
+            }
+            procs.init_exit_seen = true;
+            procs.init.pid
+        };
+        c.kill_all_after_init_exit().await;
+        let mut running = c.running_execs.subscribe();
+        if tokio::time::timeout(EXEC_EXITS_WAIT, running.wait_for(|n| *n == 0))
+            .await
+            .is_err()
+        {
+            tracing::warn!(id = %c.id, "exec processes still running {EXEC_EXITS_WAIT:?} after the init exited");
+        }
+        if c.oom.get().is_some_and(|w| w.check()) {
+            tracing::info!(id = %c.id, "container OOM killed");
+            self.shared.events.oom(&c.id).await;
+        }
+        let status = exit.code as u32;
+        self.shared
+            .events
+            .exit(&c.id, &c.id, pid, status, exit.at)
+            .await;
+        c.procs.lock().await.init.set_exited(status, exit.at);
+    }
+}
