@@ -33,19 +33,16 @@ impl MemoryCgroup {
     /// The memory cgroup of `pid`: the v1 memory controller, or v2 when the container's
     /// cgroup in the v2 hierarchy (wherever it is mounted) has `memory.events`.
     pub fn of_pid(pid: u32) -> Option<Self> {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
         let v2_root = baton_tracer::cgroups::find_v2_root().ok();
-        for line in text.lines() {
-            let mut parts = line.splitn(3, ':');
-            let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
-            let rel = path.trim_start_matches('/');
-            if ctrls.split(',').any(|c| c == "memory") {
+        for cg in baton_tracer::cgroups::of_pid(pid)? {
+            let rel = cg.pathname.trim_start_matches('/');
+            if cg.controllers.iter().any(|c| c == "memory") {
                 let dir = Path::new("/sys/fs/cgroup/memory").join(rel);
                 if dir.join("memory.oom_control").exists() {
                     return Some(Self::V1(dir));
                 }
             }
-            if let (true, Some(v2_root)) = (ctrls.is_empty(), v2_root.as_deref()) {
+            if let (0, Some(v2_root)) = (cg.hierarchy, v2_root.as_deref()) {
                 let dir = v2_root.join(rel);
                 if dir.join("memory.events").exists() {
                     return Some(Self::V2(dir));

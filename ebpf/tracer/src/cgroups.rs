@@ -134,13 +134,18 @@ impl CgroupIndex {
     }
 }
 
-/// The cgroup v2 path of a process (relative to the v2 root, starting with `/`), from /proc/PID/cgroup's
-/// `0::` line.
+/// The cgroups of a process, one per hierarchy (/proc/PID/cgroup, read by procfs): the one place Baton reads it.
+pub fn of_pid(pid: u32) -> Option<Vec<procfs::ProcessCGroup>> {
+    let pid = i32::try_from(pid).ok()?;
+    Some(procfs::process::Process::new(pid).ok()?.cgroups().ok()?.0)
+}
+
+/// The cgroup v2 path of a process (relative to the v2 root, starting with `/`): its hierarchy 0 entry.
 pub fn v2_path_of_pid(pid: u32) -> Option<String> {
-    let text = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("0::"))
-        .map(str::to_owned)
+    of_pid(pid)?
+        .into_iter()
+        .find(|cg| cg.hierarchy == 0)
+        .map(|cg| cg.pathname)
 }
 
 /// The cgroup v2 id of a process.

@@ -337,3 +337,21 @@ async fn shutdown_drains_queued_events() {
     assert_eq!(seen, vec![TASK_OOM_EVENT_TOPIC.to_string(); 10]);
     let _ = server.shutdown().await;
 }
+
+/// A container restored on Start gets its OOM watch then (its init has no pid before).
+#[tokio::test]
+async fn a_restored_container_is_watched_for_oom_kills() {
+    let _guard = exclusive().await;
+    let h = Harness::new();
+    let b = h.fake.bundle("w1");
+    h.create("w1", &b, "/img/w1")
+        .await
+        .expect("create from checkpoint");
+    let c = h.svc.shared.containers.get("w1").expect("container");
+    assert!(c.oom.get().is_none(), "no pid, no memory cgroup yet");
+    h.start("w1").await.expect("restore");
+    assert!(
+        c.oom.get().is_some(),
+        "the restored init's memory cgroup is not watched"
+    );
+}
