@@ -3,7 +3,6 @@
 
 use std::{
     fmt,
-    os::fd::{AsRawFd, OwnedFd},
     path::{Path, PathBuf},
     pin::Pin,
     process::Stdio,
@@ -259,7 +258,7 @@ pub async fn start_pipe_copies(
         OutputTarget::Binary { path, args } => {
             let out = pipes.pipes.stdout.as_ref().map(|p| &p.rd);
             let err = pipes.pipes.stderr.as_ref().map(|p| &p.rd);
-            start_logging_binary(&path, &args, out, err, id, namespace).await?;
+            crate::binary_logger::start(&path, &args, out, err, id, namespace).await?;
         }
     }
     Ok(())
@@ -277,75 +276,6 @@ async fn open_log_file(path: &Path) -> Result<tokio::fs::File> {
         .open(path)
         .await
         .map_err(|e| ShimError::io(format!("open log file {}", path.display()), e))
-}
-
-/// How long a logging binary may take to signal it is ready (closing fd 5).
-const LOGGER_READY_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Runs a `binary://` logger: stdout pipe on fd 3, stderr on fd 4, a ready pipe on fd 5 that it
-/// closes once it is reading; env CONTAINER_ID and CONTAINER_NAMESPACE (the Go shim's contract).
-async fn start_logging_binary(
-    path: &Path,
-    args: &[String],
-    stdout: Option<&OwnedFd>,
-    stderr: Option<&OwnedFd>,
-    id: &str,
-    namespace: &str,
-) -> Result<()> {
-    let (ready_r, ready_w) =
-        nix::unistd::pipe().map_err(|e| ShimError::io("create logger ready pipe", e.into()))?;
-    let dup = |fd: Option<&OwnedFd>| -> Result<Option<OwnedFd>> {
-        fd.map(|f| f.try_clone().map_err(|e| ShimError::io("dup log pipe", e)))
-            .transpose()
-    };
-    let fds = [dup(stdout)?, dup(stderr)?, Some(ready_w)];
-    let raw: Vec<i32> = fds
-        .iter()
-        .map(|f| f.as_ref().map_or(-1, |f| f.as_raw_fd()))
-        .collect();
-    let mut cmd = std::process::Command::new(path);
-    cmd.args(args)
-        .env("CONTAINER_ID", id)
-        .env("CONTAINER_NAMESPACE", namespace)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    // SAFETY: the closure only calls async-signal-safe dup2/open between fork and exec, on fds
-    // that stay open in the parent (owned by `fds`) until after spawn returns.
-    unsafe {
-        std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
-            for (i, fd) in raw.iter().enumerate() {
-                let target = 3 + i as i32;
-                let src = if *fd >= 0 {
-                    *fd
-                } else {
-                    libc::open(c"/dev/null".as_ptr(), libc::O_RDWR)
-                };
-                if libc::dup2(src, target) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
-            Ok(())
-        });
-    }
-    let child = cmd
-        .spawn()
-        .map_err(|e| ShimError::io(format!("start logging binary {}", path.display()), e))?;
-    drop(fds);
-    tracing::debug!(pid = child.id(), binary = %path.display(), "logging binary started");
-    // The reaper collects the logger when it exits; wait until it says it is ready.
-    let ready = tokio::task::spawn_blocking(move || {
-        let mut f = std::fs::File::from(ready_r);
-        let mut buf = [0u8; 1];
-        std::io::Read::read(&mut f, &mut buf)
-    });
-    match tokio::time::timeout(LOGGER_READY_TIMEOUT, ready).await {
-        Ok(_) => Ok(()),
-        Err(_) => Err(ShimError::Other(format!(
-            "logging binary {} did not close its ready fd (5) within {LOGGER_READY_TIMEOUT:?}",
-            path.display()
-        ))),
-    }
 }
 
 /// Starts the copies for a TTY process: console master to stdout, stdin to console. The end of

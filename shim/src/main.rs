@@ -3,6 +3,7 @@
 //! ours so that it answers both Task API versions. Runs on a single-threaded tokio runtime to keep
 //! an idle shim small.
 
+mod binary_logger;
 mod checkpoint;
 mod console;
 mod container;
