@@ -63,6 +63,10 @@ impl Default for BatonSettings {
 /// The keys Baton knows, in TOML and (prefixed with `baton.io/`) in annotations.
 const BATON_KEYS: [&str; 4] = ["ebpf", "cuda_checkpoint_path", "freezer", "trace_prefix"];
 
+/// The keys only the node's TOML may set: they name programs the shim (root) runs, and annotations
+/// come from whoever writes the pod spec.
+const NODE_ONLY_KEYS: [&str; 1] = ["cuda_checkpoint_path"];
+
 impl BatonSettings {
     /// Sets `key` from its textual form; `origin` names where it came from for the error.
     fn set(&mut self, key: &str, value: &str, origin: &str) -> Result<bool> {
@@ -117,6 +121,13 @@ impl BatonSettings {
                 continue;
             };
             let origin = format!("{layer} annotation");
+            if NODE_ONLY_KEYS.contains(&key) {
+                return Err(ShimError::InvalidArgument(format!(
+                    "{origin} {full_key}: not allowed in annotations (they come from pod specs, and \
+                     {key} names a program the shim runs as root): set {key} in the runtime's \
+                     options TOML on the node instead"
+                )));
+            }
             if !out.set(key, &annotations[full_key], &origin)? {
                 unknown.push(full_key.clone());
             }
@@ -443,6 +454,28 @@ mod tests {
             .with_annotations(&bad, "container")
             .unwrap_err();
         assert!(err.to_string().contains("ebpf") && err.to_string().contains("container"));
+    }
+
+    #[test]
+    fn annotations_cannot_name_a_program_for_the_shim() {
+        let evil: HashMap<String, String> = [(
+            "baton.io/cuda_checkpoint_path".to_string(),
+            "/tmp/evil".to_string(),
+        )]
+        .into();
+        for layer in ["pod", "container"] {
+            let err = BatonSettings::default()
+                .with_annotations(&evil, layer)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("baton.io/cuda_checkpoint_path"), "{err}");
+            assert!(err.contains("options TOML"), "{err}");
+        }
+        let cfg = parse_toml_options("cuda_checkpoint_path = \"/opt/cuda-checkpoint\"\n").unwrap();
+        assert_eq!(
+            cfg.baton.cuda_checkpoint_path,
+            PathBuf::from("/opt/cuda-checkpoint")
+        );
     }
 
     #[test]
