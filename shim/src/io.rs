@@ -13,6 +13,7 @@ use std::{
 
 use async_trait::async_trait;
 use containerd_shim::asynchronous::io::IoTasks;
+use percent_encoding::percent_decode_str;
 use runc::{Command, PipedIo, io::IoOption};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 
@@ -52,25 +53,14 @@ pub enum OutputTarget {
     },
 }
 
-fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%'
-            && i + 2 < bytes.len()
-            && let Some(v) = std::str::from_utf8(&bytes[i + 1..i + 3])
-                .ok()
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-        {
-            out.push(v);
-            i += 3;
-            continue;
-        }
-        out.push(if bytes[i] == b'+' { b' ' } else { bytes[i] });
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
+/// Percent-decodes a URI path.
+fn decode_path(s: &str) -> String {
+    percent_decode_str(s).decode_utf8_lossy().into_owned()
+}
+
+/// Decodes a query key or value as Go's `url.ParseQuery` does (`+` is a space).
+fn decode_query(s: &str) -> String {
+    decode_path(&s.replace('+', " "))
 }
 
 /// Parses containerd's stdout string (path or URI).
@@ -82,7 +72,7 @@ pub fn parse_output(stdout: &str) -> Result<OutputTarget> {
         return Ok(OutputTarget::Fifo(stdout.to_string()));
     };
     let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
-    let path = percent_decode(path);
+    let path = decode_path(path);
     if path.is_empty() || !path.starts_with('/') {
         return Err(ShimError::InvalidArgument(format!(
             "stdio URI {stdout:?}: expected an absolute path after {scheme}://"
@@ -95,9 +85,9 @@ pub fn parse_output(stdout: &str) -> Result<OutputTarget> {
             let mut args = Vec::new();
             for pair in query.split('&').filter(|p| !p.is_empty()) {
                 let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-                args.push(percent_decode(k));
+                args.push(decode_query(k));
                 if !v.is_empty() {
-                    args.push(percent_decode(v));
+                    args.push(decode_query(v));
                 }
             }
             Ok(OutputTarget::Binary {
@@ -228,17 +218,17 @@ pub async fn start_pipe_copies(
         *stdin.slot() = Some(w);
         io.copy_from_fifo(&spec.stdin, stdin.clone())?;
     }
-    match parse_output(&spec.stdout)? {
+    let stdout = parse_output(&spec.stdout)?;
+    match stdout {
         OutputTarget::Null | OutputTarget::Fifo(_) => {
-            if let (OutputTarget::Fifo(path), Some(r)) =
-                (parse_output(&spec.stdout)?, pipes.stdout())
-            {
-                io.copy_to_fifo(r, &path)?;
-            }
-            if let (OutputTarget::Fifo(path), Some(r)) =
-                (parse_output(&spec.stderr)?, pipes.stderr())
-            {
-                io.copy_to_fifo(r, &path)?;
+            let streams = [
+                (stdout, pipes.stdout()),
+                (parse_output(&spec.stderr)?, pipes.stderr()),
+            ];
+            for (target, reader) in streams {
+                if let (OutputTarget::Fifo(path), Some(r)) = (target, reader) {
+                    io.copy_to_fifo(r, &path)?;
+                }
             }
         }
         OutputTarget::File(path) => {
@@ -316,6 +306,13 @@ mod tests {
             OutputTarget::Binary {
                 path: "/usr/bin/logger".into(),
                 args: vec!["tag".into(), "web".into(), "verbose".into()]
+            }
+        );
+        assert_eq!(
+            parse_output("binary:///opt/log+ger%21?tag=a+b%26c&to=%2Fvar%2Flog").unwrap(),
+            OutputTarget::Binary {
+                path: "/opt/log+ger!".into(),
+                args: vec!["tag".into(), "a b&c".into(), "to".into(), "/var/log".into()]
             }
         );
         assert!(parse_output("http://x/y").is_err());
