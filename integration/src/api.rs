@@ -218,6 +218,18 @@ impl Api {
         stdio: &StdioPaths,
         rootfs: Vec<Mount>,
     ) -> Result<u32, Error> {
+        self.create_task_with_options(id, stdio, rootfs, None)
+    }
+
+    /// Creates the task of container `id` with task `options` (what containerd hands the shim's `start` and
+    /// Create); returns its pid.
+    pub fn create_task_with_options(
+        &self,
+        id: &str,
+        stdio: &StdioPaths,
+        rootfs: Vec<Mount>,
+        options: Option<Any>,
+    ) -> Result<u32, Error> {
         let request = self.request(CreateTaskRequest {
             container_id: id.to_string(),
             rootfs,
@@ -225,6 +237,7 @@ impl Api {
             stdout: stdio.stdout.clone(),
             stderr: stdio.stderr.clone(),
             terminal: stdio.terminal,
+            options,
             ..Default::default()
         });
         let mut tasks = self.tasks();

@@ -16,6 +16,7 @@ pub mod procs;
 pub mod rootfs;
 pub mod shim_binary;
 pub mod skip;
+pub mod task_options;
 pub mod trace_env;
 
 pub use api::{Api, EventLog, TaskEvent};

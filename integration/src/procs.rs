@@ -1,4 +1,4 @@
-//! Finding processes: the shims of one containerd instance, and a process's resident memory.
+//! Finding processes: the shims of one containerd instance, and a process's memory (RSS and PSS).
 
 use std::path::Path;
 
@@ -45,6 +45,21 @@ pub fn scan(keep: impl Fn(&[String]) -> bool) -> Vec<Found> {
 pub fn rss_bytes(pid: i32) -> Option<u64> {
     let status = procfs::process::Process::new(pid).ok()?.status().ok()?;
     status.vmrss.map(|kib| kib * 1024)
+}
+
+/// Proportional set size of `pid` in bytes (`Pss` in /proc/PID/smaps_rollup: each shared page counted as
+/// its share among the processes mapping it, so the sum over processes is what they really occupy), or
+/// `None` when the process is gone.
+pub fn pss_bytes(pid: i32) -> Option<u64> {
+    let rollup = procfs::process::Process::new(pid)
+        .ok()?
+        .smaps_rollup()
+        .ok()?;
+    rollup
+        .memory_map_rollup
+        .iter()
+        .map(|map| map.extension.map.get("Pss").copied())
+        .sum()
 }
 
 /// Whether `pid` is alive (exists and is not a zombie).

@@ -272,3 +272,42 @@ fn shim_invalid_baton_annotations_are_clear_errors() {
         assert_still_serving(&env, &api, &shim, id);
     }
 }
+
+#[test]
+fn shim_refuses_program_paths_from_annotations() {
+    let Some(env) = TestEnv::start("shim_program_annotation") else {
+        return;
+    };
+    if !env.is_baton() {
+        skip::announce("baton.io/ annotations are Baton's; not checked against another runtime");
+        return;
+    }
+    let shim = healthy(&env);
+    let api = env.api().expect("api");
+    // A real, valid program path: the annotation is refused for what it is, not for its value.
+    let annotation = ("baton.io/cuda_checkpoint_path", "/bin/true");
+    let error = env
+        .create_task_via_api(
+            &api,
+            "pathfrompod",
+            &["/bin/sleep", "300"],
+            &[SANDBOX, annotation],
+            None,
+        )
+        .expect_err("an annotation chose the program the root shim runs");
+    let error = error.to_string();
+    assert!(
+        error.contains("baton.io/cuda_checkpoint_path") && error.contains("options TOML"),
+        "the error must name the key and say where to set it: {error}"
+    );
+    assert_still_serving(&env, &api, &shim, "program path annotation");
+    let toml = api::runtime_options_toml("cuda_checkpoint_path = \"/bin/true\"\n");
+    env.create_task_via_api(
+        &api,
+        "pathfromnode",
+        &["/bin/sleep", "300"],
+        &[SANDBOX],
+        Some(toml),
+    )
+    .expect("the node's TOML may set cuda_checkpoint_path");
+}

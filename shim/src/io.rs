@@ -3,7 +3,6 @@
 
 use std::{
     fmt,
-    os::fd::{AsRawFd, OwnedFd},
     path::{Path, PathBuf},
     pin::Pin,
     process::Stdio,
@@ -14,6 +13,7 @@ use std::{
 
 use async_trait::async_trait;
 use containerd_shim::asynchronous::io::IoTasks;
+use percent_encoding::percent_decode_str;
 use runc::{Command, PipedIo, io::IoOption};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 
@@ -53,25 +53,14 @@ pub enum OutputTarget {
     },
 }
 
-fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%'
-            && i + 2 < bytes.len()
-            && let Some(v) = std::str::from_utf8(&bytes[i + 1..i + 3])
-                .ok()
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-        {
-            out.push(v);
-            i += 3;
-            continue;
-        }
-        out.push(if bytes[i] == b'+' { b' ' } else { bytes[i] });
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
+/// Percent-decodes a URI path.
+fn decode_path(s: &str) -> String {
+    percent_decode_str(s).decode_utf8_lossy().into_owned()
+}
+
+/// Decodes a query key or value as Go's `url.ParseQuery` does (`+` is a space).
+fn decode_query(s: &str) -> String {
+    decode_path(&s.replace('+', " "))
 }
 
 /// Parses containerd's stdout string (path or URI).
@@ -83,7 +72,7 @@ pub fn parse_output(stdout: &str) -> Result<OutputTarget> {
         return Ok(OutputTarget::Fifo(stdout.to_string()));
     };
     let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
-    let path = percent_decode(path);
+    let path = decode_path(path);
     if path.is_empty() || !path.starts_with('/') {
         return Err(ShimError::InvalidArgument(format!(
             "stdio URI {stdout:?}: expected an absolute path after {scheme}://"
@@ -96,9 +85,9 @@ pub fn parse_output(stdout: &str) -> Result<OutputTarget> {
             let mut args = Vec::new();
             for pair in query.split('&').filter(|p| !p.is_empty()) {
                 let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-                args.push(percent_decode(k));
+                args.push(decode_query(k));
                 if !v.is_empty() {
-                    args.push(percent_decode(v));
+                    args.push(decode_query(v));
                 }
             }
             Ok(OutputTarget::Binary {
@@ -231,17 +220,17 @@ pub async fn start_pipe_copies(
         *stdin.slot() = Some(w);
         io.copy_from_fifo(&spec.stdin, stdin.clone())?;
     }
-    match parse_output(&spec.stdout)? {
+    let stdout = parse_output(&spec.stdout)?;
+    match stdout {
         OutputTarget::Null | OutputTarget::Fifo(_) => {
-            if let (OutputTarget::Fifo(path), Some(r)) =
-                (parse_output(&spec.stdout)?, pipes.stdout())
-            {
-                io.copy_to_fifo(r, &path)?;
-            }
-            if let (OutputTarget::Fifo(path), Some(r)) =
-                (parse_output(&spec.stderr)?, pipes.stderr())
-            {
-                io.copy_to_fifo(r, &path)?;
+            let streams = [
+                (stdout, pipes.stdout()),
+                (parse_output(&spec.stderr)?, pipes.stderr()),
+            ];
+            for (target, reader) in streams {
+                if let (OutputTarget::Fifo(path), Some(r)) = (target, reader) {
+                    io.copy_to_fifo(r, &path)?;
+                }
             }
         }
         OutputTarget::File(path) => {
@@ -261,7 +250,7 @@ pub async fn start_pipe_copies(
         OutputTarget::Binary { path, args } => {
             let out = pipes.pipes.stdout.as_ref().map(|p| &p.rd);
             let err = pipes.pipes.stderr.as_ref().map(|p| &p.rd);
-            start_logging_binary(&path, &args, out, err, id, namespace).await?;
+            crate::binary_logger::start(&path, &args, out, err, id, namespace).await?;
         }
     }
     Ok(file_copies)
@@ -279,75 +268,6 @@ async fn open_log_file(path: &Path) -> Result<tokio::fs::File> {
         .open(path)
         .await
         .map_err(|e| ShimError::io(format!("open log file {}", path.display()), e))
-}
-
-/// How long a logging binary may take to signal it is ready (closing fd 5).
-const LOGGER_READY_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Runs a `binary://` logger: stdout pipe on fd 3, stderr on fd 4, a ready pipe on fd 5 that it
-/// closes once it is reading; env CONTAINER_ID and CONTAINER_NAMESPACE (the Go shim's contract).
-async fn start_logging_binary(
-    path: &Path,
-    args: &[String],
-    stdout: Option<&OwnedFd>,
-    stderr: Option<&OwnedFd>,
-    id: &str,
-    namespace: &str,
-) -> Result<()> {
-    let (ready_r, ready_w) =
-        nix::unistd::pipe().map_err(|e| ShimError::io("create logger ready pipe", e.into()))?;
-    let dup = |fd: Option<&OwnedFd>| -> Result<Option<OwnedFd>> {
-        fd.map(|f| f.try_clone().map_err(|e| ShimError::io("dup log pipe", e)))
-            .transpose()
-    };
-    let fds = [dup(stdout)?, dup(stderr)?, Some(ready_w)];
-    let raw: Vec<i32> = fds
-        .iter()
-        .map(|f| f.as_ref().map_or(-1, |f| f.as_raw_fd()))
-        .collect();
-    let mut cmd = std::process::Command::new(path);
-    cmd.args(args)
-        .env("CONTAINER_ID", id)
-        .env("CONTAINER_NAMESPACE", namespace)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    // SAFETY: the closure only calls async-signal-safe dup2/open between fork and exec, on fds
-    // that stay open in the parent (owned by `fds`) until after spawn returns.
-    unsafe {
-        std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
-            for (i, fd) in raw.iter().enumerate() {
-                let target = 3 + i as i32;
-                let src = if *fd >= 0 {
-                    *fd
-                } else {
-                    libc::open(c"/dev/null".as_ptr(), libc::O_RDWR)
-                };
-                if libc::dup2(src, target) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
-            Ok(())
-        });
-    }
-    let child = cmd
-        .spawn()
-        .map_err(|e| ShimError::io(format!("start logging binary {}", path.display()), e))?;
-    drop(fds);
-    tracing::debug!(pid = child.id(), binary = %path.display(), "logging binary started");
-    // The reaper collects the logger when it exits; wait until it says it is ready.
-    let ready = tokio::task::spawn_blocking(move || {
-        let mut f = std::fs::File::from(ready_r);
-        let mut buf = [0u8; 1];
-        std::io::Read::read(&mut f, &mut buf)
-    });
-    match tokio::time::timeout(LOGGER_READY_TIMEOUT, ready).await {
-        Ok(_) => Ok(()),
-        Err(_) => Err(ShimError::Other(format!(
-            "logging binary {} did not close its ready fd (5) within {LOGGER_READY_TIMEOUT:?}",
-            path.display()
-        ))),
-    }
 }
 
 /// Starts the copies for a TTY process: console master to stdout, stdin to console. The end of
@@ -388,6 +308,13 @@ mod tests {
             OutputTarget::Binary {
                 path: "/usr/bin/logger".into(),
                 args: vec!["tag".into(), "web".into(), "verbose".into()]
+            }
+        );
+        assert_eq!(
+            parse_output("binary:///opt/log+ger%21?tag=a+b%26c&to=%2Fvar%2Flog").unwrap(),
+            OutputTarget::Binary {
+                path: "/opt/log+ger!".into(),
+                args: vec!["tag".into(), "a b&c".into(), "to".into(), "/var/log".into()]
             }
         );
         assert!(parse_output("http://x/y").is_err());

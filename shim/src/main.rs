@@ -1,8 +1,9 @@
 //! containerd shim v2 (runtime type io.containerd.baton.v1) that wraps runc and adds Baton's GPU
-//! features. `start` / `delete` go through the containerd-shim crate; the server (no action) is
-//! ours so that it answers both Task API versions. Runs on a single-threaded tokio runtime to keep
-//! an idle shim small.
+//! features. `start`, `delete` and `-info` go through the containerd-shim crate; the server (no
+//! action) is ours so that it answers both Task API versions. Runs on a single-threaded tokio
+//! runtime to keep an idle shim small.
 
+mod binary_logger;
 mod checkpoint;
 mod console;
 mod container;
@@ -11,6 +12,7 @@ mod events;
 #[cfg(test)]
 mod fake_runc;
 mod gpu;
+mod info;
 mod io;
 mod logging;
 mod oom;
@@ -26,6 +28,8 @@ mod stats;
 
 /// The runtime type containerd knows this shim by.
 pub const RUNTIME_ID: &str = "io.containerd.baton.v1";
+/// The shim's version (`-v` and `-info`).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 fn main() {
     let args: Vec<_> = std::env::args_os().collect();
@@ -37,10 +41,7 @@ fn main() {
         }
     };
     if flags.version {
-        println!(
-            "containerd-shim-baton-v1:\n  Version: {}",
-            env!("CARGO_PKG_VERSION")
-        );
+        println!("containerd-shim-baton-v1:\n  Version: {VERSION}");
         return;
     }
     let runtime = match tokio::runtime::Builder::new_current_thread()

@@ -1,6 +1,8 @@
 //! Runtime options: runc's `Options` protobuf, CRI's `runtimeoptions.v1.Options` (whose TOML
 //! `config_body` / `config_path` carries a non-runc runtime's `options` table: the "options
-//! trap"), and Baton's own settings from that TOML and from `baton.io/` annotations.
+//! trap"), the legacy `containerd.linux.runc.CreateOptions` containerd's Go client (and so `ctr`)
+//! sends a runtime not named `io.containerd.runc.*`, and Baton's own settings from that TOML and
+//! from `baton.io/` annotations.
 //!
 //! Layering rule for Baton settings: the TOML is the node default; the pod's annotations (those
 //! on the sandbox container, remembered by the shim that serves the pod) override it; a
@@ -10,7 +12,7 @@
 use std::{collections::HashMap, path::PathBuf};
 
 use containerd_shim_protos::{
-    protobuf::{CodedInputStream, Message, well_known_types::any::Any},
+    protobuf::{self, CodedInputStream, Message, rt::WireType, well_known_types::any::Any},
     shim::oci::Options as RuncOptions,
 };
 
@@ -60,6 +62,10 @@ impl Default for BatonSettings {
 
 /// The keys Baton knows, in TOML and (prefixed with `baton.io/`) in annotations.
 const BATON_KEYS: [&str; 4] = ["ebpf", "cuda_checkpoint_path", "freezer", "trace_prefix"];
+
+/// The keys only the node's TOML may set: they name programs the shim (root) runs, and annotations
+/// come from whoever writes the pod spec.
+const NODE_ONLY_KEYS: [&str; 1] = ["cuda_checkpoint_path"];
 
 impl BatonSettings {
     /// Sets `key` from its textual form; `origin` names where it came from for the error.
@@ -115,6 +121,13 @@ impl BatonSettings {
                 continue;
             };
             let origin = format!("{layer} annotation");
+            if NODE_ONLY_KEYS.contains(&key) {
+                return Err(ShimError::InvalidArgument(format!(
+                    "{origin} {full_key}: not allowed in annotations (they come from pod specs, and \
+                     {key} names a program the shim runs as root): set {key} in the runtime's \
+                     options TOML on the node instead"
+                )));
+            }
             if !out.set(key, &annotations[full_key], &origin)? {
                 unknown.push(full_key.clone());
             }
@@ -130,7 +143,7 @@ pub struct RuntimeConfig {
     pub runc: RuncOptions,
     /// Baton's node defaults.
     pub baton: BatonSettings,
-    /// TOML keys nobody knows (to be logged as warnings).
+    /// Options nobody honours: unknown TOML keys, unsupported legacy fields (logged as warnings).
     pub unknown_keys: Vec<String>,
 }
 
@@ -138,6 +151,8 @@ pub struct RuntimeConfig {
 const RUNC_OPTIONS_TYPE: &str = "containerd.runc.v1.Options";
 /// The type URL CRI uses for any non-runc runtime type.
 const RUNTIME_OPTIONS_TYPE: &str = "runtimeoptions.v1.Options";
+/// The type URL containerd's Go client uses for a runtime not named `io.containerd.runc.*`.
+const LEGACY_CREATE_OPTIONS_TYPE: &str = "containerd.linux.runc.CreateOptions";
 
 /// Decodes the `options` of a Create (or of the shim's start) into a [`RuntimeConfig`].
 pub fn decode_options(any: Option<&Any>) -> Result<RuntimeConfig> {
@@ -171,8 +186,10 @@ pub fn decode_options(any: Option<&Any>) -> Result<RuntimeConfig> {
             };
             parse_toml_options(&body)
         }
+        LEGACY_CREATE_OPTIONS_TYPE => decode_legacy_create_options(&any.value),
         other => Err(ShimError::InvalidArgument(format!(
-            "options: unsupported type {other:?}: expected {RUNC_OPTIONS_TYPE} or {RUNTIME_OPTIONS_TYPE}"
+            "options: unsupported type {other:?}: expected {RUNC_OPTIONS_TYPE}, \
+             {RUNTIME_OPTIONS_TYPE} or {LEGACY_CREATE_OPTIONS_TYPE}"
         ))),
     }
 }
@@ -189,27 +206,86 @@ pub struct RuntimeOptionsMessage {
     pub config_body: String,
 }
 
-/// Decodes the wire form of `runtimeoptions.v1.Options`.
-pub fn decode_runtime_options(bytes: &[u8]) -> Result<RuntimeOptionsMessage> {
-    let bad = |e: &dyn std::fmt::Display| {
-        ShimError::InvalidArgument(format!("options: bad {RUNTIME_OPTIONS_TYPE}: {e}"))
-    };
+/// Walks the fields of a protobuf message of type `what` (for errors): `read` consumes the
+/// fields it knows (returning true); the others are skipped.
+fn walk_fields(
+    bytes: &[u8],
+    what: &str,
+    mut read: impl FnMut(u32, WireType, &mut CodedInputStream) -> protobuf::Result<bool>,
+) -> Result<()> {
+    let bad =
+        |e: &dyn std::fmt::Display| ShimError::InvalidArgument(format!("options: bad {what}: {e}"));
     let mut input = CodedInputStream::from_bytes(bytes);
-    let mut msg = RuntimeOptionsMessage::default();
     while let Some(tag) = input.read_raw_tag_or_eof().map_err(|e| bad(&e))? {
-        let (field, wire) = (tag >> 3, tag & 7);
-        match (field, wire) {
-            (1, 2) => msg.type_url = input.read_string().map_err(|e| bad(&e))?,
-            (2, 2) => msg.config_path = input.read_string().map_err(|e| bad(&e))?,
-            (3, 2) => msg.config_body = input.read_string().map_err(|e| bad(&e))?,
-            (_, wire) => {
-                let wire = containerd_shim_protos::protobuf::rt::WireType::new(wire)
-                    .ok_or_else(|| bad(&format!("wire type {wire}")))?;
-                input.skip_field(wire).map_err(|e| bad(&e))?;
-            }
+        let field = tag >> 3;
+        let wire = WireType::new(tag & 7).ok_or_else(|| bad(&format!("wire type {}", tag & 7)))?;
+        if !read(field, wire, &mut input).map_err(|e| bad(&e))? {
+            input.skip_field(wire).map_err(|e| bad(&e))?;
         }
     }
+    Ok(())
+}
+
+/// Decodes the wire form of `runtimeoptions.v1.Options`.
+pub fn decode_runtime_options(bytes: &[u8]) -> Result<RuntimeOptionsMessage> {
+    let mut msg = RuntimeOptionsMessage::default();
+    walk_fields(bytes, RUNTIME_OPTIONS_TYPE, |field, wire, input| {
+        let target = match (field, wire) {
+            (1, WireType::LengthDelimited) => &mut msg.type_url,
+            (2, WireType::LengthDelimited) => &mut msg.config_path,
+            (3, WireType::LengthDelimited) => &mut msg.config_body,
+            _ => return Ok(false),
+        };
+        *target = input.read_string()?;
+        Ok(true)
+    })?;
     Ok(msg)
+}
+
+/// Fields of `containerd.linux.runc.CreateOptions` (containerd runtime/linux/runctypes/runc.proto)
+/// that runc's `Options` cannot carry: restore flags of containerd's removed v1 runtime.
+const LEGACY_CREATE_OPTIONS_IGNORED: [(u32, &str); 6] = [
+    (2, "open_tcp"),
+    (3, "external_unix_sockets"),
+    (4, "terminal"),
+    (5, "file_locks"),
+    (6, "empty_namespaces"),
+    (7, "cgroups_mode"),
+];
+
+/// Decodes `containerd.linux.runc.CreateOptions` (which the protos crate does not ship) into the
+/// runc options it stands for: no_pivot_root = 1, no_new_keyring = 8, shim_cgroup = 9,
+/// io_uid = 10, io_gid = 11, criu_work_path = 12, criu_image_path = 13. The fields in
+/// [`LEGACY_CREATE_OPTIONS_IGNORED`] are reported in `unknown_keys` when set.
+pub fn decode_legacy_create_options(bytes: &[u8]) -> Result<RuntimeConfig> {
+    let mut cfg = RuntimeConfig::default();
+    let mut ignored = Vec::new();
+    walk_fields(bytes, LEGACY_CREATE_OPTIONS_TYPE, |field, wire, input| {
+        let r = &mut cfg.runc;
+        use WireType::{LengthDelimited, Varint};
+        match (field, wire) {
+            (1, Varint) => r.no_pivot_root = input.read_bool()?,
+            (8, Varint) => r.no_new_keyring = input.read_bool()?,
+            (9, LengthDelimited) => r.shim_cgroup = input.read_string()?,
+            (10, Varint) => r.io_uid = input.read_uint32()?,
+            (11, Varint) => r.io_gid = input.read_uint32()?,
+            (12, LengthDelimited) => r.criu_work_path = input.read_string()?,
+            (13, LengthDelimited) => r.criu_image_path = input.read_string()?,
+            _ => {
+                if let Some((_, name)) = LEGACY_CREATE_OPTIONS_IGNORED
+                    .iter()
+                    .find(|(number, _)| *number == field)
+                {
+                    ignored.push(format!("CreateOptions.{name} (not supported; ignored)"));
+                }
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    })?;
+    ignored.dedup();
+    cfg.unknown_keys = ignored;
+    Ok(cfg)
 }
 
 /// Parses the TOML `options` table of a Baton runtime: runc's keys in their Go spelling
@@ -378,5 +454,68 @@ mod tests {
             .with_annotations(&bad, "container")
             .unwrap_err();
         assert!(err.to_string().contains("ebpf") && err.to_string().contains("container"));
+    }
+
+    #[test]
+    fn annotations_cannot_name_a_program_for_the_shim() {
+        let evil: HashMap<String, String> = [(
+            "baton.io/cuda_checkpoint_path".to_string(),
+            "/tmp/evil".to_string(),
+        )]
+        .into();
+        for layer in ["pod", "container"] {
+            let err = BatonSettings::default()
+                .with_annotations(&evil, layer)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("baton.io/cuda_checkpoint_path"), "{err}");
+            assert!(err.contains("options TOML"), "{err}");
+        }
+        let cfg = parse_toml_options("cuda_checkpoint_path = \"/opt/cuda-checkpoint\"\n").unwrap();
+        assert_eq!(
+            cfg.baton.cuda_checkpoint_path,
+            PathBuf::from("/opt/cuda-checkpoint")
+        );
+    }
+
+    #[test]
+    fn legacy_create_options_map_onto_runc_options() {
+        let mut value = Vec::new();
+        let mut os = containerd_shim_protos::protobuf::CodedOutputStream::vec(&mut value);
+        os.write_bool(1, true).unwrap();
+        os.write_bool(2, true).unwrap(); // open_tcp: no runc option carries it
+        os.write_string(6, "network").unwrap();
+        os.write_string(6, "ipc").unwrap();
+        os.write_bool(8, true).unwrap();
+        os.write_string(9, "/shims").unwrap();
+        os.write_uint32(10, 100000).unwrap();
+        os.write_uint32(11, 100001).unwrap();
+        os.write_string(12, "/work").unwrap();
+        os.write_string(13, "/image").unwrap();
+        os.write_uint64(99, 5).unwrap(); // unknown field must be skipped
+        os.flush().unwrap();
+        drop(os);
+        let cfg = decode_options(Some(&any("containerd.linux.runc.CreateOptions", value))).unwrap();
+        let r = &cfg.runc;
+        assert!(r.no_pivot_root && r.no_new_keyring);
+        assert_eq!(r.shim_cgroup, "/shims");
+        assert_eq!((r.io_uid, r.io_gid), (100000, 100001));
+        assert_eq!(r.criu_work_path, "/work");
+        assert_eq!(r.criu_image_path, "/image");
+        assert!(r.binary_name.is_empty());
+        assert_eq!(
+            cfg.unknown_keys,
+            vec![
+                "CreateOptions.open_tcp (not supported; ignored)".to_string(),
+                "CreateOptions.empty_namespaces (not supported; ignored)".to_string(),
+            ]
+        );
+        let empty = decode_options(Some(&any("containerd.linux.runc.CreateOptions", vec![])));
+        assert!(empty.unwrap().unknown_keys.is_empty());
+        let truncated = decode_legacy_create_options(&[0x4a, 0x10, b'x']).unwrap_err();
+        assert!(
+            truncated.to_string().contains("CreateOptions"),
+            "{truncated}"
+        );
     }
 }

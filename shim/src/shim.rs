@@ -1,4 +1,4 @@
-//! The shim's own lifecycle (containerd's `start` and `delete` actions), through the crate's
+//! The shim's own lifecycle (containerd's `start` and `delete` actions, and `-info`), through the crate's
 //! `Shim` trait: grouping containers of a pod into one shim, and cleaning up after a dead shim.
 
 use std::{path::Path, sync::Arc, time::SystemTime};
@@ -11,7 +11,10 @@ use containerd_shim::{
         spawn,
         util::{read_options, write_str_to_file},
     },
-    protos::protobuf::MessageField,
+    protos::{
+        protobuf::{MessageField, well_known_types::any::Any},
+        types::introspection::RuntimeInfo,
+    },
 };
 use runc::options::DeleteOpts;
 
@@ -125,5 +128,13 @@ impl containerd_shim::Shim for BatonShim {
 
     async fn create_task_service(&self, publisher: RemotePublisher) -> Self::T {
         self.task_service(&publisher.address)
+    }
+
+    fn runtime_info(
+        runtime_id: &str,
+        options: Option<&Any>,
+    ) -> containerd_shim::Result<RuntimeInfo> {
+        crate::info::runtime_info(runtime_id, options)
+            .map_err(|e| containerd_shim::Error::Other(e.to_string()))
     }
 }

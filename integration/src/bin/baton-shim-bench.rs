@@ -1,6 +1,8 @@
 //! `baton-shim-bench`: Baton's shim against Debian's Go `containerd-shim-runc-v2` in the same run, on private
-//! containerd instances. Prints figures (no assertions): RSS of one idle shim, shim RSS per container with 50
-//! running containers, `ctr run --rm` latency over 50 runs, `ctr task exec` latency over 100 execs.
+//! containerd instances. Prints figures (no assertions): RSS and PSS of one idle shim, shim RSS and PSS per
+//! container with 50 running containers (PSS, from /proc/PID/smaps_rollup, shares each page among the processes
+//! mapping it: the memory a node really pays per shim), `ctr run --rm` latency over 50 runs, `ctr task exec`
+//! latency over 100 execs.
 //!
 //! Run as root: `cargo run --release -p baton-integration --bin baton-shim-bench` (the Baton shim is built with
 //! `--release`; `BATON_SHIM_BIN=/path` uses that binary instead).
@@ -21,10 +23,16 @@ const RUN_SAMPLES: usize = 50;
 /// `ctr task exec` samples.
 const EXEC_SAMPLES: usize = 100;
 
+/// Shim memory: one idle shim, and the sum over the shims of [`RSS_CONTAINERS`] containers divided by that count.
+struct Memory {
+    idle: u64,
+    per_container: u64,
+}
+
 /// The figures for one runtime.
 struct Figures {
-    idle_rss: u64,
-    rss_per_container: u64,
+    rss: Memory,
+    pss: Memory,
     run_p50: Duration,
     run_p95: Duration,
     exec_p50: Duration,
@@ -49,12 +57,12 @@ fn main() -> Result<()> {
 
 fn measure(runtime: &str, shim: Option<&Path>) -> Result<Figures> {
     eprintln!("measuring {runtime} ...");
-    let (idle_rss, rss_per_container) = measure_rss(runtime, shim)?;
+    let (rss, pss) = measure_memory(runtime, shim)?;
     let (run_p50, run_p95) = measure_run(runtime, shim)?;
     let exec_p50 = measure_exec(runtime, shim)?;
     Ok(Figures {
-        idle_rss,
-        rss_per_container,
+        rss,
+        pss,
         run_p50,
         run_p95,
         exec_p50,
@@ -66,12 +74,15 @@ fn environment(name: &str, runtime: &str, shim: Option<&Path>) -> Result<TestEnv
         .with_context(|| format!("setting up containerd for {runtime}"))
 }
 
-/// RSS of the one shim of one idle container, then the sum over the shims of 50 containers divided by 50.
-fn measure_rss(runtime: &str, shim: Option<&Path>) -> Result<(u64, u64)> {
+/// RSS and PSS of the one shim of one idle container, then of the shims of [`RSS_CONTAINERS`] containers.
+fn measure_memory(runtime: &str, shim: Option<&Path>) -> Result<(Memory, Memory)> {
     let env = environment("bench-rss", runtime, shim)?;
     env.run_detached("c0", &[], &["/bin/sleep", "3600"])?;
     std::thread::sleep(Duration::from_millis(500));
-    let idle = shim_rss_sum(&env);
+    let (idle_rss, idle_pss) = (
+        shim_sum(&env, procs::rss_bytes),
+        shim_sum(&env, procs::pss_bytes),
+    );
     for index in 1..RSS_CONTAINERS {
         env.run_detached(&format!("c{index}"), &[], &["/bin/sleep", "3600"])?;
     }
@@ -80,14 +91,21 @@ fn measure_rss(runtime: &str, shim: Option<&Path>) -> Result<(u64, u64)> {
     if shims != RSS_CONTAINERS {
         eprintln!("note: {shims} shims for {RSS_CONTAINERS} containers");
     }
-    Ok((idle, shim_rss_sum(&env) / RSS_CONTAINERS as u64))
+    let count = RSS_CONTAINERS as u64;
+    let rss = Memory {
+        idle: idle_rss,
+        per_container: shim_sum(&env, procs::rss_bytes) / count,
+    };
+    let pss = Memory {
+        idle: idle_pss,
+        per_container: shim_sum(&env, procs::pss_bytes) / count,
+    };
+    Ok((rss, pss))
 }
 
-fn shim_rss_sum(env: &TestEnv) -> u64 {
-    env.shims()
-        .iter()
-        .filter_map(|shim| procs::rss_bytes(shim.pid))
-        .sum()
+/// `figure` summed over the live shims of `env`.
+fn shim_sum(env: &TestEnv, figure: fn(i32) -> Option<u64>) -> u64 {
+    env.shims().iter().filter_map(|shim| figure(shim.pid)).sum()
 }
 
 /// p50 and p95 of `ctr run --rm` (create + start + wait + delete) of `/bin/true`.
@@ -150,22 +168,30 @@ fn ratio(baton: f64, runc: f64) -> String {
 }
 
 fn print_table(baton: &Figures, runc: &Figures) {
-    let rows = [
+    let memory = |figure: &str, baton: u64, runc: u64| {
         (
-            "RSS, one idle shim",
-            mib(baton.idle_rss),
-            mib(runc.idle_rss),
-            ratio(baton.idle_rss as f64, runc.idle_rss as f64),
+            figure.to_string(),
+            mib(baton),
+            mib(runc),
+            ratio(baton as f64, runc as f64),
+        )
+    };
+    let per_container = format!("({RSS_CONTAINERS} running, sum / {RSS_CONTAINERS})");
+    let mut rows = vec![
+        memory("RSS, one idle shim", baton.rss.idle, runc.rss.idle),
+        memory("PSS, one idle shim", baton.pss.idle, runc.pss.idle),
+        memory(
+            &format!("shim RSS per container {per_container}; goal <= 3.5 MB"),
+            baton.rss.per_container,
+            runc.rss.per_container,
         ),
-        (
-            "shim RSS per container (50 running, sum / 50; goal <= 3.5 MB)",
-            mib(baton.rss_per_container),
-            mib(runc.rss_per_container),
-            ratio(
-                baton.rss_per_container as f64,
-                runc.rss_per_container as f64,
-            ),
+        memory(
+            &format!("shim PSS per container {per_container}"),
+            baton.pss.per_container,
+            runc.pss.per_container,
         ),
+    ];
+    let latency = [
         (
             "`ctr run --rm` p50 (50 runs)",
             ms(baton.run_p50),
@@ -185,6 +211,11 @@ fn print_table(baton: &Figures, runc: &Figures) {
             ratio(baton.exec_p50.as_secs_f64(), runc.exec_p50.as_secs_f64()),
         ),
     ];
+    rows.extend(
+        latency
+            .into_iter()
+            .map(|(figure, baton, runc, ratio)| (figure.to_string(), baton, runc, ratio)),
+    );
     println!("| figure | baton ({BATON_RUNTIME}) | runc ({RUNC_RUNTIME}) | baton / runc |");
     println!("|---|---|---|---|");
     for (figure, baton, runc, ratio) in rows {
