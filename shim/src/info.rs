@@ -10,9 +10,9 @@ use containerd_shim_protos::{
 };
 
 use crate::{
-    checkpoint::RuncGlobal,
     errors::{Result, ShimError},
     options::decode_options,
+    runtime::RuncGlobal,
 };
 
 /// The type URL containerd's typeurl registry gives runtime-spec's `features.Features` (JSON).
