@@ -64,7 +64,7 @@ fn wait_for_log(env: &TestEnv, needle: &str) -> String {
 
 fn prerequisites() -> bool {
     if let Some(reason) = missing_trace_prerequisite() {
-        skip::announce(&reason);
+        skip::missing(&reason);
         return false;
     }
     true
@@ -79,7 +79,7 @@ fn a_gpu_container_is_traced_from_its_first_call_and_its_release_is_noticed() {
         return;
     };
     if !env.is_baton() {
-        skip::announce("GPU tracing is Baton's: not checked against another runtime");
+        skip::not_applicable("GPU tracing is Baton's: not checked against another runtime");
         return;
     }
     let mock_dir = tempfile::tempdir().unwrap();
@@ -137,7 +137,7 @@ fn containers_without_nvidia_devices_or_with_ebpf_off_load_no_probes() {
         return;
     };
     if !env.is_baton() {
-        skip::announce("GPU tracing is Baton's: not checked against another runtime");
+        skip::not_applicable("GPU tracing is Baton's: not checked against another runtime");
         return;
     }
     let out = env.run("plain", &[], &["--rm"], &["/bin/busybox", "true"]);

@@ -136,7 +136,7 @@ fn shim_init_process_with_tty() {
         return;
     };
     if baton_integration::skip::which("script").is_none() {
-        baton_integration::skip::announce("`script` not found: install Debian package bsdutils");
+        baton_integration::skip::missing("`script` not found: install Debian package bsdutils");
         return;
     }
     let args = env.run_args(

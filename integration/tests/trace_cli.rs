@@ -23,7 +23,7 @@ fn baton() -> std::path::PathBuf {
 #[test]
 fn json_lines_carry_the_documented_keys_and_the_summary_the_ledger() {
     if let Some(reason) = missing_trace_prerequisite() {
-        skip::announce(&reason);
+        skip::missing(&reason);
         return;
     }
     let mut env = TraceEnv::start("cli", "595.45.04").unwrap();
@@ -133,7 +133,7 @@ fn errors_say_what_to_do() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--driver-version \"banana\" is not"));
 
     if !nix::unistd::geteuid().is_root() {
-        skip::announce("needs root to check the not-root message by dropping privileges");
+        skip::missing("needs root to check the not-root message by dropping privileges");
         return;
     }
     let setpriv = Command::new("setpriv")
@@ -147,8 +147,8 @@ fn errors_say_what_to_do() {
             assert!(!out.status.success());
             assert!(err.contains("needs root"), "{err}");
         }
-        Err(e) => skip::announce(&format!(
-            "setpriv not available ({e}): not-root message unchecked"
+        Err(e) => skip::missing(&format!(
+            "setpriv not available ({e}): install Debian package util-linux"
         )),
     }
 }

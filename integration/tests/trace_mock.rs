@@ -20,7 +20,7 @@ const MIB: u64 = 1 << 20;
 macro_rules! require_trace_env {
     () => {
         if let Some(reason) = missing_trace_prerequisite() {
-            skip::announce(&reason);
+            skip::missing(&reason);
             return;
         }
     };
@@ -347,8 +347,10 @@ async fn older_driver_layouts_decode_with_their_band() {
 #[tokio::test(flavor = "current_thread")]
 async fn fds_are_followed_through_dup_fork_and_exec() {
     require_trace_env!();
-    let Some(python) = baton_integration::skip::which("python3") else {
-        skip::announce("python3 not found: the dup/fork/exec script needs it");
+    let Some(python) = skip::which("python3") else {
+        skip::missing(
+            "python3 not found: install Debian package python3 (the dup/fork/exec script)",
+        );
         return;
     };
     let env = TraceEnv::start("fdlife", "595.45.04").unwrap();

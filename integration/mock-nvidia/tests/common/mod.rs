@@ -1,4 +1,4 @@
-//! Shared helpers of the mock driver's integration tests: skip loudly without root/FUSE, mount a mock in
+//! Shared helpers of the mock driver's integration tests: skip loudly (fail in strict mode) without root/FUSE, mount a mock in
 //! a temp dir, run the workload binary against it.
 
 #![allow(dead_code)]
@@ -23,11 +23,13 @@ pub fn driver_binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_baton-mock-nvidia"))
 }
 
-/// `true` (after printing `skipped: <reason>`) when FUSE mounts cannot be made here.
-pub fn skip(test: &str) -> bool {
+/// `true` when FUSE mounts cannot be made here, after [`baton_prereq::missing`] printed why (`skipped: <test>:
+/// <reason>`); in strict mode (tools/dev test, CI) that fails the test instead. `_test` is the caller's name,
+/// which the prerequisite check takes from the test thread.
+pub fn skip(_test: &str) -> bool {
     match driver::fuse_unavailable_reason() {
         Some(reason) => {
-            eprintln!("skipped: {test}: {reason}");
+            baton_prereq::missing(&reason);
             true
         }
         None => false,
