@@ -1,17 +1,14 @@
-//! The `baton trace` command as a user runs it: JSON lines with the documented keys, the summary, the
-//! `--container` filter picking up a container started after the tracer, and one-line errors.
+//! The `baton trace` command as a user runs it: the ready line, JSON lines with the documented keys, the
+//! summary, and one-line errors.
 #![allow(
     clippy::unwrap_used,
     reason = "test helpers fail the test by panicking"
 )]
-use std::{
-    process::{Command, Stdio},
-    time::Duration,
-};
+use std::{process::Command, time::Duration};
 
 use baton_integration::{
     skip,
-    trace_env::{TraceEnv, missing_trace_prerequisite, workspace_binary},
+    trace_env::{BatonTrace, TraceEnv, missing_trace_prerequisite, workspace_binary},
 };
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -29,29 +26,27 @@ fn json_lines_carry_the_documented_keys_and_the_summary_the_ledger() {
     let mut env = TraceEnv::start("cli", "595.45.04").unwrap();
     env.make_cgroup("job").unwrap();
     let out = tempfile::NamedTempFile::new().unwrap();
-    let mut trace = Command::new(baton())
+    let mut command = Command::new(baton());
+    command
         .args([
             "trace",
             "--container",
             "job",
             "--json",
             "--summary",
-            "--duration",
-            "6",
             "--prefix",
         ])
         .arg(env.prefix())
         .arg("-o")
-        .arg(out.path())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+        .arg(out.path());
+    // The workload starts once baton trace says its probes are attached, and tracing ends (SIGTERM, as
+    // Ctrl-C) once the workload has exited: every call it made is in the ring buffer by then.
+    let trace = BatonTrace::start(command, WAIT).unwrap();
     let w = env.spawn_workload("job", 300, 2).unwrap();
     env.workload(w).wait_line("phase holding", WAIT).unwrap();
     let summary = env.workload(w).finish().unwrap();
-    let status = trace.wait().unwrap();
-    assert!(status.success(), "baton trace failed: {status}");
+    let (status, stderr) = trace.stop().unwrap();
+    assert!(status.success(), "baton trace failed: {status}\n{stderr}");
 
     let text = std::fs::read_to_string(out.path()).unwrap();
     let (json, rest): (Vec<&str>, Vec<&str>) = text.lines().partition(|l| l.starts_with('{'));
