@@ -147,3 +147,54 @@ fn errors_say_what_to_do() {
         )),
     }
 }
+
+/// `baton demo` runs the mock driver as its own process, found next to the baton binary or on PATH (the
+/// production binary does not link the mock), and says how to build it when it is in neither place.
+#[test]
+fn demo_finds_the_mock_driver_on_path_and_traces_the_workload() {
+    if let Some(reason) = missing_trace_prerequisite() {
+        skip::missing(&reason);
+        return;
+    }
+    let helpers = workspace_binary("baton-mock-nvidia", "baton-mock-nvidia").unwrap();
+    workspace_binary("baton-mock-nvidia", "baton-mock-cuda").unwrap();
+    let alone = tempfile::tempdir_in(baton_integration::shim_binary::target_dir()).unwrap();
+    let lone_baton = alone.path().join("baton");
+    std::fs::hard_link(baton(), &lone_baton)
+        .or_else(|_| std::fs::copy(baton(), &lone_baton).map(drop))
+        .unwrap();
+    let demo = |path: &str| {
+        Command::new(&lone_baton)
+            .args(["demo", "--mock", "--steps", "1", "--vram-mib", "64"])
+            .env("PATH", path)
+            .output()
+            .unwrap()
+    };
+
+    let out = demo("/usr/bin:/bin");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("not found next to")
+            && err.contains("cargo build --release -p baton-mock-nvidia"),
+        "{err}"
+    );
+
+    let out = demo(&format!(
+        "{}:/usr/bin:/bin",
+        helpers.parent().unwrap().display()
+    ));
+    let (text, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{err}\n{text}");
+    assert!(text.contains("NV_ESC_RM_ALLOC("), "{text}");
+    assert!(text.contains("== container baton-demo/trainer-"), "{text}");
+    assert!(text.contains("live objects: 0"), "{text}");
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mounts.contains("baton-demo-dev"),
+        "the mock is unmounted: {mounts}"
+    );
+}
