@@ -16,6 +16,8 @@ use baton_tracer::event::{Body, Event};
 
 const WAIT: Duration = Duration::from_secs(20);
 const MIB: u64 = 1 << 20;
+/// Children the dup/fork/exec script forks, each racing user space's copy of its inherited fd.
+const FORKS: usize = 10;
 
 macro_rules! require_trace_env {
     () => {
@@ -342,8 +344,9 @@ async fn older_driver_layouts_decode_with_their_band() {
     }
 }
 
-/// A process that dups its nvidiactl fd, closes the original, forks a child that calls the driver through the
-/// inherited fd, then execs (the dup is CLOEXEC): every step shows in the events and the fd mirror.
+/// A process that dups its nvidiactl fd, closes the original, forks children that call the driver through the
+/// inherited fd at once, then execs (the dup is CLOEXEC): every step shows in the events and the fd mirror.
+/// Each child's call races user space's copy of the inherited fd (docs/design.md, Probes): none is missed.
 #[tokio::test(flavor = "current_thread")]
 async fn fds_are_followed_through_dup_fork_and_exec() {
     require_trace_env!();
@@ -364,20 +367,22 @@ async fn fds_are_followed_through_dup_fork_and_exec() {
     );
     let script = format!(
         r#"
-import fcntl, os, sys, time
+import fcntl, os, sys
 fd = os.open("{dev}/nvidiactl", os.O_RDWR)
 fd2 = os.dup(fd)          # CLOEXEC, as Python makes every new fd
 os.close(fd)
-pid = os.fork()
-if pid == 0:
-    time.sleep(0.3)       # let the tracer copy the inherited fd (see docs/design.md)
-    try:
-        fcntl.ioctl(fd2, {cmd}, bytearray(16))
-    except OSError:
-        pass
-    os._exit(0)
-os.waitpid(pid, 0)
-print(fd2, pid, flush=True)
+children = []
+for _ in range({FORKS}):
+    pid = os.fork()
+    if pid == 0:
+        try:              # at once: before user space can have copied the inherited fd
+            fcntl.ioctl(fd2, {cmd}, bytearray(16))
+        except OSError:
+            pass
+        os._exit(0)
+    os.waitpid(pid, 0)
+    children.append(pid)
+print(fd2, *children, flush=True)
 os.execv("/bin/sleep", ["sleep", "0.3"])
 "#,
         dev = env.dev_dir().display()
@@ -409,7 +414,9 @@ os.execv("/bin/sleep", ["sleep", "0.3"])
     let mut it = printed
         .split_whitespace()
         .map(|s| s.parse::<i32>().unwrap());
-    let (dup_fd, child) = (it.next().unwrap(), it.next().unwrap() as u32);
+    let dup_fd = it.next().unwrap();
+    let children: Vec<u32> = it.map(|pid| pid as u32).collect();
+    assert_eq!(children.len(), FORKS);
     let parent = events
         .iter()
         .find(|e| matches!(e.body, Body::Open { .. }))
@@ -430,8 +437,10 @@ os.execv("/bin/sleep", ["sleep", "0.3"])
         .collect();
     let has = |s: String| assert!(kinds.contains(&s), "{s:?} not in {kinds:#?}");
     has(format!("{parent} dup {}->{dup_fd}", old_fd(&events)));
-    has(format!("{parent} fork {child}"));
-    has(format!("{child} ioctl {dup_fd} NV_ESC_RM_FREE"));
+    for child in children {
+        has(format!("{parent} fork {child}"));
+        has(format!("{child} ioctl {dup_fd} NV_ESC_RM_FREE"));
+    }
     has(format!("{parent} exec"));
     assert!(
         tracer.fd_table().get(parent).is_none(),
