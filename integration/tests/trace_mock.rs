@@ -449,6 +449,95 @@ os.execv("/bin/sleep", ["sleep", "0.3"])
     );
 }
 
+/// A child that closes its inherited nvidiactl fd at once, before user space can have copied it, and reuses the
+/// number for /dev/null: the close is traced, and the copy of the parent's table made afterwards does not bring
+/// the fd back (none of the child's many ioctls on /dev/null is taken for a driver call).
+#[tokio::test(flavor = "current_thread")]
+async fn an_inherited_fd_the_child_closes_at_once_stays_closed() {
+    require_trace_env!();
+    let Some(python) = skip::which("python3") else {
+        skip::missing("python3 not found: install Debian package python3 (the fork script)");
+        return;
+    };
+    let env = TraceEnv::start("fdclose", "595.45.04").unwrap();
+    let cg = env.make_cgroup("p").unwrap();
+    let mut tracer = env.tracer().unwrap();
+    tracer.watch_cgroup(cg).unwrap();
+    let cmd = baton_nvidia::ioc::iowr(
+        baton_nvidia::ioc::NV_IOCTL_MAGIC,
+        baton_nvidia::escape::RM_FREE,
+        baton_nvidia::params::nvos00::SIZE,
+    );
+    let script = format!(
+        r#"
+import fcntl, os
+fd = os.open("{dev}/nvidiactl", os.O_RDWR)
+pid = os.fork()
+if pid == 0:
+    os.close(fd)
+    null = os.open("/dev/null", os.O_RDWR)
+    assert null == fd, (null, fd)
+    for _ in range(20000):
+        try:
+            fcntl.ioctl(null, {cmd}, bytearray(16))
+        except OSError:
+            pass
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+assert status == 0, status
+print(fd, pid, flush=True)
+"#,
+        dev = env.dev_dir().display()
+    );
+    let cg_path = baton_tracer::cgroups::find_v2_root()
+        .unwrap()
+        .join(env.cgroup_rel("p").trim_start_matches('/'));
+    let script_run = tokio::process::Command::from(baton_tracer::cgroups::command_in(
+        &cg_path,
+        &python,
+        &["-c".into(), script],
+    ))
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .output();
+    let parent_exited = |ev: &[Event]| {
+        let parent = ev
+            .iter()
+            .find(|e| matches!(e.body, Body::Open { .. }))
+            .map(|e| e.pid);
+        ev.iter()
+            .any(|e| matches!(e.body, Body::Exit) && Some(e.pid) == parent)
+    };
+    let traced = collect_until(&mut tracer, WAIT, |_, ev| parent_exited(ev));
+    let (out, events) = tokio::join!(script_run, traced);
+    let (out, events) = (out.unwrap(), events.unwrap());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = String::from_utf8_lossy(&out.stdout);
+    let mut it = printed
+        .split_whitespace()
+        .map(|s| s.parse::<u32>().unwrap());
+    let (fd, child) = (it.next().unwrap() as i32, it.next().unwrap());
+    assert!(
+        events
+            .iter()
+            .any(|e| e.pid == child && matches!(e.body, Body::Close { fd: f } if f == fd)),
+        "the child's close of its inherited fd is traced"
+    );
+    let child_ioctls = events
+        .iter()
+        .filter(|e| e.pid == child && matches!(e.body, Body::Ioctl(_)))
+        .count();
+    assert_eq!(
+        child_ioctls, 0,
+        "ioctls on /dev/null taken for driver calls"
+    );
+    assert!(tracer.fd_table().get(child).is_none());
+}
+
 /// The fd the first open returned.
 fn old_fd(events: &[Event]) -> i32 {
     events
