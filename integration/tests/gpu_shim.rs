@@ -49,15 +49,21 @@ fn device_mounts(mock_dir: &Path) -> Vec<String> {
 }
 
 fn wait_for_log(env: &TestEnv, needle: &str) -> String {
-    for _ in 0..100 {
+    wait_for_log_count(env, needle, 1)
+}
+
+/// containerd's log once it holds `needle` at least `count` times (polled, with a deadline).
+fn wait_for_log_count(env: &TestEnv, needle: &str, count: usize) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::time::Instant::now() < deadline {
         let log = std::fs::read_to_string(env.containerd().log_path()).unwrap_or_default();
-        if log.contains(needle) {
+        if log.matches(needle).count() >= count {
             return log;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
     panic!(
-        "{needle:?} not in containerd's log:\n{}",
+        "{needle:?} not {count} times in containerd's log:\n{}",
         env.containerd().log_tail(60)
     );
 }
@@ -155,8 +161,8 @@ fn containers_without_nvidia_devices_or_with_ebpf_off_load_no_probes() {
         &["/bin/busybox", "ls", "/dev/nvidiactl"],
     );
     assert!(out.success(), "{}", out.stderr);
-    std::thread::sleep(Duration::from_millis(300));
-    let log = std::fs::read_to_string(env.containerd().log_path()).unwrap_or_default();
+    // A shim logs its shutdown last: once both containers' shims have, whatever they logged is in the log.
+    let log = wait_for_log_count(&env, "shim shutting down", 2);
     assert!(
         !log.contains("gpu tracing: probes loaded"),
         "no probes for these containers:\n{log}"

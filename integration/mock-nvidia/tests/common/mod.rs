@@ -72,6 +72,17 @@ impl Mock {
         driver::DriverState::wait_for(self.dir(), TIMEOUT, done).expect("read state.json")
     }
 
+    /// Returns once every RELEASE the kernel queued before this call has reached the mock, so that a test
+    /// can assert that one was *not* sent. Closing a file queues its RELEASE before close() returns, and FUSE
+    /// delivers them in order: this closes a file of its own and waits for that file's release.
+    pub fn releases_delivered(&self) {
+        let before = self.state().files_named("nvidiactl").count();
+        let own = std::fs::File::open(self.dir().join("nvidiactl")).expect("open nvidiactl");
+        assert_eq!(self.state().files_named("nvidiactl").count(), before + 1);
+        drop(own);
+        self.state_when(|s| s.files_named("nvidiactl").count() <= before);
+    }
+
     /// State once every file is released (or after [`TIMEOUT`]).
     pub fn idle_state(&self) -> driver::DriverState {
         self.state_when(driver::DriverState::is_idle)
