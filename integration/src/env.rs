@@ -50,11 +50,12 @@ pub struct TestEnv {
 }
 
 impl TestEnv {
-    /// Sets up for test `test` with the runtime under test ([`shim_binary::runtime_under_test`]). Returns `None`
-    /// after printing `skipped: <reason>` when a prerequisite is missing; panics when set-up itself fails.
+    /// Sets up for test `test` with the runtime under test ([`shim_binary::runtime_under_test`]). When a
+    /// prerequisite is missing it returns `None` after printing `skipped: <test>: <reason>`, or, in strict mode
+    /// (tools/dev test, CI), panics with the reason ([`skip::missing`]); panics when set-up itself fails.
     pub fn start(test: &str) -> Option<Self> {
         if let Some(reason) = skip::missing_containerd_prerequisite() {
-            skip::announce(&reason);
+            skip::missing(&reason);
             return None;
         }
         match Self::with_runtime(test, &shim_binary::runtime_under_test()) {

@@ -1,7 +1,7 @@
 //! Test harness for Baton's integration tests: private containerd instances, busybox rootfs bundles, the mock NVIDIA driver mounted through FUSE, and loud skips.
 //!
-//! The containerd side: [`TestEnv::start`] checks the prerequisites (printing `skipped: <reason>` when one is
-//! missing), builds or finds the shim under test, makes a busybox rootfs and starts a private containerd 1.6 with
+//! The containerd side: [`TestEnv::start`] checks the prerequisites (a missing one skips loudly, or fails the
+//! test in strict mode: see [`skip`] and the `baton-prereq` crate), builds or finds the shim under test, makes a busybox rootfs and starts a private containerd 1.6 with
 //! its own root, state and socket in a temporary folder. Tests drive it with `ctr` ([`Containerd::ctr`]) and with
 //! containerd's gRPC API ([`Api`]) for what `ctr` 1.6 cannot do (update, resize, runtime options, events).
 //! Dropping the environment kills what the test left (container processes, shims, containerd), deletes runc

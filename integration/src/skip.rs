@@ -1,10 +1,15 @@
-//! Loud skips: a test that cannot run on this machine says why on stderr (`skipped: <reason>`) and returns.
+//! The containerd tests' prerequisites, and the harness's door to [`baton_prereq`]: a test whose prerequisite is
+//! missing skips loudly in a developer's plain `cargo test` and fails in strict mode (tools/dev test, CI).
 
 use std::path::Path;
 
-/// Prints `skipped: <reason>` to stderr, the one format all Baton tests use for a skip.
+pub use baton_prereq::{cannot_run_here, missing, not_applicable};
+
+/// A prerequisite is missing: the same as [`baton_prereq::missing`] (fails in strict mode, else prints
+/// `skipped: <test>: <reason>`); return from the test after it. Use [`not_applicable`] when the test is
+/// about a Baton feature and another runtime is under test.
 pub fn announce(reason: &str) {
-    eprintln!("skipped: {reason}");
+    missing(reason);
 }
 
 /// The reason the containerd-based tests cannot run here, or `None` when everything they need is present.

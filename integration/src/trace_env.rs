@@ -228,3 +228,80 @@ pub async fn collect_until(
         }
     }
 }
+
+/// The line `baton trace` prints on stderr once its probes are attached (tools/baton/src/trace.rs, README).
+pub const BATON_TRACE_READY: &str = "baton trace: probes attached, tracing";
+
+/// A running `baton trace` that has printed its ready line; killed on drop unless [`BatonTrace::stop`] ran.
+pub struct BatonTrace {
+    child: Option<std::process::Child>,
+    stderr: Option<std::thread::JoinHandle<String>>,
+}
+
+impl BatonTrace {
+    /// Spawns `command` (a `baton trace` command line) and waits up to `timeout` for its ready line.
+    pub fn start(mut command: std::process::Command, timeout: Duration) -> anyhow::Result<Self> {
+        use std::io::BufRead;
+        let mut child = command.stderr(std::process::Stdio::piped()).spawn()?;
+        let pipe = child
+            .stderr
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("no stderr pipe"))?;
+        let (ready, is_ready) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            let mut all = String::new();
+            for line in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
+                if line == BATON_TRACE_READY {
+                    let _ = ready.send(());
+                }
+                all.push_str(&line);
+                all.push('\n');
+            }
+            all
+        });
+        let mut trace = Self {
+            child: Some(child),
+            stderr: Some(reader),
+        };
+        if is_ready.recv_timeout(timeout).is_err() {
+            let stderr = trace.kill_and_collect();
+            anyhow::bail!(
+                "baton trace printed no ready line within {timeout:?}; its stderr:\n{stderr}"
+            );
+        }
+        Ok(trace)
+    }
+
+    /// Ends tracing as Ctrl-C would (SIGTERM: the final events and the summary are written) and returns its
+    /// exit status and stderr.
+    pub fn stop(mut self) -> anyhow::Result<(std::process::ExitStatus, String)> {
+        let mut child = self
+            .child
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("already stopped"))?;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )?;
+        let status = child.wait()?;
+        let stderr = self.stderr.take().map(|r| r.join().unwrap_or_default());
+        Ok((status, stderr.unwrap_or_default()))
+    }
+
+    fn kill_and_collect(&mut self) -> String {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.stderr
+            .take()
+            .map(|r| r.join().unwrap_or_default())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for BatonTrace {
+    fn drop(&mut self) {
+        self.kill_and_collect();
+    }
+}

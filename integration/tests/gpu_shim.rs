@@ -49,22 +49,28 @@ fn device_mounts(mock_dir: &Path) -> Vec<String> {
 }
 
 fn wait_for_log(env: &TestEnv, needle: &str) -> String {
-    for _ in 0..100 {
+    wait_for_log_count(env, needle, 1)
+}
+
+/// containerd's log once it holds `needle` at least `count` times (polled, with a deadline).
+fn wait_for_log_count(env: &TestEnv, needle: &str, count: usize) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::time::Instant::now() < deadline {
         let log = std::fs::read_to_string(env.containerd().log_path()).unwrap_or_default();
-        if log.contains(needle) {
+        if log.matches(needle).count() >= count {
             return log;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
     panic!(
-        "{needle:?} not in containerd's log:\n{}",
+        "{needle:?} not {count} times in containerd's log:\n{}",
         env.containerd().log_tail(60)
     );
 }
 
 fn prerequisites() -> bool {
     if let Some(reason) = missing_trace_prerequisite() {
-        skip::announce(&reason);
+        skip::missing(&reason);
         return false;
     }
     true
@@ -79,7 +85,7 @@ fn a_gpu_container_is_traced_from_its_first_call_and_its_release_is_noticed() {
         return;
     };
     if !env.is_baton() {
-        skip::announce("GPU tracing is Baton's: not checked against another runtime");
+        skip::not_applicable("GPU tracing is Baton's: not checked against another runtime");
         return;
     }
     let mock_dir = tempfile::tempdir().unwrap();
@@ -137,7 +143,7 @@ fn containers_without_nvidia_devices_or_with_ebpf_off_load_no_probes() {
         return;
     };
     if !env.is_baton() {
-        skip::announce("GPU tracing is Baton's: not checked against another runtime");
+        skip::not_applicable("GPU tracing is Baton's: not checked against another runtime");
         return;
     }
     let out = env.run("plain", &[], &["--rm"], &["/bin/busybox", "true"]);
@@ -155,8 +161,8 @@ fn containers_without_nvidia_devices_or_with_ebpf_off_load_no_probes() {
         &["/bin/busybox", "ls", "/dev/nvidiactl"],
     );
     assert!(out.success(), "{}", out.stderr);
-    std::thread::sleep(Duration::from_millis(300));
-    let log = std::fs::read_to_string(env.containerd().log_path()).unwrap_or_default();
+    // A shim logs its shutdown last: once both containers' shims have, whatever they logged is in the log.
+    let log = wait_for_log_count(&env, "shim shutting down", 2);
     assert!(
         !log.contains("gpu tracing: probes loaded"),
         "no probes for these containers:\n{log}"

@@ -199,7 +199,7 @@ fn shim_malformed_options_toml_is_a_clear_error() {
         return;
     };
     if !env.is_baton() {
-        skip::announce(
+        skip::not_applicable(
             "runtime options TOML (config_body) is Baton's; not checked against another runtime",
         );
         return;
@@ -239,7 +239,9 @@ fn shim_invalid_baton_annotations_are_clear_errors() {
         return;
     };
     if !env.is_baton() {
-        skip::announce("baton.io/ annotations are Baton's; not checked against another runtime");
+        skip::not_applicable(
+            "baton.io/ annotations are Baton's; not checked against another runtime",
+        );
         return;
     }
     let shim = healthy(&env);

@@ -115,7 +115,10 @@ fn shim_exec_with_tty_sees_a_terminal_and_its_resize() {
         terminal: true,
         ..Default::default()
     };
-    let script = "[ -t 0 ] && [ -t 1 ] && echo is-a-tty; sleep 1; stty size";
+    // The resize comes after the start: wait for it inside the container (polled, at most 30 s).
+    let script = "[ -t 0 ] && [ -t 1 ] && echo is-a-tty; i=0; \
+                  while [ \"$(stty size)\" != '33 111' ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done; \
+                  stty size";
     let process = rootfs::process("host", &["/bin/sh", "-c", script], true).expect("process");
     api.exec("host", "tty1", &process, &stdio)
         .expect("exec with terminal");
@@ -136,7 +139,7 @@ fn shim_init_process_with_tty() {
         return;
     };
     if baton_integration::skip::which("script").is_none() {
-        baton_integration::skip::announce("`script` not found: install Debian package bsdutils");
+        baton_integration::skip::missing("`script` not found: install Debian package bsdutils");
         return;
     }
     let args = env.run_args(

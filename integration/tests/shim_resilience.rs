@@ -123,12 +123,50 @@ fn shim_killed_with_sigkill_is_cleaned_up_by_containerd() {
     );
 }
 
+/// The one allowed skip of this machine kind: in strict mode (tools/dev test, CI) the checkpoint test passes
+/// by skipping only because integration/allowed-skips.toml lists it, and the skip is logged for the run's
+/// summary. Runs the checkpoint test in a child process of this test binary.
+#[test]
+fn the_checkpoint_test_skips_only_as_allowed_and_is_logged() {
+    let log = tempfile::NamedTempFile::new().expect("temp file");
+    let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", "shim_checkpoint_where_criu_works", "--nocapture"])
+        .env(baton_prereq::STRICT_ENV, "1")
+        .env(baton_prereq::LOG_ENV, log.path())
+        .output()
+        .expect("run the checkpoint test");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "strict checkpoint test failed:\n{text}"
+    );
+    let criu_works = std::process::Command::new("criu")
+        .arg("check")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let logged = std::fs::read_to_string(log.path()).expect("skip log");
+    if criu_works {
+        assert_eq!(logged, "", "the checkpoint test ran for real");
+    } else {
+        assert!(
+            logged.starts_with(
+                "skipped (allowed): shim_checkpoint_where_criu_works: CRIU cannot checkpoint on this kernel"
+            ),
+            "skip log: {logged:?}\n{text}"
+        );
+    }
+}
+
 #[test]
 fn shim_checkpoint_where_criu_works() {
     let check = std::process::Command::new("criu").arg("check").output();
     match check {
         Err(error) => {
-            skip::announce(&format!(
+            skip::missing(&format!(
                 "criu not found ({error}): install Debian package criu"
             ));
             return;
@@ -139,7 +177,7 @@ fn shim_checkpoint_where_criu_works() {
                 .last()
                 .unwrap_or("")
                 .to_string();
-            skip::announce(&format!("criu check fails on this kernel: {why}"));
+            skip::cannot_run_here(&format!("criu check: {why}"));
             return;
         }
         Ok(_) => {}

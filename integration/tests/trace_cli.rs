@@ -1,17 +1,14 @@
-//! The `baton trace` command as a user runs it: JSON lines with the documented keys, the summary, the
-//! `--container` filter picking up a container started after the tracer, and one-line errors.
+//! The `baton trace` command as a user runs it: the ready line, JSON lines with the documented keys, the
+//! summary, and one-line errors.
 #![allow(
     clippy::unwrap_used,
     reason = "test helpers fail the test by panicking"
 )]
-use std::{
-    process::{Command, Stdio},
-    time::Duration,
-};
+use std::{process::Command, time::Duration};
 
 use baton_integration::{
     skip,
-    trace_env::{TraceEnv, missing_trace_prerequisite, workspace_binary},
+    trace_env::{BatonTrace, TraceEnv, missing_trace_prerequisite, workspace_binary},
 };
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -23,35 +20,33 @@ fn baton() -> std::path::PathBuf {
 #[test]
 fn json_lines_carry_the_documented_keys_and_the_summary_the_ledger() {
     if let Some(reason) = missing_trace_prerequisite() {
-        skip::announce(&reason);
+        skip::missing(&reason);
         return;
     }
     let mut env = TraceEnv::start("cli", "595.45.04").unwrap();
     env.make_cgroup("job").unwrap();
     let out = tempfile::NamedTempFile::new().unwrap();
-    let mut trace = Command::new(baton())
+    let mut command = Command::new(baton());
+    command
         .args([
             "trace",
             "--container",
             "job",
             "--json",
             "--summary",
-            "--duration",
-            "6",
             "--prefix",
         ])
         .arg(env.prefix())
         .arg("-o")
-        .arg(out.path())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+        .arg(out.path());
+    // The workload starts once baton trace says its probes are attached, and tracing ends (SIGTERM, as
+    // Ctrl-C) once the workload has exited: every call it made is in the ring buffer by then.
+    let trace = BatonTrace::start(command, WAIT).unwrap();
     let w = env.spawn_workload("job", 300, 2).unwrap();
     env.workload(w).wait_line("phase holding", WAIT).unwrap();
     let summary = env.workload(w).finish().unwrap();
-    let status = trace.wait().unwrap();
-    assert!(status.success(), "baton trace failed: {status}");
+    let (status, stderr) = trace.stop().unwrap();
+    assert!(status.success(), "baton trace failed: {status}\n{stderr}");
 
     let text = std::fs::read_to_string(out.path()).unwrap();
     let (json, rest): (Vec<&str>, Vec<&str>) = text.lines().partition(|l| l.starts_with('{'));
@@ -133,7 +128,7 @@ fn errors_say_what_to_do() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--driver-version \"banana\" is not"));
 
     if !nix::unistd::geteuid().is_root() {
-        skip::announce("needs root to check the not-root message by dropping privileges");
+        skip::missing("needs root to check the not-root message by dropping privileges");
         return;
     }
     let setpriv = Command::new("setpriv")
@@ -147,8 +142,59 @@ fn errors_say_what_to_do() {
             assert!(!out.status.success());
             assert!(err.contains("needs root"), "{err}");
         }
-        Err(e) => skip::announce(&format!(
-            "setpriv not available ({e}): not-root message unchecked"
+        Err(e) => skip::missing(&format!(
+            "setpriv not available ({e}): install Debian package util-linux"
         )),
     }
+}
+
+/// `baton demo` runs the mock driver as its own process, found next to the baton binary or on PATH (the
+/// production binary does not link the mock), and says how to build it when it is in neither place.
+#[test]
+fn demo_finds_the_mock_driver_on_path_and_traces_the_workload() {
+    if let Some(reason) = missing_trace_prerequisite() {
+        skip::missing(&reason);
+        return;
+    }
+    let helpers = workspace_binary("baton-mock-nvidia", "baton-mock-nvidia").unwrap();
+    workspace_binary("baton-mock-nvidia", "baton-mock-cuda").unwrap();
+    let alone = tempfile::tempdir_in(baton_integration::shim_binary::target_dir()).unwrap();
+    let lone_baton = alone.path().join("baton");
+    std::fs::hard_link(baton(), &lone_baton)
+        .or_else(|_| std::fs::copy(baton(), &lone_baton).map(drop))
+        .unwrap();
+    let demo = |path: &str| {
+        Command::new(&lone_baton)
+            .args(["demo", "--mock", "--steps", "1", "--vram-mib", "64"])
+            .env("PATH", path)
+            .output()
+            .unwrap()
+    };
+
+    let out = demo("/usr/bin:/bin");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("not found next to")
+            && err.contains("cargo build --release -p baton-mock-nvidia"),
+        "{err}"
+    );
+
+    let out = demo(&format!(
+        "{}:/usr/bin:/bin",
+        helpers.parent().unwrap().display()
+    ));
+    let (text, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{err}\n{text}");
+    assert!(text.contains("NV_ESC_RM_ALLOC("), "{text}");
+    assert!(text.contains("== container baton-demo/trainer-"), "{text}");
+    assert!(text.contains("live objects: 0"), "{text}");
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mounts.contains("baton-demo-dev"),
+        "the mock is unmounted: {mounts}"
+    );
 }

@@ -16,11 +16,13 @@ use baton_tracer::event::{Body, Event};
 
 const WAIT: Duration = Duration::from_secs(20);
 const MIB: u64 = 1 << 20;
+/// Children the dup/fork/exec script forks, each racing user space's copy of its inherited fd.
+const FORKS: usize = 10;
 
 macro_rules! require_trace_env {
     () => {
         if let Some(reason) = missing_trace_prerequisite() {
-            skip::announce(&reason);
+            skip::missing(&reason);
             return;
         }
     };
@@ -342,13 +344,16 @@ async fn older_driver_layouts_decode_with_their_band() {
     }
 }
 
-/// A process that dups its nvidiactl fd, closes the original, forks a child that calls the driver through the
-/// inherited fd, then execs (the dup is CLOEXEC): every step shows in the events and the fd mirror.
+/// A process that dups its nvidiactl fd, closes the original, forks children that call the driver through the
+/// inherited fd at once, then execs (the dup is CLOEXEC): every step shows in the events and the fd mirror.
+/// Each child's call races user space's copy of the inherited fd (docs/design.md, Probes): none is missed.
 #[tokio::test(flavor = "current_thread")]
 async fn fds_are_followed_through_dup_fork_and_exec() {
     require_trace_env!();
-    let Some(python) = baton_integration::skip::which("python3") else {
-        skip::announce("python3 not found: the dup/fork/exec script needs it");
+    let Some(python) = skip::which("python3") else {
+        skip::missing(
+            "python3 not found: install Debian package python3 (the dup/fork/exec script)",
+        );
         return;
     };
     let env = TraceEnv::start("fdlife", "595.45.04").unwrap();
@@ -362,20 +367,22 @@ async fn fds_are_followed_through_dup_fork_and_exec() {
     );
     let script = format!(
         r#"
-import fcntl, os, sys, time
+import fcntl, os, sys
 fd = os.open("{dev}/nvidiactl", os.O_RDWR)
 fd2 = os.dup(fd)          # CLOEXEC, as Python makes every new fd
 os.close(fd)
-pid = os.fork()
-if pid == 0:
-    time.sleep(0.3)       # let the tracer copy the inherited fd (see docs/design.md)
-    try:
-        fcntl.ioctl(fd2, {cmd}, bytearray(16))
-    except OSError:
-        pass
-    os._exit(0)
-os.waitpid(pid, 0)
-print(fd2, pid, flush=True)
+children = []
+for _ in range({FORKS}):
+    pid = os.fork()
+    if pid == 0:
+        try:              # at once: before user space can have copied the inherited fd
+            fcntl.ioctl(fd2, {cmd}, bytearray(16))
+        except OSError:
+            pass
+        os._exit(0)
+    os.waitpid(pid, 0)
+    children.append(pid)
+print(fd2, *children, flush=True)
 os.execv("/bin/sleep", ["sleep", "0.3"])
 "#,
         dev = env.dev_dir().display()
@@ -407,7 +414,9 @@ os.execv("/bin/sleep", ["sleep", "0.3"])
     let mut it = printed
         .split_whitespace()
         .map(|s| s.parse::<i32>().unwrap());
-    let (dup_fd, child) = (it.next().unwrap(), it.next().unwrap() as u32);
+    let dup_fd = it.next().unwrap();
+    let children: Vec<u32> = it.map(|pid| pid as u32).collect();
+    assert_eq!(children.len(), FORKS);
     let parent = events
         .iter()
         .find(|e| matches!(e.body, Body::Open { .. }))
@@ -428,14 +437,105 @@ os.execv("/bin/sleep", ["sleep", "0.3"])
         .collect();
     let has = |s: String| assert!(kinds.contains(&s), "{s:?} not in {kinds:#?}");
     has(format!("{parent} dup {}->{dup_fd}", old_fd(&events)));
-    has(format!("{parent} fork {child}"));
-    has(format!("{child} ioctl {dup_fd} NV_ESC_RM_FREE"));
+    for child in children {
+        has(format!("{parent} fork {child}"));
+        has(format!("{child} ioctl {dup_fd} NV_ESC_RM_FREE"));
+    }
     has(format!("{parent} exec"));
     assert!(
         tracer.fd_table().get(parent).is_none(),
         "the CLOEXEC fd is gone after exec: {:?}",
         tracer.fd_table().get(parent)
     );
+}
+
+/// A child that closes its inherited nvidiactl fd at once, before user space can have copied it, and reuses the
+/// number for /dev/null: the close is traced, and the copy of the parent's table made afterwards does not bring
+/// the fd back (none of the child's many ioctls on /dev/null is taken for a driver call).
+#[tokio::test(flavor = "current_thread")]
+async fn an_inherited_fd_the_child_closes_at_once_stays_closed() {
+    require_trace_env!();
+    let Some(python) = skip::which("python3") else {
+        skip::missing("python3 not found: install Debian package python3 (the fork script)");
+        return;
+    };
+    let env = TraceEnv::start("fdclose", "595.45.04").unwrap();
+    let cg = env.make_cgroup("p").unwrap();
+    let mut tracer = env.tracer().unwrap();
+    tracer.watch_cgroup(cg).unwrap();
+    let cmd = baton_nvidia::ioc::iowr(
+        baton_nvidia::ioc::NV_IOCTL_MAGIC,
+        baton_nvidia::escape::RM_FREE,
+        baton_nvidia::params::nvos00::SIZE,
+    );
+    let script = format!(
+        r#"
+import fcntl, os
+fd = os.open("{dev}/nvidiactl", os.O_RDWR)
+pid = os.fork()
+if pid == 0:
+    os.close(fd)
+    null = os.open("/dev/null", os.O_RDWR)
+    assert null == fd, (null, fd)
+    for _ in range(20000):
+        try:
+            fcntl.ioctl(null, {cmd}, bytearray(16))
+        except OSError:
+            pass
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+assert status == 0, status
+print(fd, pid, flush=True)
+"#,
+        dev = env.dev_dir().display()
+    );
+    let cg_path = baton_tracer::cgroups::find_v2_root()
+        .unwrap()
+        .join(env.cgroup_rel("p").trim_start_matches('/'));
+    let script_run = tokio::process::Command::from(baton_tracer::cgroups::command_in(
+        &cg_path,
+        &python,
+        &["-c".into(), script],
+    ))
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .output();
+    let parent_exited = |ev: &[Event]| {
+        let parent = ev
+            .iter()
+            .find(|e| matches!(e.body, Body::Open { .. }))
+            .map(|e| e.pid);
+        ev.iter()
+            .any(|e| matches!(e.body, Body::Exit) && Some(e.pid) == parent)
+    };
+    let traced = collect_until(&mut tracer, WAIT, |_, ev| parent_exited(ev));
+    let (out, events) = tokio::join!(script_run, traced);
+    let (out, events) = (out.unwrap(), events.unwrap());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = String::from_utf8_lossy(&out.stdout);
+    let mut it = printed
+        .split_whitespace()
+        .map(|s| s.parse::<u32>().unwrap());
+    let (fd, child) = (it.next().unwrap() as i32, it.next().unwrap());
+    assert!(
+        events
+            .iter()
+            .any(|e| e.pid == child && matches!(e.body, Body::Close { fd: f } if f == fd)),
+        "the child's close of its inherited fd is traced"
+    );
+    let child_ioctls = events
+        .iter()
+        .filter(|e| e.pid == child && matches!(e.body, Body::Ioctl(_)))
+        .count();
+    assert_eq!(
+        child_ioctls, 0,
+        "ioctls on /dev/null taken for driver calls"
+    );
+    assert!(tracer.fd_table().get(child).is_none());
 }
 
 /// The fd the first open returned.

@@ -26,6 +26,9 @@ pub mod maps {
     pub const NV_FDS: &str = "NV_FDS";
     /// tgid -> u32: processes holding NVIDIA fds or mappings (munmap, fork, exec and exit are reported for them).
     pub const NV_PROCS: &str = "NV_PROCS";
+    /// child tgid -> parent tgid: processes forked by an NVIDIA fd holder whose inherited fds user space has
+    /// not copied into `NV_FDS` yet; their lookups fall back to the parent's entries meanwhile.
+    pub const FORKED: &str = "FORKED";
     /// cgroup v2 id -> u32: the watched cgroups.
     pub const WATCHED: &str = "WATCHED";
     /// index -> `Prefix`: device-directory prefixes matched in open paths.
@@ -196,6 +199,22 @@ pub struct FdInfo {
     pub minor: u8,
     /// Explicit padding.
     pub _pad: [u8; 2],
+}
+
+impl FdInfo {
+    /// The entry a forked child leaves for an inherited fd it closed before user space copied its parent's
+    /// table (see `FORKED`): it stops that copy from bringing the fd back. Lookups treat it as absent; real
+    /// entries never have kind 0 (`FdKind::Unknown`).
+    pub const CLOSED: Self = Self {
+        kind: 0,
+        minor: 0,
+        _pad: [0; 2],
+    };
+
+    /// Whether this is [`FdInfo::CLOSED`].
+    pub const fn is_closed(&self) -> bool {
+        self.kind == 0
+    }
 }
 
 /// A device-directory prefix (`PREFIXES` value): an opened path that starts with it and continues with an

@@ -9,7 +9,10 @@ use baton_probe_common::{
 };
 
 use crate::{
-    maps::{NV_FDS, NV_PROCS, PATH_BUF, PREFIXES, Pending, Sys, put_pending, take_pending},
+    maps::{
+        self, NV_FDS, NV_PROCS, PATH_BUF, PREFIXES, Pending, Sys, forget_fd, put_pending,
+        take_pending,
+    },
     util::{arg, count, current_is_watched, header, ids, now_ns},
 };
 
@@ -51,15 +54,10 @@ pub fn emit_fd(
     entry.submit(aya_ebpf::bindings::BPF_RB_FORCE_WAKEUP as u64);
 }
 
-/// The NVIDIA fd `fd` of the current process, if it is one.
+/// The NVIDIA fd `fd` of process `tgid`, if it is one (inherited ones included, see [`maps::nv_fd`]).
 #[inline(always)]
 fn nv_fd(tgid: u32, fd: u64) -> Option<FdInfo> {
-    let key = FdKey {
-        tgid,
-        fd: fd as u32,
-    };
-    // SAFETY: the value is copied out at once.
-    unsafe { NV_FDS.get(key).copied() }
+    maps::nv_fd(tgid, fd as u32)
 }
 
 /// Records that `tgid` now holds NVIDIA fds.
@@ -209,10 +207,7 @@ pub fn sys_enter_close(ctx: TracePointContext) -> u32 {
     let fd = arg(&ctx, 0);
     let (tgid, _) = ids();
     if let Some(info) = nv_fd(tgid, fd) {
-        let _ = NV_FDS.remove(FdKey {
-            tgid,
-            fd: fd as u32,
-        });
+        forget_fd(tgid, fd as u32);
         emit_fd(RecordKind::Close, fd as i32, -1, info, 0, 0, &[0; NAME_CAP]);
     }
     0
@@ -249,10 +244,7 @@ fn try_exit_dup(ret: i64) -> Option<()> {
         _pad: [0; 2],
     };
     if p.flags == DUP_CLOSES_TARGET {
-        let _ = NV_FDS.remove(FdKey {
-            tgid,
-            fd: p.fd as u32,
-        });
+        forget_fd(tgid, p.fd as u32);
         emit_fd(RecordKind::Close, p.fd, -1, info, 0, 0, &[0; NAME_CAP]);
     } else {
         track(tgid, ret as u32, info);

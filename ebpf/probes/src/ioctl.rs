@@ -8,10 +8,10 @@ use aya_ebpf::{
     programs::TracePointContext,
 };
 use baton_nvidia::{class, escape, fdkind::FdKind, ioc, params, uvm};
-use baton_probe_common::{Counter, DATA_CAP, FdKey, IoctlRecord, NAME_CAP, NESTED_CAP, RecordKind};
+use baton_probe_common::{Counter, DATA_CAP, IoctlRecord, NAME_CAP, NESTED_CAP, RecordKind};
 
 use crate::{
-    maps::{EVENTS, NV_FDS, Pending, Sys, put_pending, take_pending},
+    maps::{EVENTS, Pending, Sys, nv_fd, put_pending, take_pending},
     util::{arg, count, header, ids, now_ns},
 };
 
@@ -22,12 +22,7 @@ const WAKEUP_BYTES: u64 = 256 << 10;
 pub fn sys_enter_ioctl(ctx: TracePointContext) -> u32 {
     let fd = arg(&ctx, 0);
     let (tgid, tid) = ids();
-    let key = FdKey {
-        tgid,
-        fd: fd as u32,
-    };
-    // SAFETY: the value is copied out at once.
-    let Some(info) = (unsafe { NV_FDS.get(key).copied() }) else {
+    let Some(info) = nv_fd(tgid, fd as u32) else {
         return 0;
     };
     let p = Pending {

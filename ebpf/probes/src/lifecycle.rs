@@ -1,12 +1,14 @@
 //! Process lifecycle of NVIDIA fd holders: fork (fds are inherited), exec (CLOEXEC fds go away) and exit.
 //! The kernel side only reports these for processes in `NV_PROCS`; user space, which mirrors each process's
-//! fds, copies or drops the `NV_FDS` entries and confirms from /proc where it matters.
+//! fds, copies or drops the `NV_FDS` entries and confirms from /proc where it matters. A forked child is a
+//! holder from its first instruction: the fork probe puts it in `NV_PROCS` and `FORKED`, so its calls on
+//! inherited fds are seen before user space has copied them (see `maps::nv_fd`).
 use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
 use baton_probe_common::{FdInfo, NAME_CAP, RecordKind};
 
 use crate::{
     fds::emit_fd,
-    maps::{CONFIG, NV_PROCS},
+    maps::{CONFIG, FORKED, NV_PROCS},
     util::ids,
 };
 
@@ -38,6 +40,10 @@ pub fn sched_process_fork(ctx: TracePointContext) -> u32 {
         Ok(c) => c,
         Err(_) => return 0,
     };
+    // The child cannot run before this returns (the tracepoint fires before it is woken up).
+    let child_tgid = child as u32;
+    let _ = FORKED.insert(child_tgid, tgid, 0);
+    let _ = NV_PROCS.insert(child_tgid, 1, 0);
     emit_fd(RecordKind::Fork, -1, child, NO_INFO, 0, 0, &[0; NAME_CAP]);
     0
 }
@@ -46,6 +52,9 @@ pub fn sched_process_fork(ctx: TracePointContext) -> u32 {
 pub fn sched_process_exec(_ctx: TracePointContext) -> u32 {
     let (tgid, _) = ids();
     if holds_nvidia(tgid) {
+        // The new program's fds are its own (CLOEXEC ones are gone): no more falling back to the parent's
+        // entries; user space, which reads /proc after exec, settles which inherited fds survived.
+        let _ = FORKED.remove(tgid);
         emit_fd(RecordKind::Exec, -1, -1, NO_INFO, 0, 0, &[0; NAME_CAP]);
     }
     0
@@ -56,6 +65,7 @@ pub fn sched_process_exit(_ctx: TracePointContext) -> u32 {
     let (tgid, tid) = ids();
     if tgid == tid && holds_nvidia(tgid) {
         let _ = NV_PROCS.remove(tgid);
+        let _ = FORKED.remove(tgid);
         emit_fd(RecordKind::Exit, -1, -1, NO_INFO, 0, 0, &[0; NAME_CAP]);
     }
     0

@@ -17,6 +17,12 @@ pub static NV_FDS: HashMap<FdKey, FdInfo> = HashMap::with_max_entries(65536, 0);
 #[map(name = "NV_PROCS")]
 pub static NV_PROCS: HashMap<u32, u32> = HashMap::with_max_entries(16384, 0);
 
+/// Children of NVIDIA fd holders whose inherited fds user space has not copied yet: child tgid -> parent tgid
+/// (`baton_probe_common::maps::FORKED`). Written at fork, removed by user space once it has copied the
+/// parent's table into `NV_FDS`, so it only holds the forks of the last moments.
+#[map(name = "FORKED")]
+pub static FORKED: HashMap<u32, u32> = HashMap::with_max_entries(4096, 0);
+
 /// Watched cgroup v2 ids.
 #[map(name = "WATCHED")]
 pub static WATCHED: HashMap<u64, u32> = HashMap::with_max_entries(16384, 0);
@@ -32,6 +38,43 @@ pub static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 /// Drop and failure counters.
 #[map(name = "COUNTERS")]
 pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
+
+/// How many generations of not-yet-copied forks a lookup follows (a child forked by a child being copied).
+const INHERIT_DEPTH: usize = 4;
+
+/// The NVIDIA fd `fd` of process `tgid`, if it is one: its `NV_FDS` entry, or, while user space has not copied
+/// the table of a freshly forked child yet, the entry it inherited from its parent (`FORKED`). Every untraced
+/// fd on the node pays the `FORKED` lookup of a miss, a hash lookup in a map that is empty almost always.
+#[inline(always)]
+pub fn nv_fd(tgid: u32, fd: u32) -> Option<FdInfo> {
+    // SAFETY: the value is copied out at once.
+    if let Some(info) = unsafe { NV_FDS.get(FdKey { tgid, fd }).copied() } {
+        return (!info.is_closed()).then_some(info);
+    }
+    let mut owner = tgid;
+    for _ in 0..INHERIT_DEPTH {
+        // SAFETY: as above.
+        owner = unsafe { FORKED.get(owner).copied() }?;
+        // SAFETY: as above.
+        if let Some(info) = unsafe { NV_FDS.get(FdKey { tgid: owner, fd }).copied() } {
+            return (!info.is_closed()).then_some(info);
+        }
+    }
+    None
+}
+
+/// `tgid` no longer has fd `fd` as an NVIDIA fd. A child whose table is still to be copied keeps a
+/// [`FdInfo::CLOSED`] entry instead, which the copy does not overwrite.
+#[inline(always)]
+pub fn forget_fd(tgid: u32, fd: u32) {
+    let key = FdKey { tgid, fd };
+    // SAFETY: presence check only.
+    if unsafe { FORKED.get(tgid).is_some() } {
+        let _ = NV_FDS.insert(key, FdInfo::CLOSED, 0);
+    } else {
+        let _ = NV_FDS.remove(key);
+    }
+}
 
 /// Which syscall a pending entry belongs to.
 #[derive(Clone, Copy, PartialEq, Eq)]

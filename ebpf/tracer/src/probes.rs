@@ -106,6 +106,8 @@ pub struct Probes {
     pub nv_fds: HashMap<MapData, FdKey, FdInfo>,
     /// Processes holding NVIDIA fds.
     pub nv_procs: HashMap<MapData, u32, u32>,
+    /// Forked children whose inherited fds are not copied yet: child tgid -> parent tgid.
+    pub forked: HashMap<MapData, u32, u32>,
     counters: PerCpuArray<MapData, u64>,
 }
 
@@ -149,6 +151,7 @@ impl Probes {
         let watched = HashMap::try_from(take(maps::WATCHED)?).map_err(map_err(maps::WATCHED))?;
         let nv_fds = HashMap::try_from(take(maps::NV_FDS)?).map_err(map_err(maps::NV_FDS))?;
         let nv_procs = HashMap::try_from(take(maps::NV_PROCS)?).map_err(map_err(maps::NV_PROCS))?;
+        let forked = HashMap::try_from(take(maps::FORKED)?).map_err(map_err(maps::FORKED))?;
         let counters =
             PerCpuArray::try_from(take(maps::COUNTERS)?).map_err(map_err(maps::COUNTERS))?;
         Ok((
@@ -157,6 +160,7 @@ impl Probes {
                 watched,
                 nv_fds,
                 nv_procs,
+                forked,
                 counters,
             },
             events,

@@ -366,15 +366,64 @@ impl Tracer {
         Ok(true)
     }
 
-    /// A holder forked: unless the child is a thread, it inherits the fds (copied into the kernel map).
+    /// A holder forked: unless the child is a thread, it inherits the fds, copied into the kernel map here.
+    ///
+    /// The child may already have run: the fork probe put it in `FORKED`, so until the copy its lookups fell
+    /// back to the parent's entries, and an inherited fd it closed meanwhile left a `FdInfo::CLOSED` entry.
+    /// The copy does not overwrite entries the child made itself (BPF_NOEXIST); then `FORKED` is dropped and
+    /// the `CLOSED` entries, which only mattered during the copy, are removed.
     fn fork(&mut self, parent: u32, child: u32) -> Result<(), TracerError> {
         if seed::tgid_of(child).is_some_and(|t| t != child) {
+            // A new thread: the fork probe's entries for its tid are of no use.
+            let _ = self.probes.forked.remove(&child);
+            let _ = self.probes.nv_procs.remove(&child);
             return Ok(());
         }
-        for (fd, nv) in self.fds.fork(parent, child) {
-            self.kernel_track(child, fd, nv)?;
+        let inherited = self.fds.fork(parent, child);
+        for (fd, nv) in &inherited {
+            self.kernel_inherit(child, *fd, *nv)?;
+        }
+        let _ = self.probes.forked.remove(&child);
+        for (fd, _) in &inherited {
+            let key = FdKey {
+                tgid: child,
+                fd: *fd as u32,
+            };
+            if self.probes.nv_fds.get(&key, 0).is_ok_and(|i| i.is_closed()) {
+                let _ = self.probes.nv_fds.remove(&key);
+            }
+        }
+        if self.fds.get(child).is_none() {
+            let _ = self.probes.nv_procs.remove(&child);
         }
         Ok(())
+    }
+
+    /// Copies an inherited fd into the kernel map unless the child already has an entry for that fd.
+    fn kernel_inherit(&mut self, child: u32, fd: i32, nv: NvFd) -> Result<(), TracerError> {
+        const BPF_NOEXIST: u64 = 1;
+        let key = FdKey {
+            tgid: child,
+            fd: fd as u32,
+        };
+        let info = FdInfo {
+            kind: nv.kind as u8,
+            minor: nv.minor,
+            _pad: [0; 2],
+        };
+        match self.probes.nv_fds.insert(key, info, BPF_NOEXIST) {
+            Ok(()) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(nix::errno::Errno::EEXIST as i32) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(TracerError::MapUpdate {
+                map: "NV_FDS",
+                pid: child,
+                detail: e.to_string(),
+            }),
+        }
     }
 
     /// A process that pins no NVIDIA file any more has had all its driver state released; the probes stop

@@ -140,8 +140,8 @@ fn closing_the_last_fd_frees_everything_of_that_file() {
     // A dup'd fd keeps the file (and its objects) alive: the driver frees at the final release.
     let duplicate = ctl.as_fd().try_clone_to_owned().unwrap();
     drop(ctl);
-    // Give a (wrong) early RELEASE time to arrive: FUSE sends releases asynchronously.
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    // FUSE sends releases asynchronously: a (wrong) early RELEASE would have arrived by now.
+    mock.releases_delivered();
     assert_eq!(mock.state().clients().count(), 2);
     drop(duplicate);
     let state = mock.state_when(|s| s.files.len() == 1);
@@ -206,7 +206,7 @@ fn device_file_maps_shared_writable() {
     // The mapping holds the file: closing the fd does not release it yet.
     let gpu_path = gpu.path().to_owned();
     drop(gpu);
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    mock.releases_delivered();
     assert_eq!(
         mock.state().files_named("nvidia0").count(),
         1,

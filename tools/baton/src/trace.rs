@@ -51,14 +51,21 @@ pub struct TraceArgs {
     pub output: Option<PathBuf>,
 }
 
+/// Printed on stderr once the probes are attached and the selected cgroups watched (README, `baton trace`):
+/// calls made from then on are traced. A stable text, as bpftrace's "Attaching N probes...".
+pub const READY_LINE: &str = "baton trace: probes attached, tracing";
+
 /// Runs `baton trace` until Ctrl-C, SIGTERM or `--duration`.
 pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
-    let stop = async {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    use tokio::signal::unix::{SignalKind, signal};
+    // Installed before the ready line is printed, so that a signal sent after it ends tracing cleanly.
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut terminate =
+        signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let stop = async move {
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
         }
     };
     run_until(args, stop, |_| {}).await
@@ -151,6 +158,8 @@ pub async fn run_until(
         }
     }
     sel.refresh(&mut tracer)?;
+    // Every probe is attached and the selection watched: what callers starting a workload wait for.
+    eprintln!("{READY_LINE}");
 
     let out: Box<dyn Write> = match &args.output {
         Some(p) => Box::new(

@@ -264,7 +264,7 @@ pub fn version_text(driver_version: &str) -> String {
 }
 
 /// Why the mock cannot be mounted here, if it cannot: not root (tests mount with `allow_other`, which
-/// needs root or `user_allow_other`) or no `/dev/fuse`. Tests print it as `skipped: <reason>`.
+/// needs root or `user_allow_other`) or no `/dev/fuse`. Tests hand it to `baton_prereq::missing`.
 pub fn fuse_unavailable_reason() -> Option<String> {
     if !nix::unistd::geteuid().is_root() {
         return Some("mounting the mock NVIDIA driver needs root".to_owned());

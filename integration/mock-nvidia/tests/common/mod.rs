@@ -1,4 +1,4 @@
-//! Shared helpers of the mock driver's integration tests: skip loudly without root/FUSE, mount a mock in
+//! Shared helpers of the mock driver's integration tests: skip loudly (fail in strict mode) without root/FUSE, mount a mock in
 //! a temp dir, run the workload binary against it.
 
 #![allow(dead_code)]
@@ -23,11 +23,13 @@ pub fn driver_binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_baton-mock-nvidia"))
 }
 
-/// `true` (after printing `skipped: <reason>`) when FUSE mounts cannot be made here.
-pub fn skip(test: &str) -> bool {
+/// `true` when FUSE mounts cannot be made here, after [`baton_prereq::missing`] printed why (`skipped: <test>:
+/// <reason>`); in strict mode (tools/dev test, CI) that fails the test instead. `_test` is the caller's name,
+/// which the prerequisite check takes from the test thread.
+pub fn skip(_test: &str) -> bool {
     match driver::fuse_unavailable_reason() {
         Some(reason) => {
-            eprintln!("skipped: {test}: {reason}");
+            baton_prereq::missing(&reason);
             true
         }
         None => false,
@@ -68,6 +70,17 @@ impl Mock {
         done: impl FnMut(&driver::DriverState) -> bool,
     ) -> driver::DriverState {
         driver::DriverState::wait_for(self.dir(), TIMEOUT, done).expect("read state.json")
+    }
+
+    /// Returns once every RELEASE the kernel queued before this call has reached the mock, so that a test
+    /// can assert that one was *not* sent. Closing a file queues its RELEASE before close() returns, and FUSE
+    /// delivers them in order: this closes a file of its own and waits for that file's release.
+    pub fn releases_delivered(&self) {
+        let before = self.state().files_named("nvidiactl").count();
+        let own = std::fs::File::open(self.dir().join("nvidiactl")).expect("open nvidiactl");
+        assert_eq!(self.state().files_named("nvidiactl").count(), before + 1);
+        drop(own);
+        self.state_when(|s| s.files_named("nvidiactl").count() <= before);
     }
 
     /// State once every file is released (or after [`TIMEOUT`]).
