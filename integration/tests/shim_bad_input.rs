@@ -281,7 +281,9 @@ fn shim_refuses_program_paths_from_annotations() {
         return;
     };
     if !env.is_baton() {
-        skip::announce("baton.io/ annotations are Baton's; not checked against another runtime");
+        skip::not_applicable(
+            "baton.io/ annotations are Baton's; not checked against another runtime",
+        );
         return;
     }
     let shim = healthy(&env);

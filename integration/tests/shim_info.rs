@@ -18,7 +18,7 @@ const FEATURES_TYPE_URL: &str =
 /// The Baton shim and runc, or `None` after announcing why the test cannot run.
 fn prerequisites() -> Option<(PathBuf, PathBuf)> {
     if shim_binary::runtime_under_test() != BATON_RUNTIME {
-        skip::announce("-info: containerd 1.6's Go shim has no -info action to compare with");
+        skip::not_applicable("-info: containerd 1.6's Go shim has no -info action to compare with");
         return None;
     }
     let Some(runc) = skip::which("runc") else {

@@ -249,7 +249,7 @@ fn shim_file_uri_output_is_complete_when_ctr_run_rm_returns() {
     };
     if !env.is_baton() {
         // The Go shim refuses a FIFO as a file:// target (it opens it without blocking), which this test uses.
-        baton_integration::skip::announce(
+        baton_integration::skip::not_applicable(
             "a FIFO as file:// target: not checked against another runtime",
         );
         return;
