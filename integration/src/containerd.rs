@@ -1,5 +1,8 @@
 //! A private containerd 1.6: its own root, state, socket and config in a temporary folder, the shim under test
 //! first on its PATH, the CRI plugin disabled (it is not needed and slows startup). Also runs `ctr` against it.
+//!
+//! `BATON_CONTAINERD=/path/to/containerd` and `BATON_CTR=/path/to/ctr` choose other binaries, e.g. a containerd
+//! 2.x build for a manual check; the config is written for the major version `containerd --version` reports.
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
@@ -18,6 +21,27 @@ pub const CTR_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long [`run_with_timeout`] keeps ctr's stdin open after writing it.
 const STDIN_LINGER: Duration = Duration::from_secs(2);
 
+/// Names the containerd binary the harness starts (default: `containerd` on PATH).
+pub const CONTAINERD_ENV: &str = "BATON_CONTAINERD";
+/// Names the ctr binary the harness runs (default: `ctr` on PATH).
+pub const CTR_ENV: &str = "BATON_CTR";
+
+/// The containerd binary: `$BATON_CONTAINERD`, or `containerd` (looked up on PATH).
+pub fn containerd_program() -> PathBuf {
+    program_from_env(CONTAINERD_ENV, "containerd")
+}
+
+/// The ctr binary: `$BATON_CTR`, or `ctr` (looked up on PATH).
+pub fn ctr_program() -> PathBuf {
+    program_from_env(CTR_ENV, "ctr")
+}
+
+fn program_from_env(variable: &str, default: &str) -> PathBuf {
+    std::env::var_os(variable)
+        .filter(|value| !value.is_empty())
+        .map_or_else(|| PathBuf::from(default), PathBuf::from)
+}
+
 /// Errors starting, stopping or talking to containerd.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -30,12 +54,22 @@ pub enum Error {
         source: std::io::Error,
     },
     /// containerd or ctr could not be spawned.
-    #[error("spawning {program}: {source}: install Debian package containerd")]
+    #[error(
+        "spawning {program}: {source}: install Debian package containerd (or fix {CONTAINERD_ENV} / {CTR_ENV})"
+    )]
     Spawn {
         /// The program.
         program: String,
         /// The cause.
         source: std::io::Error,
+    },
+    /// `containerd --version` could not be run or did not name a version.
+    #[error("asking `{program} --version`: {detail}")]
+    Version {
+        /// The program.
+        program: String,
+        /// The spawn error or what it printed.
+        detail: String,
     },
     /// containerd exited or never opened its socket.
     #[error(
@@ -97,9 +131,11 @@ impl Containerd {
             })?;
         }
         let config = dir.join("config.toml");
-        std::fs::write(&config, config_toml(dir)).map_err(|source| Error::Io {
-            path: config,
-            source,
+        std::fs::write(&config, config_toml(dir, major_version()?)).map_err(|source| {
+            Error::Io {
+                path: config,
+                source,
+            }
         })?;
         let path = format!(
             "{}:{}",
@@ -189,7 +225,7 @@ impl Containerd {
             source,
         })?;
         let path = std::fs::read_to_string(self.dir.join("path")).unwrap_or_default();
-        let child = Command::new("containerd")
+        let child = Command::new(containerd_program())
             .arg("--config")
             .arg(self.dir.join("config.toml"))
             .env("PATH", path)
@@ -198,7 +234,7 @@ impl Containerd {
             .stderr(log_err)
             .spawn()
             .map_err(|source| Error::Spawn {
-                program: "containerd".into(),
+                program: containerd_program().display().to_string(),
                 source,
             })?;
         self.child = Some(child);
@@ -263,7 +299,7 @@ impl Containerd {
 
     /// A `ctr` command bound to this containerd and namespace, for callers that need to spawn it themselves.
     pub fn ctr_command(&self) -> Command {
-        let mut command = Command::new("ctr");
+        let mut command = Command::new(ctr_program());
         command
             .arg("--address")
             .arg(self.socket())
@@ -344,13 +380,50 @@ fn exit_code(status: ExitStatus) -> Option<i32> {
     status.code()
 }
 
-fn config_toml(dir: &Path) -> String {
+/// The major version of [`containerd_program`], from `containerd --version`
+/// (`containerd github.com/containerd/containerd[/v2] [v]X.Y.Z ...`).
+pub fn major_version() -> Result<u32, Error> {
+    let program = containerd_program();
+    let error = |detail: String| Error::Version {
+        program: program.display().to_string(),
+        detail,
+    };
+    let output = Command::new(&program)
+        .arg("--version")
+        .output()
+        .map_err(|source| error(source.to_string()))?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    parse_major_version(&stdout).ok_or_else(|| error(format!("unexpected output {stdout:?}")))
+}
+
+fn parse_major_version(version_line: &str) -> Option<u32> {
+    let version = version_line.split_whitespace().nth(2)?;
+    let digits: String = version
+        .trim_start_matches('v')
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
+/// The config for a containerd of major version `major`: format 2 for 1.x; format 3 for 2.x, where CRI is
+/// split into more plugins (the sandbox controller needs the runtime one) and NRI (whose socket is
+/// machine-wide, /var/run/nri) is on by default.
+fn config_toml(dir: &Path, major: u32) -> String {
+    let (format, extra_disabled) = if major >= 2 {
+        (
+            3,
+            r#", "io.containerd.cri.v1.images", "io.containerd.cri.v1.runtime", "io.containerd.podsandbox.controller.v1.podsandbox", "io.containerd.nri.v1.nri""#,
+        )
+    } else {
+        (2, "")
+    };
     let dir = dir.display();
     format!(
-        r#"version = 2
+        r#"version = {format}
 root = "{dir}/root"
 state = "{dir}/state"
-disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"]
+disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"{extra_disabled}]
 
 [grpc]
   address = "{dir}/containerd.sock"
@@ -362,4 +435,18 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.b
   level = "info"
 "#
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_major_version;
+
+    #[test]
+    fn reads_the_major_version_of_debian_and_upstream_builds() {
+        let debian = "containerd github.com/containerd/containerd 1.6.20~ds1 1.6.20~ds1-1+b1\n";
+        let upstream = "containerd github.com/containerd/containerd/v2 v2.3.4 0123abc\n";
+        assert_eq!(parse_major_version(debian), Some(1));
+        assert_eq!(parse_major_version(upstream), Some(2));
+        assert_eq!(parse_major_version("containerd\n"), None);
+    }
 }

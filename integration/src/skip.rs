@@ -19,10 +19,16 @@ pub fn missing_containerd_prerequisite() -> Option<String> {
             "needs root (starts containerd, runc and cgroups): run the tests as root".into(),
         );
     }
-    for tool in ["containerd", "ctr", "runc"] {
-        if which(tool).is_none() {
+    let tools = [
+        crate::containerd::containerd_program(),
+        crate::containerd::ctr_program(),
+        "runc".into(),
+    ];
+    for tool in tools {
+        if find_program(&tool).is_none() {
             return Some(format!(
-                "`{tool}` not found on PATH: install Debian packages containerd and runc"
+                "`{}` not found: install Debian packages containerd and runc",
+                tool.display()
             ));
         }
     }
@@ -36,6 +42,14 @@ pub fn missing_containerd_prerequisite() -> Option<String> {
         return Some("/sys/fs/cgroup is not mounted: containers need cgroups".into());
     }
     None
+}
+
+/// `program` itself when it is a path (has a `/`), else [`which`].
+fn find_program(program: &Path) -> Option<std::path::PathBuf> {
+    if program.components().count() > 1 {
+        return program.is_file().then(|| program.to_path_buf());
+    }
+    which(program.to_str()?)
 }
 
 /// Finds `tool` on PATH, like `which`.

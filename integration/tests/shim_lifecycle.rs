@@ -161,7 +161,11 @@ fn shim_init_process_with_tty() {
     let mut command = std::process::Command::new("script");
     command.args([
         "-qec",
-        &format!("ctr {} {line}", prefix.join(" ")),
+        &format!(
+            "'{}' {} {line}",
+            ctr.get_program().to_string_lossy(),
+            prefix.join(" ")
+        ),
         "/dev/null",
     ]);
     let out = baton_integration::containerd::run_with_timeout(command, None, WAIT);
