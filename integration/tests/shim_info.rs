@@ -93,4 +93,8 @@ fn shim_info_with_a_missing_runc_is_a_clear_error() {
         "the error must name the binary and the option: {stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        !stderr.contains("Other("),
+        "a message for containerd's log, not Rust debug output: {stderr}"
+    );
 }

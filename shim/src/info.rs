@@ -71,3 +71,33 @@ fn runc_features(binary: &Path) -> Result<Option<Any>> {
         ..Default::default()
     }))
 }
+
+/// The `-info` action: reads the options (a protobuf `Any`, possibly empty) from stdin and writes the
+/// `RuntimeInfo` to stdout. Errors are plain messages for containerd's log.
+pub fn answer(runtime_id: &str) -> Result<()> {
+    use std::io::{Read, Write};
+
+    use containerd_shim_protos::protobuf::Message;
+
+    let mut input = Vec::new();
+    std::io::stdin()
+        .read_to_end(&mut input)
+        .map_err(|e| ShimError::io("read the runtime options from stdin", e))?;
+    let options =
+        if input.is_empty() {
+            None
+        } else {
+            Some(Any::parse_from_bytes(&input).map_err(|e| {
+                ShimError::InvalidArgument(format!("runtime options on stdin: {e}"))
+            })?)
+        };
+    let info = runtime_info(runtime_id, options.as_ref())?;
+    let bytes = info
+        .write_to_bytes()
+        .map_err(|e| ShimError::Other(format!("encode runtime info: {e}")))?;
+    let mut stdout = std::io::stdout();
+    stdout
+        .write_all(&bytes)
+        .and_then(|()| stdout.flush())
+        .map_err(|e| ShimError::io("write the runtime info to stdout", e))
+}

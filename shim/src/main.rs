@@ -44,6 +44,15 @@ fn main() {
         println!("containerd-shim-baton-v1:\n  Version: {VERSION}");
         return;
     }
+    if flags.info {
+        // Answered here rather than by the crate, whose errors print as Rust debug output.
+        logging::init_stderr(flags.debug);
+        if let Err(e) = info::answer(RUNTIME_ID) {
+            eprintln!("{RUNTIME_ID}: -info: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -54,7 +63,7 @@ fn main() {
             std::process::exit(1);
         }
     };
-    if flags.action.is_empty() && !flags.info {
+    if flags.action.is_empty() {
         logging::init_server(flags.debug);
         if let Err(e) = runtime.block_on(server::serve(flags)) {
             tracing::error!("shim server failed: {e:#}");

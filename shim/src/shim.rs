@@ -11,10 +11,7 @@ use containerd_shim::{
         spawn,
         util::{read_options, write_str_to_file},
     },
-    protos::{
-        protobuf::{MessageField, well_known_types::any::Any},
-        types::introspection::RuntimeInfo,
-    },
+    protos::protobuf::MessageField,
 };
 use runc::options::DeleteOpts;
 
@@ -128,13 +125,5 @@ impl containerd_shim::Shim for BatonShim {
 
     async fn create_task_service(&self, publisher: RemotePublisher) -> Self::T {
         self.task_service(&publisher.address)
-    }
-
-    fn runtime_info(
-        runtime_id: &str,
-        options: Option<&Any>,
-    ) -> containerd_shim::Result<RuntimeInfo> {
-        crate::info::runtime_info(runtime_id, options)
-            .map_err(|e| containerd_shim::Error::Other(e.to_string()))
     }
 }
