@@ -123,6 +123,9 @@ impl containerd_shim::Shim for BatonShim {
         self.exit.wait().await;
     }
 
+    /// Required by the trait for the crate's own server, which Baton does not run (server.rs serves both
+    /// Task API versions and publishes through its own queue): nothing calls this, and it builds the same
+    /// service as server.rs does.
     async fn create_task_service(&self, publisher: RemotePublisher) -> Self::T {
         self.task_service(&publisher.address)
     }
