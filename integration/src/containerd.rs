@@ -4,10 +4,11 @@
 //! `BATON_CONTAINERD=/path/to/containerd` and `BATON_CTR=/path/to/ctr` choose other binaries, e.g. a containerd
 //! 2.x build for a manual check; the config is written for the major version `containerd --version` reports.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill};
@@ -17,9 +18,6 @@ use nix::unistd::Pid;
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long one `ctr` command may run before it is killed.
 pub const CTR_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// How long [`run_with_timeout`] keeps ctr's stdin open after writing it.
-const STDIN_LINGER: Duration = Duration::from_secs(2);
 
 /// Names the containerd binary the harness starts (default: `containerd` on PATH).
 pub const CONTAINERD_ENV: &str = "BATON_CONTAINERD";
@@ -315,6 +313,53 @@ impl Drop for Containerd {
     }
 }
 
+/// Writes `data` into ctr's stdin and keeps it open until ctr's stdout has echoed it (the commands that
+/// tests give input to are `cat`-like): ctr closes the task's stdin on EOF only once the task exists, so an
+/// EOF that comes earlier would be lost. Returns the thread that reads ctr's stdout to its end.
+fn feed_until_echoed(
+    data: &[u8],
+    mut pipe: std::process::ChildStdin,
+    mut stdout: std::process::ChildStdout,
+    timeout: Duration,
+) -> std::thread::JoinHandle<Vec<u8>> {
+    /// ctr's stdout so far, and whether it ended.
+    #[derive(Default)]
+    struct Seen {
+        out: Vec<u8>,
+        ended: bool,
+    }
+    let data = data.to_vec();
+    let seen = Arc::new((Mutex::new(Seen::default()), Condvar::new()));
+    let reader_seen = seen.clone();
+    let reader = std::thread::spawn(move || {
+        let (state, changed) = &*reader_seen;
+        let lock = || state.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            lock().out.extend_from_slice(&buf[..n]);
+            changed.notify_all();
+        }
+        let mut s = lock();
+        s.ended = true;
+        changed.notify_all();
+        s.out.clone()
+    });
+    std::thread::spawn(move || {
+        let _ = pipe.write_all(&data);
+        let (state, changed) = &*seen;
+        let waiting = |s: &mut Seen| {
+            !s.ended && !data.is_empty() && !s.out.windows(data.len()).any(|w| w == data)
+        };
+        let guard = state.lock().unwrap_or_else(PoisonError::into_inner);
+        let _ = changed.wait_timeout_while(guard, timeout, waiting);
+        drop(pipe);
+    });
+    reader
+}
+
 /// Runs `command` with piped output, optional stdin, killing it after `timeout`.
 pub fn run_with_timeout(
     mut command: Command,
@@ -339,14 +384,10 @@ pub fn run_with_timeout(
             };
         }
     };
-    if let (Some(data), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        let data = data.to_vec();
-        // ctr closes the task's stdin on EOF only once the task exists: keep the pipe open a moment.
-        std::thread::spawn(move || {
-            let _ = pipe.write_all(&data);
-            std::thread::sleep(STDIN_LINGER);
-        });
-    }
+    let echo = stdin.and_then(|data| {
+        let (pipe, stdout) = (child.stdin.take()?, child.stdout.take()?);
+        Some(feed_until_echoed(data, pipe, stdout, timeout))
+    });
     let pid = child.id();
     let (sender, receiver) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -355,7 +396,11 @@ pub fn run_with_timeout(
     match receiver.recv_timeout(timeout) {
         Ok(Ok(output)) => CtrOutput {
             code: exit_code(output.status),
-            stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+            stdout: String::from_utf8_lossy(&match echo {
+                Some(reader) => reader.join().unwrap_or_default(),
+                None => output.stdout,
+            })
+            .into_owned(),
             stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
         },
         Ok(Err(error)) => CtrOutput {
