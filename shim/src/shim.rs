@@ -1,5 +1,6 @@
-//! The shim's own lifecycle (containerd's `start` and `delete` actions, and `-info`), through the crate's
-//! `Shim` trait: grouping containers of a pod into one shim, and cleaning up after a dead shim.
+//! The shim's own lifecycle (containerd's `start` and `delete` actions), through the crate's `Shim`
+//! trait: grouping containers of a pod into one shim, and cleaning up after a dead shim. (`-info` is
+//! answered by main.rs through info.rs.)
 
 use std::{path::Path, sync::Arc, time::SystemTime};
 
