@@ -8,11 +8,11 @@
 //! files (in its own root, under the directory of its `trace_prefix`) and has `ebpf` on is watched: the shim
 //! loads the probes once, in the background, and keeps the container's ledger of GPU objects and memory from
 //! the calls its processes make. It logs when a watched container's CUDA state has left the driver (the
-//! signal issue C builds overlapped preemption on) and a summary at delete.
+//! signal the planned overlapped preemption builds on) and a summary at delete.
 //!
 //! Nothing here can fail a container: if the probes cannot load, containers run as with plain runc and the
 //! reason is logged once. Only shims of containers that see NVIDIA devices load probes, so a node pays for
-//! one probe set per GPU pod, not per pod; a single node-wide probe set shared by the shims is issue C's.
+//! one probe set per GPU pod, not per pod; a single node-wide probe set shared by the shims is planned (a node agent).
 use std::{
     collections::HashMap,
     path::Path,
