@@ -6,7 +6,7 @@
 //! state, and a [`fdtable::FdTable`] of the NVIDIA fds and mappings of every traced process.
 //!
 //! `baton trace` and the shim use it; issue C's release signal reads the ledger.
-pub mod cgroups;
+pub use baton_cgroups as cgroups;
 pub mod event;
 pub mod fdtable;
 pub mod ledger;

@@ -119,6 +119,11 @@ fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> ProbeError {
 }
 
 impl Probes {
+    /// How many eBPF programs this probe set holds (all attached once `load` returned).
+    pub fn programs(&self) -> usize {
+        self._ebpf.programs().count()
+    }
+
     /// Loads the object, fills its configuration and attaches every tracepoint; returns the probes and their
     /// record stream.
     pub fn load(cfg: &ProbeConfig) -> Result<(Self, RingBuf<MapData>), ProbeError> {

@@ -461,6 +461,11 @@ impl Tracer {
         }
     }
 
+    /// eBPF programs attached by this tracer.
+    pub fn programs_attached(&self) -> usize {
+        self.probes.programs()
+    }
+
     /// Records dropped because the ring buffer was full.
     pub fn dropped(&self) -> u64 {
         self.probes.counter(Counter::RingbufDrops)

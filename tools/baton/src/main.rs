@@ -1,7 +1,10 @@
-//! `baton`: strace for the NVIDIA driver, per container (`baton trace`), a self-contained demo on the mock
-//! driver (`baton demo`), and the probe benchmarks (`baton bench`).
+//! `baton`: the node agent (`baton agent`) and its clients (`baton status`, `baton events`), strace for the
+//! NVIDIA driver per container (`baton trace`), a self-contained demo on the mock driver (`baton demo`), and
+//! the probe benchmarks (`baton bench`).
+mod agent;
 mod bench;
 mod demo;
+mod node;
 mod render;
 mod summary;
 mod trace;
@@ -18,6 +21,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// The node agent: owns the probes and every watched container's GPU ledger and release signal.
+    Agent(agent::AgentArgs),
+    /// The containers the agent watches: pids, NVIDIA fds, mappings, objects, memory, held/released.
+    Status(node::StatusArgs),
+    /// Stream the agent's events (registered, acquired, released, unregistered).
+    Events(node::EventsArgs),
     /// Trace calls into the NVIDIA kernel driver, per container, like strace.
     Trace(trace::TraceArgs),
     /// Start the mock NVIDIA driver, run a mock CUDA workload, and trace it live (real devices if present).
@@ -30,14 +39,21 @@ enum Cmd {
 }
 
 fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    // The agent is a daemon: its log says what it does. The other commands only warn.
+    let default_level = if matches!(cli.cmd, Cmd::Agent(_)) {
+        "info"
+    } else {
+        "warn"
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("BATON_LOG")
-                .unwrap_or_else(|_| "warn".into()),
+                .unwrap_or_else(|_| default_level.into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
     if let Cmd::BenchWorker(a) = cli.cmd {
         return match bench::worker_main(a) {
             Ok(()) => std::process::ExitCode::SUCCESS,
@@ -59,6 +75,9 @@ fn main() -> std::process::ExitCode {
     };
     let result = rt.block_on(async {
         match cli.cmd {
+            Cmd::Agent(a) => agent::run(a).await,
+            Cmd::Status(a) => node::status(a).await,
+            Cmd::Events(a) => node::events(a).await,
             Cmd::Trace(a) => trace::run(a).await,
             Cmd::Demo(a) => demo::run(a).await,
             Cmd::Bench(a) => bench::run(a).await,

@@ -198,6 +198,38 @@ pub fn remove(path: &Path) -> Result<(), CgroupError> {
     }
 }
 
+/// The mount points of the cgroup hierarchies (v1 and v2) mounted at their root, from
+/// /proc/self/mountinfo.
+pub fn hierarchy_roots() -> Result<Vec<PathBuf>, CgroupError> {
+    let text = fs::read_to_string("/proc/self/mountinfo").map_err(|source| CgroupError::Io {
+        path: "/proc/self/mountinfo".into(),
+        source,
+    })?;
+    Ok(text
+        .lines()
+        .filter_map(|line| {
+            let (pre, post) = line.split_once(" - ")?;
+            let fstype = post.split_whitespace().next()?;
+            let root = pre.split_whitespace().nth(3)?;
+            ((fstype == "cgroup" || fstype == "cgroup2") && root == "/")
+                .then(|| pre.split_whitespace().nth(4).map(PathBuf::from))?
+        })
+        .collect())
+}
+
+/// Moves `pid` into the root cgroup of every mounted hierarchy (v1 controllers and v2), out of the
+/// cgroups of whoever started it (a pod's, which is killed with the pod). Returns the roots it could not
+/// join, with why.
+pub fn move_to_root_cgroups(pid: u32) -> Result<Vec<(PathBuf, std::io::Error)>, CgroupError> {
+    let mut failed = Vec::new();
+    for root in hierarchy_roots()? {
+        if let Err(e) = fs::write(root.join("cgroup.procs"), pid.to_string()) {
+            failed.push((root, e));
+        }
+    }
+    Ok(failed)
+}
+
 /// A short, human name for the container a cgroup path belongs to, following the naming of containerd
 /// (`/<namespace>/<id>`), the CRI plugin with the cgroupfs driver (`/kubepods/<qos>/pod<uid>/<id>`) or the
 /// systemd driver (`.../cri-containerd-<id>.scope`), and Docker (`/docker/<id>`, `docker-<id>.scope`). Falls

@@ -1,0 +1,244 @@
+//! The async client of the agent's socket, and starting the agent when nothing answers there.
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use tokio::{
+    io::{AsyncBufReadExt, AsyncWriteExt, BufReader},
+    net::UnixStream,
+};
+
+use crate::protocol::{
+    Event, EventLine, Filter, PROTOCOL_VERSION, Reply, ReplyLine, Request, RequestLine,
+};
+
+/// Errors of the client.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// Nothing listens on the socket (or it cannot be reached).
+    #[error("cannot reach the baton agent at {path}: {source} (is `baton agent` running?)")]
+    Connect {
+        /// The socket.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The connection failed mid-way.
+    #[error("talking to the baton agent at {path}: {source}")]
+    Io {
+        /// The socket.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The agent closed the connection.
+    #[error("the baton agent at {path} closed the connection")]
+    Closed {
+        /// The socket.
+        path: PathBuf,
+    },
+    /// A line that is not what the protocol says.
+    #[error("the baton agent at {path} sent an unexpected line ({detail}): {line}")]
+    Protocol {
+        /// The socket.
+        path: PathBuf,
+        /// What was wrong.
+        detail: String,
+        /// The line.
+        line: String,
+    },
+    /// The agent refused the request.
+    #[error("the baton agent refused: {0}")]
+    Refused(String),
+    /// The agent could not be started.
+    #[error("cannot start the baton agent ({program}): {source}")]
+    Start {
+        /// The program run.
+        program: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Nothing answered in time.
+    #[error("the baton agent at {path} did not answer within {within:?}")]
+    Timeout {
+        /// The socket.
+        path: PathBuf,
+        /// The bound.
+        within: Duration,
+    },
+}
+
+/// One connection to the agent.
+#[derive(Debug)]
+pub struct Client {
+    path: PathBuf,
+    stream: BufReader<UnixStream>,
+    line: String,
+}
+
+impl Client {
+    /// Connects to the agent's socket.
+    pub async fn connect(path: &Path) -> Result<Self, ClientError> {
+        let stream = UnixStream::connect(path)
+            .await
+            .map_err(|source| ClientError::Connect {
+                path: path.to_owned(),
+                source,
+            })?;
+        Ok(Self {
+            path: path.to_owned(),
+            stream: BufReader::new(stream),
+            line: String::new(),
+        })
+    }
+
+    /// The socket this client is connected to.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Sends one request and reads its reply; an error reply becomes [`ClientError::Refused`].
+    pub async fn call(&mut self, request: Request) -> Result<Reply, ClientError> {
+        let mut text = serde_json::to_string(&RequestLine {
+            v: PROTOCOL_VERSION,
+            request,
+        })
+        .map_err(|e| self.protocol(e.to_string(), String::new()))?;
+        text.push('\n');
+        self.stream
+            .get_mut()
+            .write_all(text.as_bytes())
+            .await
+            .map_err(|source| self.io(source))?;
+        let line = self.read_line().await?;
+        let reply: ReplyLine =
+            serde_json::from_str(&line).map_err(|e| self.protocol(e.to_string(), line.clone()))?;
+        match reply.reply {
+            Reply::Error { error } => Err(ClientError::Refused(error)),
+            other => Ok(other),
+        }
+    }
+
+    /// Asks for the events matching `filter`; read them with [`Client::next_event`].
+    pub async fn watch(&mut self, filter: Filter) -> Result<(), ClientError> {
+        match self.call(Request::Watch(filter)).await? {
+            Reply::Watching => Ok(()),
+            other => Err(self.protocol("expected the watching reply".into(), format!("{other:?}"))),
+        }
+    }
+
+    /// The next event of a watch.
+    pub async fn next_event(&mut self) -> Result<Event, ClientError> {
+        let line = self.read_line().await?;
+        let event: EventLine =
+            serde_json::from_str(&line).map_err(|e| self.protocol(e.to_string(), line.clone()))?;
+        Ok(event.event)
+    }
+
+    async fn read_line(&mut self) -> Result<String, ClientError> {
+        self.line.clear();
+        let n = self
+            .stream
+            .read_line(&mut self.line)
+            .await
+            .map_err(|source| ClientError::Io {
+                path: self.path.clone(),
+                source,
+            })?;
+        if n == 0 {
+            return Err(ClientError::Closed {
+                path: self.path.clone(),
+            });
+        }
+        Ok(std::mem::take(&mut self.line))
+    }
+
+    fn io(&self, source: std::io::Error) -> ClientError {
+        ClientError::Io {
+            path: self.path.clone(),
+            source,
+        }
+    }
+
+    fn protocol(&self, detail: String, line: String) -> ClientError {
+        ClientError::Protocol {
+            path: self.path.clone(),
+            detail,
+            line,
+        }
+    }
+}
+
+/// Where the agent listens and, when the client may start it, the `baton` program to start it with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    /// The agent's socket.
+    pub socket: PathBuf,
+    /// The `baton` binary that starts an agent when none answers; `None`: never start one.
+    pub autostart: Option<PathBuf>,
+}
+
+/// Connects to the agent, starting it (detached, see `baton agent --daemon`) when nothing answers and
+/// `endpoint.autostart` allows it; gives up after `within`.
+pub async fn connect_or_start(
+    endpoint: &Endpoint,
+    within: Duration,
+) -> Result<Client, ClientError> {
+    let socket = &endpoint.socket;
+    let first = tokio::time::timeout(within, Client::connect(socket)).await;
+    match (first, &endpoint.autostart) {
+        (Ok(Ok(c)), _) => Ok(c),
+        (Ok(Err(e)), None) => Err(e),
+        (Err(_), _) => Err(ClientError::Timeout {
+            path: socket.clone(),
+            within,
+        }),
+        (Ok(Err(_)), Some(program)) => {
+            start_agent(program, socket)?;
+            wait_until_listening(socket, within).await
+        }
+    }
+}
+
+/// Starts `program agent --daemon --socket SOCKET`. The agent detaches itself (new session, the root
+/// cgroups, its own log file) and exits at once when another agent holds the node's lock, so that many
+/// shims racing to start one end up with one.
+pub fn start_agent(program: &Path, socket: &Path) -> Result<(), ClientError> {
+    tracing::info!(
+        "starting the baton agent: {} agent --daemon --socket {}",
+        program.display(),
+        socket.display()
+    );
+    std::process::Command::new(program)
+        .arg("agent")
+        .arg("--daemon")
+        .arg("--socket")
+        .arg(socket)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .map(drop)
+        .map_err(|source| ClientError::Start {
+            program: program.to_owned(),
+            source,
+        })
+}
+
+/// Connects as soon as the agent listens on `socket` (checked every 10 ms), or fails after `within`.
+async fn wait_until_listening(socket: &Path, within: Duration) -> Result<Client, ClientError> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if let Ok(c) = Client::connect(socket).await {
+            return Ok(c);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(ClientError::Timeout {
+                path: socket.to_owned(),
+                within,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

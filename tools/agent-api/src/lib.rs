@@ -1,0 +1,23 @@
+//! The node agent's local API (docs/api.md): newline-delimited JSON over a root-only unix socket.
+//!
+//! [`protocol`] is the one definition of its messages; [`client`] is the async client the shim, the `baton`
+//! CLI and the OCI hooks use, including [`client::connect_or_start`], which starts a detached agent when
+//! nothing answers on a plain node.
+pub mod client;
+pub mod protocol;
+
+pub use client::{Client, ClientError, Endpoint, connect_or_start};
+pub use protocol::*;
+
+/// Where the agent listens unless configured otherwise (TOML `agent_socket`, `BATON_AGENT_SOCKET`).
+pub const DEFAULT_SOCKET: &str = "/run/baton/agent.sock";
+
+/// The environment variable that names the agent's socket for every Baton program started with it.
+pub const SOCKET_ENV: &str = "BATON_AGENT_SOCKET";
+
+/// The agent's socket: `BATON_AGENT_SOCKET` when set, else [`DEFAULT_SOCKET`].
+pub fn default_socket() -> std::path::PathBuf {
+    std::env::var_os(SOCKET_ENV)
+        .filter(|v| !v.is_empty())
+        .map_or_else(|| DEFAULT_SOCKET.into(), Into::into)
+}

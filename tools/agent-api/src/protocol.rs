@@ -1,0 +1,381 @@
+//! The messages of the agent's socket, one definition for the agent, the shim, the CLI and docs/api.md.
+//!
+//! Every line is one JSON object with `"v": PROTOCOL_VERSION`. A client writes a request line
+//! (`{"v":1,"op":"ping"}`); the agent answers with one reply line (`{"v":1,"ok":true,"reply":"pong",...}`,
+//! or `{"v":1,"ok":false,"reply":"error","error":"..."}`). After the reply to `watch`, the connection carries
+//! event lines (`{"v":1,"event":{...}}`) until the client closes it.
+use serde::{Deserialize, Serialize};
+
+/// The protocol version every line carries; the agent refuses lines of another version.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// A request, as the `op` field names it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// Is the agent there?
+    Ping,
+    /// Watch a container's calls into the NVIDIA driver.
+    Register(Registration),
+    /// Stop watching a container.
+    Unregister(ContainerRef),
+    /// The watched containers (all, or those matching the filter).
+    Status(Filter),
+    /// Stream events (all, or those matching the filter) after the reply.
+    Watch(Filter),
+}
+
+/// A request line: the version and the request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestLine {
+    /// [`PROTOCOL_VERSION`].
+    pub v: u32,
+    /// The request.
+    #[serde(flatten)]
+    pub request: Request,
+}
+
+/// A container as containerd names it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ContainerRef {
+    /// Container id.
+    pub id: String,
+    /// containerd namespace (`k8s.io` under Kubernetes).
+    pub namespace: String,
+}
+
+/// What a shim tells the agent about a container it created.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registration {
+    /// Which container.
+    #[serde(flatten)]
+    pub container: ContainerRef,
+    /// The container's cgroup v2 path (the `0::` line of /proc/PID/cgroup), which attributes its calls.
+    pub cgroup: String,
+    /// Host pid of the container's init process.
+    pub init_pid: u32,
+    /// The NVIDIA device files the container sees (paths inside it).
+    #[serde(default)]
+    pub devices: Vec<String>,
+    /// The container's Baton settings that concern the agent.
+    #[serde(default)]
+    pub settings: WatchSettings,
+}
+
+/// The settings of a watched container.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchSettings {
+    /// Device path prefix the probes follow for this container (`/dev/nvidia`).
+    pub trace_prefix: String,
+}
+
+impl Default for WatchSettings {
+    fn default() -> Self {
+        Self {
+            trace_prefix: "/dev/nvidia".to_owned(),
+        }
+    }
+}
+
+/// Which containers a `status` or `watch` concerns; empty fields match everything.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Filter {
+    /// Only this container id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
+    /// Only this namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// Only containers registered by the process on the other end of this connection (a shim's own).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mine: bool,
+}
+
+impl Filter {
+    /// Whether `c` (registered by process `owner`) matches, asked by process `asker`.
+    pub fn matches(&self, c: &ContainerRef, owner: u32, asker: u32) -> bool {
+        self.container.as_ref().is_none_or(|id| *id == c.id)
+            && self.namespace.as_ref().is_none_or(|ns| *ns == c.namespace)
+            && (!self.mine || owner == asker)
+    }
+}
+
+/// A reply line: the version, whether the request succeeded, and the reply.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReplyLine {
+    /// [`PROTOCOL_VERSION`].
+    pub v: u32,
+    /// False exactly when `reply` is an error.
+    pub ok: bool,
+    /// The reply.
+    #[serde(flatten)]
+    pub reply: Reply,
+}
+
+/// The agent's answer, as the `reply` field names it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum Reply {
+    /// Answer to `ping`.
+    Pong(Pong),
+    /// The container is watched; its state now.
+    Registered {
+        /// What the agent knows of it.
+        container: ContainerStatus,
+    },
+    /// The container is no longer watched.
+    Unregistered {
+        /// Whether it was watched.
+        found: bool,
+    },
+    /// Answer to `status`.
+    Status(NodeStatus),
+    /// Events follow on this connection.
+    Watching,
+    /// The request failed; `error` says why and what to do.
+    Error {
+        /// The message.
+        error: String,
+    },
+}
+
+/// Answer to `ping`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pong {
+    /// The agent's pid.
+    pub agent_pid: u32,
+    /// The agent's version.
+    pub version: String,
+    /// Whether the probes are attached now (only while a container is watched).
+    pub probes_attached: bool,
+}
+
+/// The node as the agent sees it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    /// The agent's pid.
+    pub agent_pid: u32,
+    /// Whether the probes are attached now.
+    pub probes_attached: bool,
+    /// eBPF programs the agent has attached (one probe set whatever the number of containers).
+    pub programs_attached: usize,
+    /// Records the kernel dropped because the ring buffer was full.
+    pub ringbuf_drops: u64,
+    /// The watched containers.
+    pub containers: Vec<ContainerStatus>,
+}
+
+/// Whether a container holds the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GpuHold {
+    /// It has not opened an NVIDIA device file since it was registered.
+    Never,
+    /// One of its processes holds an NVIDIA file.
+    Held,
+    /// None holds one any more.
+    Released,
+}
+
+/// A watched container's GPU state.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ContainerStatus {
+    /// Which container.
+    #[serde(flatten)]
+    pub container: ContainerRef,
+    /// Its cgroup v2 path.
+    pub cgroup: String,
+    /// Its cgroup v2 id (what the probes see).
+    pub cgroup_id: u64,
+    /// Its init pid.
+    pub init_pid: u32,
+    /// The NVIDIA device files it sees.
+    pub devices: Vec<String>,
+    /// Its processes that hold NVIDIA files.
+    pub processes: Vec<ProcessStatus>,
+    /// NVIDIA fds across its processes.
+    pub nvidia_fds: usize,
+    /// Mappings of NVIDIA device files across its processes.
+    pub mappings: usize,
+    /// Live RM objects in its ledger.
+    pub live_objects: usize,
+    /// Video memory its live objects hold, in bytes.
+    pub vram_bytes: u64,
+    /// The most video memory it held at once.
+    pub peak_vram_bytes: u64,
+    /// Held, released or never.
+    pub gpu: GpuHold,
+    /// CLOCK_MONOTONIC ns of the last transition (registration when none).
+    pub since_ns: u64,
+    /// Part of its state was read from /proc (created while no probe watched), so the ledger is incomplete.
+    pub partial: bool,
+}
+
+/// One process's NVIDIA files.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessStatus {
+    /// Host pid.
+    pub pid: u32,
+    /// Its NVIDIA fds.
+    pub fds: usize,
+    /// Its mappings of NVIDIA device files.
+    pub mappings: usize,
+}
+
+/// An event line.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EventLine {
+    /// [`PROTOCOL_VERSION`].
+    pub v: u32,
+    /// The event.
+    pub event: Event,
+}
+
+/// Something that happened to a watched container.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// Increases by one per event of this agent.
+    pub seq: u64,
+    /// CLOCK_MONOTONIC ns when the agent emitted it.
+    pub t_ns: u64,
+    /// Which container.
+    #[serde(flatten)]
+    pub container: ContainerRef,
+    /// What happened.
+    #[serde(flatten)]
+    pub body: EventBody,
+}
+
+/// What happened, as the `kind` field names it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum EventBody {
+    /// The container is watched.
+    Registered {
+        /// Its cgroup v2 path.
+        cgroup: String,
+        /// Its init pid.
+        init_pid: u32,
+        /// Its processes already held NVIDIA files (read from /proc).
+        partial: bool,
+    },
+    /// The container is no longer watched; its ledger at that moment.
+    Unregistered {
+        /// Live RM objects left.
+        live_objects: usize,
+        /// Video memory left, in bytes.
+        vram_bytes: u64,
+        /// Peak video memory, in bytes.
+        peak_vram_bytes: u64,
+    },
+    /// A container that held no NVIDIA file opened one.
+    Acquired(Acquired),
+    /// The container's CUDA state has left the GPU.
+    Released(Released),
+}
+
+/// The acquired signal.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Acquired {
+    /// The process that opened the file.
+    pub pid: u32,
+    /// CLOCK_MONOTONIC ns of the open.
+    pub t_acquired_ns: u64,
+}
+
+/// The released signal.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Released {
+    /// The processes that held NVIDIA files.
+    pub pids: Vec<u32>,
+    /// CLOCK_MONOTONIC ns when the last NVIDIA file or mapping went (the syscall or exit that dropped it).
+    pub t_last_close_ns: u64,
+    /// CLOCK_MONOTONIC ns when the kernel had run the final release of every file (confirmed).
+    pub t_released_ns: u64,
+    /// What confirmed the release.
+    pub confirmed_by: String,
+    /// RM objects the release freed.
+    pub objects_freed: usize,
+    /// Video memory the release freed, in bytes.
+    pub bytes_freed: u64,
+    /// What NVML reports for those pids, or `"unavailable"` without NVML.
+    pub nvml: serde_json::Value,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_line_is_flat_json_with_version_and_op() {
+        let line = RequestLine {
+            v: PROTOCOL_VERSION,
+            request: Request::Unregister(ContainerRef {
+                id: "c1".into(),
+                namespace: "default".into(),
+            }),
+        };
+        let text = serde_json::to_string(&line).unwrap();
+        assert_eq!(
+            text,
+            r#"{"v":1,"op":"unregister","id":"c1","namespace":"default"}"#
+        );
+        assert_eq!(serde_json::from_str::<RequestLine>(&text).unwrap(), line);
+        let ping: RequestLine = serde_json::from_str(r#"{"v":1,"op":"ping"}"#).unwrap();
+        assert_eq!(ping.request, Request::Ping);
+        let watch: RequestLine =
+            serde_json::from_str(r#"{"v":1,"op":"watch","container":"c1"}"#).unwrap();
+        assert_eq!(
+            watch.request,
+            Request::Watch(Filter {
+                container: Some("c1".into()),
+                ..Default::default()
+            })
+        );
+    }
+
+    #[test]
+    fn an_event_line_names_its_kind_and_container() {
+        let line = EventLine {
+            v: 1,
+            event: Event {
+                seq: 7,
+                t_ns: 10,
+                container: ContainerRef {
+                    id: "c1".into(),
+                    namespace: "ns".into(),
+                },
+                body: EventBody::Acquired(Acquired {
+                    pid: 42,
+                    t_acquired_ns: 9,
+                }),
+            },
+        };
+        let v: serde_json::Value = serde_json::to_value(&line).unwrap();
+        assert_eq!(v["event"]["kind"], "acquired");
+        assert_eq!(v["event"]["id"], "c1");
+        assert_eq!(v["event"]["pid"], 42);
+        let back: EventLine = serde_json::from_value(v).unwrap();
+        assert_eq!(back, line);
+    }
+
+    #[test]
+    fn a_filter_matches_by_id_namespace_and_owner() {
+        let c = ContainerRef {
+            id: "a".into(),
+            namespace: "n".into(),
+        };
+        assert!(Filter::default().matches(&c, 1, 2));
+        let mine = Filter {
+            mine: true,
+            ..Default::default()
+        };
+        assert!(mine.matches(&c, 5, 5));
+        assert!(!mine.matches(&c, 5, 6));
+        let other = Filter {
+            container: Some("b".into()),
+            ..Default::default()
+        };
+        assert!(!other.matches(&c, 1, 1));
+    }
+}

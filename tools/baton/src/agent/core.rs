@@ -1,0 +1,349 @@
+//! The agent's one task that owns the probes and the watched containers: it answers requests (from the
+//! connections, through a channel), reads the probes' records, and publishes each container's transitions.
+//!
+//! The probes are loaded at the first registration and dropped (detached) with the last one, so a node
+//! without watched containers pays nothing for them.
+use std::collections::{BTreeMap, HashMap};
+
+use baton_agent_api::{
+    ContainerRef, ContainerStatus, Event, EventBody, Filter, NodeStatus, Pong, Registration, Reply,
+};
+use baton_tracer::{Tracer, TracerConfig, event::Event as Record};
+use tokio::sync::{broadcast, mpsc, oneshot};
+
+use super::watched::Watched;
+use crate::trace::now_monotonic_ns;
+
+/// An event on its way to the watchers, with the pid of the process that registered its container.
+#[derive(Clone, Debug)]
+pub struct Published {
+    /// The event.
+    pub event: Event,
+    /// Who registered the container (for `watch {"mine": true}`).
+    pub owner: u32,
+}
+
+/// A request from a connection.
+pub struct Command {
+    /// What is asked.
+    pub request: baton_agent_api::Request,
+    /// The asking process (SO_PEERCRED).
+    pub peer_pid: u32,
+    /// Where the reply goes.
+    pub reply: oneshot::Sender<Reply>,
+}
+
+/// The probes, the watched containers, and the event stream.
+pub struct Core {
+    tracer: Option<Tracer>,
+    watched: BTreeMap<ContainerRef, Watched>,
+    by_cgroup: HashMap<u64, ContainerRef>,
+    events: broadcast::Sender<Published>,
+    seq: u64,
+}
+
+impl Core {
+    /// A core with nothing watched, publishing on `events`.
+    pub fn new(events: broadcast::Sender<Published>) -> Self {
+        Self {
+            tracer: None,
+            watched: BTreeMap::new(),
+            by_cgroup: HashMap::new(),
+            events,
+            seq: 0,
+        }
+    }
+
+    /// Serves `commands` until every sender is gone.
+    pub async fn run(mut self, mut commands: mpsc::Receiver<Command>) {
+        loop {
+            tokio::select! {
+                cmd = commands.recv() => match cmd {
+                    Some(c) => {
+                        let reply = self.handle(c.request, c.peer_pid);
+                        let _ = c.reply.send(reply);
+                    }
+                    None => return,
+                },
+                batch = next_batch(self.tracer.as_mut()) => self.on_batch(batch),
+            }
+        }
+    }
+
+    fn handle(&mut self, request: baton_agent_api::Request, peer: u32) -> Reply {
+        use baton_agent_api::Request as R;
+        match request {
+            R::Ping => Reply::Pong(Pong {
+                agent_pid: std::process::id(),
+                version: env!("CARGO_PKG_VERSION").to_owned(),
+                probes_attached: self.tracer.is_some(),
+            }),
+            R::Register(reg) => match self.register(reg, peer) {
+                Ok(container) => Reply::Registered { container },
+                Err(error) => {
+                    if self.watched.is_empty() {
+                        self.tracer = None;
+                    }
+                    Reply::Error { error }
+                }
+            },
+            R::Unregister(c) => Reply::Unregistered {
+                found: self.unregister(&c),
+            },
+            R::Status(filter) => Reply::Status(self.status(&filter, peer)),
+            R::Watch(_) => Reply::Error {
+                error: "watch is answered by the connection, not the core".to_owned(),
+            },
+        }
+    }
+
+    fn register(&mut self, reg: Registration, owner: u32) -> Result<ContainerStatus, String> {
+        check_cgroup_is_its_own(&reg, owner)?;
+        let key = reg.container.clone();
+        if let Some(w) = self.watched.get_mut(&key) {
+            // A shim re-registering (after a reconnect) or giving a restored container's new pid.
+            w.registration.init_pid = reg.init_pid;
+            w.owner = owner;
+            let tracer = self.tracer.as_ref().ok_or("the probes are not loaded")?;
+            return Ok(w.status(tracer));
+        }
+        self.load_tracer(&reg.settings.trace_prefix)?;
+        let tracer = self.tracer.as_mut().ok_or("the probes are not loaded")?;
+        let cgroup_id = tracer
+            .cgroups_mut()
+            .id_of_path(std::path::Path::new(&reg.cgroup))
+            .map_err(|e| format!("cannot watch container {}: {e}", key.id))?;
+        if let Some(other) = self.by_cgroup.get(&cgroup_id) {
+            return Err(format!(
+                "cgroup {} is already watched for container {} in namespace {}: each watched container \
+                 needs a cgroup of its own",
+                reg.cgroup, other.id, other.namespace
+            ));
+        }
+        tracer
+            .watch_cgroup(cgroup_id)
+            .map_err(|e| format!("cannot watch container {}: {e}", key.id))?;
+        let w = Watched::new(reg, owner, cgroup_id, tracer, now_monotonic_ns());
+        let status = w.status(tracer);
+        tracing::info!(
+            id = key.id,
+            namespace = key.namespace,
+            cgroup = status.cgroup,
+            cgroup_id,
+            partial = status.partial,
+            "agent: watching container"
+        );
+        let body = EventBody::Registered {
+            cgroup: status.cgroup.clone(),
+            init_pid: status.init_pid,
+            partial: status.partial,
+        };
+        self.by_cgroup.insert(cgroup_id, key.clone());
+        self.watched.insert(key.clone(), w);
+        self.publish(&key, owner, body);
+        Ok(status)
+    }
+
+    /// Loads the probes on first use.
+    fn load_tracer(&mut self, trace_prefix: &str) -> Result<(), String> {
+        let dir = device_dir(trace_prefix).to_owned();
+        if self.tracer.is_none() {
+            let t = Tracer::start(TracerConfig {
+                prefixes: vec![dir.clone()],
+                ..Default::default()
+            })
+            .map_err(|e| format!("cannot load the probes: {e}"))?;
+            tracing::info!("agent: probes attached (device directory {dir})");
+            self.tracer = Some(t);
+        }
+        Ok(())
+    }
+
+    fn unregister(&mut self, c: &ContainerRef) -> bool {
+        if let Some(t) = self.tracer.as_mut()
+            && let Ok(batch) = t.drain_now()
+        {
+            self.apply(&batch);
+        }
+        let Some(w) = self.watched.remove(c) else {
+            return false;
+        };
+        self.by_cgroup.remove(&w.cgroup_id);
+        let body = match self.tracer.as_mut() {
+            Some(t) => {
+                t.unwatch_cgroup(w.cgroup_id);
+                w.unregistered(t)
+            }
+            None => EventBody::Unregistered {
+                live_objects: 0,
+                vram_bytes: 0,
+                peak_vram_bytes: 0,
+            },
+        };
+        tracing::info!(
+            id = c.id,
+            namespace = c.namespace,
+            "agent: no longer watching container"
+        );
+        self.publish(c, w.owner, body);
+        if self.watched.is_empty() && self.tracer.take().is_some() {
+            tracing::info!("agent: probes detached (no watched container left)");
+        }
+        true
+    }
+
+    fn status(&self, filter: &Filter, asker: u32) -> NodeStatus {
+        let containers = match &self.tracer {
+            Some(t) => self
+                .watched
+                .iter()
+                .filter(|(c, w)| filter.matches(c, w.owner, asker))
+                .map(|(_, w)| w.status(t))
+                .collect(),
+            None => Vec::new(),
+        };
+        NodeStatus {
+            agent_pid: std::process::id(),
+            probes_attached: self.tracer.is_some(),
+            programs_attached: self.tracer.as_ref().map_or(0, Tracer::programs_attached),
+            ringbuf_drops: self.tracer.as_ref().map_or(0, Tracer::dropped),
+            containers,
+        }
+    }
+
+    fn on_batch(&mut self, batch: Result<Vec<Record>, baton_tracer::TracerError>) {
+        match batch {
+            Ok(records) => self.apply(&records),
+            Err(e) => {
+                tracing::error!(
+                    "agent: reading the probes failed ({e}); detaching them until the next registration"
+                );
+                self.tracer = None;
+                self.watched.clear();
+                self.by_cgroup.clear();
+            }
+        }
+    }
+
+    /// Turns a batch of records into the containers' transitions.
+    fn apply(&mut self, records: &[Record]) {
+        let Some(tracer) = self.tracer.as_ref() else {
+            return;
+        };
+        let mut out = Vec::new();
+        for (c, w) in self.watched.iter_mut() {
+            if let Some(body) = w.update(tracer, records) {
+                out.push((c.clone(), w.owner, body));
+            }
+        }
+        for (c, owner, body) in out {
+            self.publish(&c, owner, body);
+        }
+    }
+
+    fn publish(&mut self, c: &ContainerRef, owner: u32, body: EventBody) {
+        self.seq += 1;
+        match &body {
+            EventBody::Acquired(a) => {
+                tracing::info!(id = c.id, pid = a.pid, "agent: container acquired the GPU");
+            }
+            EventBody::Released(r) => tracing::info!(
+                id = c.id,
+                t_last_close_ns = r.t_last_close_ns,
+                t_released_ns = r.t_released_ns,
+                confirmed_by = r.confirmed_by,
+                "agent: container released the GPU"
+            ),
+            _ => {}
+        }
+        let event = Event {
+            seq: self.seq,
+            t_ns: now_monotonic_ns(),
+            container: c.clone(),
+            body,
+        };
+        // No watcher is not an error: the state is in `status`.
+        let _ = self.events.send(Published { event, owner });
+    }
+}
+
+/// The next batch of records, or never when the probes are not loaded.
+async fn next_batch(tracer: Option<&mut Tracer>) -> Result<Vec<Record>, baton_tracer::TracerError> {
+    match tracer {
+        Some(t) => t.next_events().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The directory part of a `trace_prefix` (`/dev/nvidia` -> `/dev/`).
+pub fn device_dir(prefix: &str) -> &str {
+    prefix.rfind('/').map_or("/dev/", |i| &prefix[..=i])
+}
+
+/// Refuses a cgroup that is not the container's own: the root, or the registering process's (on a host
+/// where runc put the container in v1 cgroups only, its v2 path is its shim's), or one its init is not in.
+fn check_cgroup_is_its_own(reg: &Registration, owner: u32) -> Result<(), String> {
+    let id = &reg.container.id;
+    let path = reg.cgroup.trim_end_matches('/');
+    if path.is_empty() {
+        return Err(format!(
+            "refusing to watch container {id}: its cgroup v2 path is the root, which every process on \
+             the node shares (is runc putting containers into cgroup v2 here?)"
+        ));
+    }
+    let v2 = baton_tracer::cgroups::v2_path_of_pid;
+    if v2(owner).is_some_and(|p| p.trim_end_matches('/') == path) {
+        return Err(format!(
+            "refusing to watch container {id}: its cgroup v2 path {path} is its shim's, so its calls \
+             could not be told from the shim's (runc did not give it a cgroup v2 of its own)"
+        ));
+    }
+    if reg.init_pid != 0
+        && let Some(actual) = v2(reg.init_pid)
+        && actual.trim_end_matches('/') != path
+    {
+        return Err(format!(
+            "refusing to watch container {id}: its init (pid {}) is in cgroup {actual}, not {path}",
+            reg.init_pid
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_device_dir_is_the_prefix_up_to_its_last_slash() {
+        assert_eq!(device_dir("/dev/nvidia"), "/dev/");
+        assert_eq!(device_dir("/run/mock/dev/"), "/run/mock/dev/");
+        assert_eq!(device_dir("nvidia"), "/dev/");
+    }
+
+    fn reg(cgroup: &str, init_pid: u32) -> Registration {
+        Registration {
+            container: ContainerRef {
+                id: "c".into(),
+                namespace: "n".into(),
+            },
+            cgroup: cgroup.into(),
+            init_pid,
+            devices: vec![],
+            settings: Default::default(),
+        }
+    }
+
+    #[test]
+    fn the_root_and_the_shims_own_cgroup_are_refused() {
+        let me = std::process::id();
+        let mine = baton_tracer::cgroups::v2_path_of_pid(me).unwrap();
+        let e = check_cgroup_is_its_own(&reg("/", 0), 1).unwrap_err();
+        assert!(e.contains("root"), "{e}");
+        let e = check_cgroup_is_its_own(&reg(&format!("{mine}/"), 0), me).unwrap_err();
+        assert!(e.contains("shim's"), "{e}");
+        let e = check_cgroup_is_its_own(&reg("/elsewhere", me), 1).unwrap_err();
+        assert!(e.contains("not /elsewhere"), "{e}");
+        check_cgroup_is_its_own(&reg("/elsewhere", 0), 1).unwrap();
+    }
+}

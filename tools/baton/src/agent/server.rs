@@ -1,0 +1,149 @@
+//! The agent's socket: root-only connections (SO_PEERCRED), one JSON request per line, one reply per
+//! request; `watch` turns the connection into an event stream.
+use baton_agent_api::{
+    EventLine, Filter, PROTOCOL_VERSION, Reply, ReplyLine, Request, RequestLine,
+};
+use tokio::{
+    io::{AsyncBufReadExt, AsyncWriteExt, BufReader},
+    net::{UnixListener, UnixStream, unix::OwnedWriteHalf},
+    sync::{broadcast, mpsc, oneshot},
+};
+
+use super::core::{Command, Published};
+
+/// Accepts connections until the listener fails.
+pub async fn serve(
+    listener: UnixListener,
+    commands: mpsc::Sender<Command>,
+    events: broadcast::Sender<Published>,
+) -> std::io::Result<()> {
+    loop {
+        let (stream, _) = listener.accept().await?;
+        let (commands, events) = (commands.clone(), events.clone());
+        tokio::spawn(async move {
+            if let Err(e) = connection(stream, commands, events).await {
+                tracing::debug!("agent: connection ended: {e}");
+            }
+        });
+    }
+}
+
+async fn connection(
+    stream: UnixStream,
+    commands: mpsc::Sender<Command>,
+    events: broadcast::Sender<Published>,
+) -> std::io::Result<()> {
+    let cred = stream.peer_cred()?;
+    let peer_pid = cred.pid().and_then(|p| u32::try_from(p).ok()).unwrap_or(0);
+    let (read, mut write) = stream.into_split();
+    if cred.uid() != 0 {
+        let error = format!(
+            "the baton agent serves root only (this process runs as uid {}): run the client as root",
+            cred.uid()
+        );
+        tracing::warn!(
+            peer_pid,
+            uid = cred.uid(),
+            "agent: refused a non-root client"
+        );
+        return send_reply(&mut write, Reply::Error { error }).await;
+    }
+    let mut lines = BufReader::new(read).lines();
+    while let Some(line) = lines.next_line().await? {
+        let request = match parse(&line) {
+            Ok(r) => r,
+            Err(error) => {
+                send_reply(&mut write, Reply::Error { error }).await?;
+                continue;
+            }
+        };
+        if let Request::Watch(filter) = request {
+            let rx = events.subscribe();
+            send_reply(&mut write, Reply::Watching).await?;
+            return stream_events(rx, filter, peer_pid, write, lines).await;
+        }
+        let (tx, rx) = oneshot::channel();
+        let cmd = Command {
+            request,
+            peer_pid,
+            reply: tx,
+        };
+        let reply = match commands.send(cmd).await {
+            Ok(()) => rx.await.unwrap_or_else(|_| stopping()),
+            Err(_) => stopping(),
+        };
+        send_reply(&mut write, reply).await?;
+    }
+    Ok(())
+}
+
+fn stopping() -> Reply {
+    Reply::Error {
+        error: "the agent is stopping".to_owned(),
+    }
+}
+
+/// A request line, or the error to answer it with.
+fn parse(line: &str) -> Result<Request, String> {
+    let value: serde_json::Value =
+        serde_json::from_str(line).map_err(|e| format!("not a JSON line ({e}): {line}"))?;
+    match value.get("v").and_then(serde_json::Value::as_u64) {
+        Some(v) if v == u64::from(PROTOCOL_VERSION) => {}
+        Some(v) => {
+            return Err(format!(
+                "protocol version {v} is not spoken here: this agent speaks \"v\": {PROTOCOL_VERSION}"
+            ));
+        }
+        None => return Err(format!("missing \"v\": {PROTOCOL_VERSION} in {line}")),
+    }
+    serde_json::from_value::<RequestLine>(value)
+        .map(|l| l.request)
+        .map_err(|e| format!("not a request ({e}): {line}"))
+}
+
+async fn send_reply(write: &mut OwnedWriteHalf, reply: Reply) -> std::io::Result<()> {
+    let ok = !matches!(reply, Reply::Error { .. });
+    let line = ReplyLine {
+        v: PROTOCOL_VERSION,
+        ok,
+        reply,
+    };
+    send_line(write, &line).await
+}
+
+async fn send_line(
+    write: &mut OwnedWriteHalf,
+    line: &impl serde::Serialize,
+) -> std::io::Result<()> {
+    let mut text = serde_json::to_string(line).map_err(std::io::Error::other)?;
+    text.push('\n');
+    write.write_all(text.as_bytes()).await
+}
+
+/// Writes the matching events until the client closes its end (or sends anything more).
+async fn stream_events(
+    mut rx: broadcast::Receiver<Published>,
+    filter: Filter,
+    peer_pid: u32,
+    mut write: OwnedWriteHalf,
+    mut lines: tokio::io::Lines<BufReader<tokio::net::unix::OwnedReadHalf>>,
+) -> std::io::Result<()> {
+    loop {
+        tokio::select! {
+            p = rx.recv() => match p {
+                Ok(p) if filter.matches(&p.event.container, p.owner, peer_pid) => {
+                    send_line(&mut write, &EventLine { v: PROTOCOL_VERSION, event: p.event }).await?;
+                }
+                Ok(_) => {}
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    tracing::warn!(peer_pid, "agent: a watcher fell behind and missed {n} events");
+                }
+                Err(broadcast::error::RecvError::Closed) => return Ok(()),
+            },
+            line = lines.next_line() => match line? {
+                None => return Ok(()),
+                Some(_) => {}
+            },
+        }
+    }
+}

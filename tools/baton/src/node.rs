@@ -1,0 +1,184 @@
+//! `baton status` and `baton events`: thin clients of the agent's socket.
+use std::path::PathBuf;
+
+use anyhow::Context;
+use baton_agent_api::{
+    Client, ContainerStatus, Event, EventBody, Filter, GpuHold, NodeStatus, Reply, Request,
+};
+
+/// Where the agent is.
+#[derive(clap::Args, Debug)]
+pub struct AgentSocket {
+    /// The agent's socket (default: $BATON_AGENT_SOCKET, else /run/baton/agent.sock).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+}
+
+impl AgentSocket {
+    async fn connect(&self) -> anyhow::Result<Client> {
+        let path = self
+            .socket
+            .clone()
+            .unwrap_or_else(baton_agent_api::default_socket);
+        Ok(Client::connect(&path).await?)
+    }
+}
+
+/// Arguments of `baton status`.
+#[derive(clap::Args, Debug)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    agent: AgentSocket,
+    /// Only this container id.
+    container: Option<String>,
+    /// Only this containerd namespace.
+    #[arg(short = 'n', long)]
+    namespace: Option<String>,
+    /// Print the agent's JSON reply.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Arguments of `baton events`.
+#[derive(clap::Args, Debug)]
+pub struct EventsArgs {
+    #[command(flatten)]
+    agent: AgentSocket,
+    /// Only this container id.
+    #[arg(long)]
+    container: Option<String>,
+    /// Only this containerd namespace.
+    #[arg(short = 'n', long)]
+    namespace: Option<String>,
+    /// One JSON object per line (the agent's event lines).
+    #[arg(long)]
+    json: bool,
+}
+
+/// `baton status`.
+pub async fn status(args: StatusArgs) -> anyhow::Result<()> {
+    let mut client = args.agent.connect().await?;
+    let filter = Filter {
+        container: args.container,
+        namespace: args.namespace,
+        mine: false,
+    };
+    let Reply::Status(status) = client.call(Request::Status(filter)).await? else {
+        anyhow::bail!("the agent answered status with something else");
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+    } else {
+        print!(
+            "{}",
+            render_status(&status, crate::trace::now_monotonic_ns())
+        );
+    }
+    Ok(())
+}
+
+/// `baton events`: prints the agent's events until interrupted.
+pub async fn events(args: EventsArgs) -> anyhow::Result<()> {
+    let mut client = args.agent.connect().await?;
+    client
+        .watch(Filter {
+            container: args.container,
+            namespace: args.namespace,
+            mine: false,
+        })
+        .await?;
+    loop {
+        let event = client.next_event().await.context("reading events")?;
+        if args.json {
+            println!("{}", serde_json::to_string(&event)?);
+        } else {
+            println!("{}", render_event(&event));
+        }
+    }
+}
+
+fn gpu_word(g: GpuHold) -> &'static str {
+    match g {
+        GpuHold::Never => "never",
+        GpuHold::Held => "held",
+        GpuHold::Released => "released",
+    }
+}
+
+/// The table `baton status` prints.
+pub fn render_status(s: &NodeStatus, now_ns: u64) -> String {
+    let mut out = format!(
+        "agent pid {}, probes {} ({} programs), {} ring-buffer drops\n",
+        s.agent_pid,
+        if s.probes_attached {
+            "attached"
+        } else {
+            "detached"
+        },
+        s.programs_attached,
+        s.ringbuf_drops
+    );
+    out.push_str(&format!(
+        "{:<16} {:<10} {:<9} {:>8} {:>4} {:>5} {:>7} {:>12}  {}\n",
+        "CONTAINER", "NAMESPACE", "GPU", "SINCE", "FDS", "MAPS", "OBJECTS", "VRAM", "PIDS"
+    ));
+    for c in &s.containers {
+        out.push_str(&render_container(c, now_ns));
+    }
+    out
+}
+
+fn render_container(c: &ContainerStatus, now_ns: u64) -> String {
+    let since = now_ns.saturating_sub(c.since_ns) as f64 / 1e9;
+    let pids: Vec<String> = c.processes.iter().map(|p| p.pid.to_string()).collect();
+    format!(
+        "{:<16} {:<10} {:<9} {:>7.1}s {:>4} {:>5} {:>7} {:>12}  {}{}\n",
+        c.container.id,
+        c.container.namespace,
+        gpu_word(c.gpu),
+        since,
+        c.nvidia_fds,
+        c.mappings,
+        c.live_objects,
+        c.vram_bytes,
+        if pids.is_empty() {
+            "-".to_owned()
+        } else {
+            pids.join(",")
+        },
+        if c.partial { " (partial)" } else { "" }
+    )
+}
+
+/// One line of `baton events`.
+pub fn render_event(e: &Event) -> String {
+    let head = format!(
+        "{}.{:09} {}/{}",
+        e.t_ns / 1_000_000_000,
+        e.t_ns % 1_000_000_000,
+        e.container.namespace,
+        e.container.id
+    );
+    match &e.body {
+        EventBody::Registered {
+            cgroup, partial, ..
+        } => format!(
+            "{head} registered cgroup={cgroup}{}",
+            if *partial { " partial" } else { "" }
+        ),
+        EventBody::Unregistered {
+            live_objects,
+            vram_bytes,
+            ..
+        } => format!("{head} unregistered live_objects={live_objects} vram_bytes={vram_bytes}"),
+        EventBody::Acquired(a) => format!("{head} acquired pid={}", a.pid),
+        EventBody::Released(r) => format!(
+            "{head} released pids={:?} confirm_gap_us={:.1} confirmed_by={} objects_freed={} bytes_freed={}",
+            r.pids,
+            r.t_released_ns.saturating_sub(r.t_last_close_ns) as f64 / 1e3,
+            r.confirmed_by,
+            r.objects_freed,
+            r.bytes_freed
+        ),
+    }
+}
