@@ -202,6 +202,34 @@ impl Containerd {
         let _ = child.wait();
     }
 
+    /// The socket of the baton agent this containerd's shims use (`BATON_AGENT_SOCKET` in its environment).
+    pub fn agent_socket(&self) -> PathBuf {
+        self.dir.join("agent").join("agent.sock")
+    }
+
+    /// The pid of the agent serving [`Containerd::agent_socket`], from its lock file, if it runs.
+    pub fn agent_pid(&self) -> Option<i32> {
+        let mut lock = self.agent_socket().into_os_string();
+        lock.push(".lock");
+        let pid: i32 = std::fs::read_to_string(lock).ok()?.trim().parse().ok()?;
+        Path::new(&format!("/proc/{pid}")).exists().then_some(pid)
+    }
+
+    /// Kills the agent (SIGKILL, as a crash would) and waits until it is gone.
+    pub fn kill_agent(&self) {
+        let Some(pid) = self.agent_pid() else { return };
+        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline && Path::new(&format!("/proc/{pid}")).exists() {
+            // A zombie until its parent (a shim, or init) reaps it; it holds nothing then.
+            let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            if state.contains(") Z ") {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// Stops and starts containerd on the same root, state and socket.
     pub fn restart(&mut self) -> Result<(), Error> {
         self.stop();
@@ -227,6 +255,8 @@ impl Containerd {
             .arg("--config")
             .arg(self.dir.join("config.toml"))
             .env("PATH", path)
+            // Every shim of this containerd talks to (and starts) an agent of the test's own.
+            .env(baton_agent_api::SOCKET_ENV, self.agent_socket())
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)
@@ -310,6 +340,7 @@ impl Containerd {
 impl Drop for Containerd {
     fn drop(&mut self) {
         self.stop();
+        self.kill_agent();
     }
 }
 

@@ -7,6 +7,7 @@
 //! Dropping the environment kills what the test left (container processes, shims, containerd), deletes runc
 //! state, unmounts and removes the cgroups, even when the test panicked.
 
+pub mod agent;
 pub mod api;
 pub mod cleanup;
 pub mod containerd;

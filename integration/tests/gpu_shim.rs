@@ -1,52 +1,21 @@
-//! The shim's GPU tracing on the real kernel: a container that sees the mock NVIDIA device files (bind-mounted
-//! at /dev/nvidia*) and runs the mock CUDA workload is watched from before its program starts, its release of
-//! the GPU is noticed, and its ledger is logged at delete; a container without NVIDIA devices loads nothing,
-//! and `baton.io/ebpf=false` turns tracing off.
+//! The shim and the node agent on the real kernel: a container that sees the mock NVIDIA device files
+//! (bind-mounted at /dev/nvidia*) and runs the mock CUDA workload is registered with an agent the shim starts
+//! itself (none ran), watched from before its program starts, its acquire and release of the GPU are
+//! published, and its ledger is logged at delete; a container without NVIDIA devices starts no agent, and
+//! `baton.io/ebpf=false` keeps a GPU container unwatched.
 #![allow(
     clippy::unwrap_used,
     reason = "test helpers fail the test by panicking"
 )]
-use std::{path::Path, time::Duration};
+use std::time::Duration;
 
 use baton_integration::{
-    TestEnv, skip,
-    trace_env::{missing_trace_prerequisite, workspace_binary},
+    TestEnv,
+    agent::{device_mounts, install_workload},
+    skip,
+    trace_env::missing_trace_prerequisite,
 };
 use baton_mock_nvidia::driver::{MockDriver, MountOptions};
-
-/// Copies the mock workload and the shared libraries it links into the container's rootfs.
-fn install_workload(rootfs: &Path) -> String {
-    let bin = workspace_binary("baton-mock-nvidia", "baton-mock-cuda").unwrap();
-    let ldd = std::process::Command::new("ldd")
-        .arg(&bin)
-        .output()
-        .unwrap();
-    for lib in String::from_utf8_lossy(&ldd.stdout)
-        .split_whitespace()
-        .filter(|w| w.starts_with('/'))
-    {
-        let dst = rootfs.join(lib.trim_start_matches('/'));
-        std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
-        std::fs::copy(lib, &dst).unwrap();
-    }
-    std::fs::copy(&bin, rootfs.join("bin/baton-mock-cuda")).unwrap();
-    "/bin/baton-mock-cuda".to_owned()
-}
-
-fn device_mounts(mock_dir: &Path) -> Vec<String> {
-    ["nvidiactl", "nvidia0", "nvidia-uvm", "nvidia-uvm-tools"]
-        .iter()
-        .flat_map(|n| {
-            [
-                "--mount".to_owned(),
-                format!(
-                    "type=bind,src={}/{n},dst=/dev/{n},options=rbind:rw",
-                    mock_dir.display()
-                ),
-            ]
-        })
-        .collect()
-}
 
 fn wait_for_log(env: &TestEnv, needle: &str) -> String {
     wait_for_log_count(env, needle, 1)
@@ -90,7 +59,7 @@ fn a_gpu_container_is_traced_from_its_first_call_and_its_release_is_noticed() {
     }
     let mock_dir = tempfile::tempdir().unwrap();
     let _mock = MockDriver::mount(MountOptions::new(mock_dir.path())).unwrap();
-    let workload = install_workload(env.rootfs());
+    let workload = install_workload(env.rootfs()).unwrap();
     let mut flags: Vec<String> = device_mounts(mock_dir.path());
     flags.push("--rm".into());
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
@@ -115,19 +84,23 @@ fn a_gpu_container_is_traced_from_its_first_call_and_its_release_is_noticed() {
         env.containerd().log_tail(40)
     );
 
-    let log = wait_for_log(&env, "gpu tracing: container deleted");
-    assert!(log.contains("gpu tracing: probes loaded"), "{log}");
-    assert!(log.contains("gpu tracing: watching container"), "{log}");
-    assert!(log.contains("container acquired GPU state"), "{log}");
-    assert!(log.contains("container released the GPU"), "{log}");
+    // No agent ran: the shim started one (the `baton` beside it), detached, which watched the container.
+    let log = wait_for_log(&env, "gpu: the agent no longer watches the container");
+    assert!(
+        log.contains("gpu: the agent watches the container"),
+        "{log}"
+    );
+    assert!(log.contains("gpu: container acquired the GPU"), "{log}");
+    assert!(log.contains("gpu: container released the GPU"), "{log}");
+    assert!(
+        env.containerd().agent_pid().is_some(),
+        "the agent outlives the shim that started it"
+    );
     let deleted = log
         .lines()
-        .find(|l| l.contains("gpu tracing: container deleted"))
+        .find(|l| l.contains("gpu: the agent no longer watches the container"))
         .unwrap();
-    assert!(
-        deleted.contains("live_objects=0") && deleted.contains("open_fds=0"),
-        "{deleted}"
-    );
+    assert!(deleted.contains("live_objects=0"), "{deleted}");
     assert!(
         deleted.contains(&format!("peak_vram_bytes={}", 640u64 << 20)),
         "the allocation was seen: {deleted}"
@@ -164,7 +137,11 @@ fn containers_without_nvidia_devices_or_with_ebpf_off_load_no_probes() {
     // A shim logs its shutdown last: once both containers' shims have, whatever they logged is in the log.
     let log = wait_for_log_count(&env, "shim shutting down", 2);
     assert!(
-        !log.contains("gpu tracing: probes loaded"),
-        "no probes for these containers:\n{log}"
+        !log.contains("gpu: the agent watches the container"),
+        "no agent watches these containers:\n{log}"
+    );
+    assert!(
+        env.containerd().agent_pid().is_none(),
+        "no agent was started for them"
     );
 }

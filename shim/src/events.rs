@@ -26,7 +26,11 @@ use containerd_shim_protos::{
     },
     protobuf::{
         Message, MessageField,
-        well_known_types::{any::Any, timestamp::Timestamp},
+        well_known_types::{
+            any::Any,
+            struct_::{ListValue, NullValue, Struct, Value},
+            timestamp::Timestamp,
+        },
     },
     topics,
 };
@@ -53,6 +57,50 @@ fn event_any<E: Message>(event: &E) -> containerd_shim::protos::protobuf::Result
         value: event.write_to_bytes()?,
         ..Default::default()
     })
+}
+
+/// The type URL of `google.protobuf.Struct` as containerd's typeurl resolves it: ctr 1.6 finds the
+/// message by its full name only (with the `type.googleapis.com/` prefix it answers "not found").
+const STRUCT_TYPE_URL: &str = "google.protobuf.Struct";
+
+/// A JSON object as a protobuf `Struct` in an `Any`.
+fn struct_any(payload: &serde_json::Value) -> containerd_shim::protos::protobuf::Result<Any> {
+    let serde_json::Value::Object(map) = payload else {
+        return Ok(Any::default());
+    };
+    let mut st = Struct::new();
+    for (k, v) in map {
+        st.fields.insert(k.clone(), proto_value(v));
+    }
+    Ok(Any {
+        type_url: STRUCT_TYPE_URL.to_owned(),
+        value: st.write_to_bytes()?,
+        ..Default::default()
+    })
+}
+
+fn proto_value(v: &serde_json::Value) -> Value {
+    use serde_json::Value as J;
+    let mut out = Value::new();
+    match v {
+        J::Null => out.set_null_value(NullValue::NULL_VALUE),
+        J::Bool(b) => out.set_bool_value(*b),
+        J::Number(n) => out.set_number_value(n.as_f64().unwrap_or(0.0)),
+        J::String(s) => out.set_string_value(s.clone()),
+        J::Array(items) => {
+            let mut list = ListValue::new();
+            list.values = items.iter().map(proto_value).collect();
+            out.set_list_value(list);
+        }
+        J::Object(map) => {
+            let mut st = Struct::new();
+            for (k, v) in map {
+                st.fields.insert(k.clone(), proto_value(v));
+            }
+            out.set_struct_value(st);
+        }
+    }
+    out
 }
 
 /// How many times one event is tried before it is dropped (about a minute of backoff).
@@ -159,13 +207,22 @@ impl Events {
     }
 
     async fn send<E: Message>(&self, topic: &str, event: E) {
-        let any = match event_any(&event) {
-            Ok(any) => any,
-            Err(e) => {
-                tracing::warn!(topic, error = %e, "encode event failed");
-                return;
-            }
-        };
+        match event_any(&event) {
+            Ok(any) => self.send_any(topic, any).await,
+            Err(e) => tracing::warn!(topic, error = %e, "encode event failed"),
+        }
+    }
+
+    /// A Baton event (`/baton/...`): `payload`, a JSON object, as a `google.protobuf.Struct`, which
+    /// `ctr events` (1.6 and 2.x) decodes and prints as JSON.
+    pub async fn gpu(&self, topic: &str, payload: &serde_json::Value) {
+        match struct_any(payload) {
+            Ok(any) => self.send_any(topic, any).await,
+            Err(e) => tracing::warn!(topic, error = %e, "encode event failed"),
+        }
+    }
+
+    async fn send_any(&self, topic: &str, any: Any) {
         let mut envelope = Envelope::new();
         envelope.set_topic(topic.to_string());
         envelope.set_namespace(self.namespace.clone());

@@ -3,6 +3,7 @@
 //! action) is ours so that it answers both Task API versions. Runs on a single-threaded tokio
 //! runtime to keep an idle shim small.
 
+mod agent;
 mod binary_logger;
 mod checkpoint;
 mod console;
@@ -11,7 +12,6 @@ mod errors;
 mod events;
 #[cfg(test)]
 mod fake_runc;
-mod gpu;
 mod info;
 mod io;
 mod logging;

@@ -33,8 +33,8 @@ impl MemoryCgroup {
     /// The memory cgroup of `pid`: the v1 memory controller, or v2 when the container's
     /// cgroup in the v2 hierarchy (wherever it is mounted) has `memory.events`.
     pub fn of_pid(pid: u32) -> Option<Self> {
-        let v2_root = baton_tracer::cgroups::find_v2_root().ok();
-        for cg in baton_tracer::cgroups::of_pid(pid)? {
+        let v2_root = baton_cgroups::find_v2_root().ok();
+        for cg in baton_cgroups::of_pid(pid)? {
             let rel = cg.pathname.trim_start_matches('/');
             if cg.controllers.iter().any(|c| c == "memory") {
                 let dir = Path::new("/sys/fs/cgroup/memory").join(rel);

@@ -39,7 +39,7 @@ pub enum Freezer {
 /// Baton's own per-container settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatonSettings {
-    /// Load the eBPF GPU probes for this container (`ebpf`, default true).
+    /// Have the node agent watch this container's GPU calls (`ebpf`, default true).
     pub ebpf: bool,
     /// The cuda-checkpoint binary (`cuda_checkpoint_path`, default `cuda-checkpoint` from PATH).
     pub cuda_checkpoint_path: PathBuf,
@@ -47,6 +47,11 @@ pub struct BatonSettings {
     pub freezer: Freezer,
     /// Device path prefix the tracer watches (`trace_prefix`, default "/dev/nvidia").
     pub trace_prefix: String,
+    /// The node agent's socket (`agent_socket`; default `$BATON_AGENT_SOCKET`, else /run/baton/agent.sock).
+    pub agent_socket: Option<PathBuf>,
+    /// Start the agent (the `baton` binary beside the shim, else on PATH) when nothing answers on its
+    /// socket (`agent_autostart`, default true; a DaemonSet-run agent makes it unnecessary).
+    pub agent_autostart: bool,
 }
 
 impl Default for BatonSettings {
@@ -56,16 +61,25 @@ impl Default for BatonSettings {
             cuda_checkpoint_path: PathBuf::from("cuda-checkpoint"),
             freezer: Freezer::Cgroup,
             trace_prefix: "/dev/nvidia".to_string(),
+            agent_socket: None,
+            agent_autostart: true,
         }
     }
 }
 
 /// The keys Baton knows, in TOML and (prefixed with `baton.io/`) in annotations.
-const BATON_KEYS: [&str; 4] = ["ebpf", "cuda_checkpoint_path", "freezer", "trace_prefix"];
+const BATON_KEYS: [&str; 6] = [
+    "ebpf",
+    "cuda_checkpoint_path",
+    "freezer",
+    "trace_prefix",
+    "agent_socket",
+    "agent_autostart",
+];
 
-/// The keys only the node's TOML may set: they name programs the shim (root) runs, and annotations
-/// come from whoever writes the pod spec.
-const NODE_ONLY_KEYS: [&str; 1] = ["cuda_checkpoint_path"];
+/// The keys only the node's TOML may set: they name programs the shim (root) runs or the agent it
+/// trusts, and annotations come from whoever writes the pod spec.
+const NODE_ONLY_KEYS: [&str; 3] = ["cuda_checkpoint_path", "agent_socket", "agent_autostart"];
 
 impl BatonSettings {
     /// Sets `key` from its textual form; `origin` names where it came from for the error.
@@ -92,6 +106,19 @@ impl BatonSettings {
                     "cgroup" => Freezer::Cgroup,
                     "signal" => Freezer::Signal,
                     _ => return Err(invalid("\"cgroup\" or \"signal\"")),
+                }
+            }
+            "agent_socket" => {
+                if !value.starts_with('/') {
+                    return Err(invalid("an absolute socket path"));
+                }
+                self.agent_socket = Some(PathBuf::from(value));
+            }
+            "agent_autostart" => {
+                self.agent_autostart = match value.trim() {
+                    "true" | "1" | "yes" => true,
+                    "false" | "0" | "no" => false,
+                    _ => return Err(invalid("true or false")),
                 }
             }
             "trace_prefix" => {
@@ -325,6 +352,7 @@ pub fn parse_toml_options(body: &str) -> Result<RuntimeConfig> {
             "CriuImagePath" => r.criu_image_path = string()?,
             "CriuWorkPath" => r.criu_work_path = string()?,
             "ebpf" => cfg.baton.ebpf = boolean()?,
+            "agent_autostart" => cfg.baton.agent_autostart = boolean()?,
             k if BATON_KEYS.contains(&k) => {
                 let text = string()?;
                 cfg.baton.set(k, &text, "options TOML")?;

@@ -28,10 +28,10 @@ use containerd_shim::{
 };
 
 use crate::{
+    agent::{GpuAgent, GpuContainer},
     container::Container,
     errors::{Result, ShimError},
     events::{Events, timestamp},
-    gpu::{GpuTracing, StartedContainer},
     io::StdioSpec,
     oom::{MemoryCgroup, OomWatch},
     options::{self, BatonSettings, CONTAINER_TYPE_ANNOTATION},
@@ -49,7 +49,7 @@ pub struct Shared {
     events: Events,
     containers: Registry,
     pod_settings: Mutex<Option<BatonSettings>>,
-    gpu: GpuTracing,
+    gpu: GpuAgent,
     exit: Arc<ExitSignal>,
 }
 
@@ -69,10 +69,10 @@ impl TaskService {
         let svc = Self {
             shared: Arc::new(Shared {
                 namespace: namespace.to_string(),
+                gpu: GpuAgent::new(events.clone()),
                 events,
                 containers: Registry::default(),
                 pod_settings: Mutex::new(None),
-                gpu: GpuTracing::new(),
                 exit,
             }),
         };
@@ -116,13 +116,12 @@ impl TaskService {
         reservation.fill(c.clone());
         let pid = c.procs.lock().await.init.pid;
         self.watch_oom(&c, pid);
-        let cgroup = baton_tracer::cgroups::v2_path_of_pid(pid);
         self.shared
             .gpu
-            .container_created(&StartedContainer {
+            .container_created(&GpuContainer {
                 id: &req.id,
+                namespace: &self.shared.namespace,
                 init_pid: pid,
-                cgroup_v2_path: cgroup.as_deref(),
                 settings: &c.settings,
             })
             .await;
@@ -187,11 +186,10 @@ impl TaskService {
             self.shared.events.start(&req.id, pid).await;
             // A restored init gets its pid (and so its memory cgroup) only now.
             self.watch_oom(&c, pid);
-            let cgroup = baton_tracer::cgroups::v2_path_of_pid(pid);
-            self.shared.gpu.container_started(&StartedContainer {
+            self.shared.gpu.container_started(&GpuContainer {
                 id: &req.id,
+                namespace: &self.shared.namespace,
                 init_pid: pid,
-                cgroup_v2_path: cgroup.as_deref(),
                 settings: &c.settings,
             });
             (pid, early)
@@ -219,7 +217,9 @@ impl TaskService {
         let at = exit.at.unwrap_or_else(SystemTime::now);
         if req.exec_id.is_empty() {
             self.shared.containers.remove(&req.id);
-            self.shared.gpu.container_deleted(&req.id);
+            self.shared
+                .gpu
+                .container_deleted(&req.id, &self.shared.namespace);
             self.shared
                 .events
                 .delete(&req.id, pid, exit.status, at)

@@ -80,6 +80,6 @@ mod tests {
             "{}",
             any.type_url
         );
-        assert!(baton_tracer::cgroups::v2_path_of_pid(std::process::id()).is_some());
+        assert!(baton_cgroups::v2_path_of_pid(std::process::id()).is_some());
     }
 }

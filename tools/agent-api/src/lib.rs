@@ -21,3 +21,20 @@ pub fn default_socket() -> std::path::PathBuf {
         .filter(|v| !v.is_empty())
         .map_or_else(|| DEFAULT_SOCKET.into(), Into::into)
 }
+
+/// The device directory of a `trace_prefix`, what the probes follow opens in (`/dev/nvidia` -> `/dev/`).
+pub fn device_dir(trace_prefix: &str) -> &str {
+    trace_prefix
+        .rfind('/')
+        .map_or("/dev/", |i| &trace_prefix[..=i])
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_device_dir_is_the_prefix_up_to_its_last_slash() {
+        assert_eq!(super::device_dir("/dev/nvidia"), "/dev/");
+        assert_eq!(super::device_dir("/run/mock/dev/"), "/run/mock/dev/");
+        assert_eq!(super::device_dir("nvidia"), "/dev/");
+    }
+}

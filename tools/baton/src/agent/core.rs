@@ -146,7 +146,7 @@ impl Core {
 
     /// Loads the probes on first use.
     fn load_tracer(&mut self, trace_prefix: &str) -> Result<(), String> {
-        let dir = device_dir(trace_prefix).to_owned();
+        let dir = baton_agent_api::device_dir(trace_prefix).to_owned();
         if self.tracer.is_none() {
             let t = Tracer::start(TracerConfig {
                 prefixes: vec![dir.clone()],
@@ -275,11 +275,6 @@ async fn next_batch(tracer: Option<&mut Tracer>) -> Result<Vec<Record>, baton_tr
     }
 }
 
-/// The directory part of a `trace_prefix` (`/dev/nvidia` -> `/dev/`).
-pub fn device_dir(prefix: &str) -> &str {
-    prefix.rfind('/').map_or("/dev/", |i| &prefix[..=i])
-}
-
 /// Refuses a cgroup that is not the container's own: the root, or the registering process's (on a host
 /// where runc put the container in v1 cgroups only, its v2 path is its shim's), or one its init is not in.
 fn check_cgroup_is_its_own(reg: &Registration, owner: u32) -> Result<(), String> {
@@ -313,13 +308,6 @@ fn check_cgroup_is_its_own(reg: &Registration, owner: u32) -> Result<(), String>
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_device_dir_is_the_prefix_up_to_its_last_slash() {
-        assert_eq!(device_dir("/dev/nvidia"), "/dev/");
-        assert_eq!(device_dir("/run/mock/dev/"), "/run/mock/dev/");
-        assert_eq!(device_dir("nvidia"), "/dev/");
-    }
 
     fn reg(cgroup: &str, init_pid: u32) -> Registration {
         Registration {

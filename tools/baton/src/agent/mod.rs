@@ -19,8 +19,6 @@ use tokio::{
     sync::{broadcast, mpsc},
 };
 
-pub use self::core::device_dir;
-
 /// Arguments of `baton agent`.
 #[derive(clap::Args, Debug)]
 pub struct AgentArgs {

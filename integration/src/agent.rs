@@ -1,0 +1,280 @@
+//! What the agent tests drive: a `baton agent` run in the foreground, a plain blocking client of its socket
+//! (newline-delimited JSON, as any third-party client would speak it), `ctr events` read line by line, and
+//! the set-up of GPU containers (the mock driver's device files bind-mounted in, the mock CUDA workload
+//! copied into the rootfs).
+use std::{
+    io::{BufRead, BufReader, Write},
+    os::unix::net::UnixStream,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+use serde_json::{Value, json};
+
+use crate::{containerd::Containerd, trace_env::workspace_binary};
+
+/// A `baton agent` started by the test (in the foreground, as a DaemonSet runs it); killed on drop.
+pub struct AgentProcess {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl AgentProcess {
+    /// Starts `baton agent --socket SOCKET`, logging to `log`, and waits until it answers `ping`.
+    pub fn start(socket: &Path, log: &Path) -> anyhow::Result<Self> {
+        let baton = workspace_binary("baton", "baton")?;
+        let log_file = std::fs::File::create(log)?;
+        let child = Command::new(baton)
+            .args(["agent", "--socket"])
+            .arg(socket)
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone()?)
+            .stderr(log_file)
+            .spawn()?;
+        let agent = Self {
+            child,
+            socket: socket.to_owned(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(mut c) = AgentConn::connect(socket)
+                && c.call(json!({"op": "ping"})).is_ok()
+            {
+                return Ok(agent);
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "baton agent did not answer on {} within 20 s:\n{}",
+                socket.display(),
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The agent's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Its socket.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One connection to an agent.
+pub struct AgentConn {
+    write: UnixStream,
+    lines: mpsc::Receiver<String>,
+}
+
+impl AgentConn {
+    /// Connects to `socket`.
+    pub fn connect(socket: &Path) -> std::io::Result<Self> {
+        let write = UnixStream::connect(socket)?;
+        let read = write.try_clone()?;
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(read).lines() {
+                let Ok(line) = line else { return };
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Self { write, lines })
+    }
+
+    /// Sends `request` (the version is added) and returns the reply line; an error when `ok` is false.
+    pub fn call(&mut self, mut request: Value) -> anyhow::Result<Value> {
+        request["v"] = json!(1);
+        writeln!(self.write, "{request}")?;
+        let line = self
+            .lines
+            .recv_timeout(Duration::from_secs(20))
+            .map_err(|e| anyhow::anyhow!("no reply to {request}: {e}"))?;
+        let reply: Value = serde_json::from_str(&line)?;
+        anyhow::ensure!(
+            reply["ok"] == json!(true),
+            "agent refused {request}: {reply}"
+        );
+        Ok(reply)
+    }
+
+    /// Turns this connection into a watch of the events matching `filter` (`{"container": ID}` or `{}`).
+    pub fn watch(mut self, mut filter: Value) -> anyhow::Result<AgentWatch> {
+        filter["op"] = json!("watch");
+        self.call(filter)?;
+        Ok(AgentWatch { conn: self })
+    }
+}
+
+/// An event stream from the agent.
+pub struct AgentWatch {
+    conn: AgentConn,
+}
+
+impl AgentWatch {
+    /// The next event for which `pred` holds, skipping others; an error after `within`.
+    pub fn next_matching(
+        &mut self,
+        within: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> anyhow::Result<Value> {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line =
+                self.conn.lines.recv_timeout(left).map_err(|e| {
+                    anyhow::anyhow!("no matching agent event within {within:?}: {e}")
+                })?;
+            let v: Value = serde_json::from_str(&line)?;
+            if pred(&v["event"]) {
+                return Ok(v["event"].clone());
+            }
+        }
+    }
+
+    /// The next event of kind `kind` for container `id`.
+    pub fn next_of(&mut self, id: &str, kind: &str, within: Duration) -> anyhow::Result<Value> {
+        self.next_matching(within, |e| e["id"] == json!(id) && e["kind"] == json!(kind))
+    }
+
+    /// Every event that arrives within `within` (for asserting that something did not happen).
+    pub fn drain_for(&mut self, within: Duration) -> Vec<Value> {
+        let deadline = Instant::now() + within;
+        let mut out = Vec::new();
+        while let Ok(line) = self
+            .conn
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                out.push(v["event"].clone());
+            }
+        }
+        out
+    }
+}
+
+/// `ctr events` running against a containerd, its lines collected.
+pub struct CtrEvents {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl CtrEvents {
+    /// Starts `ctr events` (every namespace's events: ctr events does not filter by namespace).
+    pub fn start(containerd: &Containerd) -> anyhow::Result<Self> {
+        let mut child = containerd
+            .ctr_command()
+            .arg("events")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let out = child
+            .stdout
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { return };
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Self { child, lines })
+    }
+
+    /// The next line on `topic` that contains `needle`; an error after `within`.
+    pub fn wait_for(&self, topic: &str, needle: &str, within: Duration) -> anyhow::Result<String> {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = self
+                .lines
+                .recv_timeout(left)
+                .map_err(|e| anyhow::anyhow!("no {topic} event with {needle:?}: {e}"))?;
+            if line.contains(&format!(" {topic} ")) && line.contains(needle) {
+                return Ok(line);
+            }
+        }
+    }
+}
+
+impl Drop for CtrEvents {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Copies the mock CUDA workload and the shared libraries it links into `rootfs`; returns its path there.
+pub fn install_workload(rootfs: &Path) -> anyhow::Result<String> {
+    let bin = workspace_binary("baton-mock-nvidia", "baton-mock-cuda")?;
+    let ldd = Command::new("ldd").arg(&bin).output()?;
+    for lib in String::from_utf8_lossy(&ldd.stdout)
+        .split_whitespace()
+        .filter(|w| w.starts_with('/'))
+    {
+        let dst = rootfs.join(lib.trim_start_matches('/'));
+        if let Some(dir) = dst.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::copy(lib, &dst)?;
+    }
+    std::fs::copy(&bin, rootfs.join("bin/baton-mock-cuda"))?;
+    Ok("/bin/baton-mock-cuda".to_owned())
+}
+
+/// `ctr run` flags that bind-mount the mock driver's device files at /dev/nvidia*.
+pub fn device_mounts(mock_dir: &Path) -> Vec<String> {
+    ["nvidiactl", "nvidia0", "nvidia-uvm", "nvidia-uvm-tools"]
+        .iter()
+        .flat_map(|n| {
+            [
+                "--mount".to_owned(),
+                format!(
+                    "type=bind,src={}/{n},dst=/dev/{n},options=rbind:rw",
+                    mock_dir.display()
+                ),
+            ]
+        })
+        .collect()
+}
+
+/// The `status` of container `id` from the agent at `socket` (`None` when it is not watched).
+pub fn container_status(socket: &Path, id: &str) -> anyhow::Result<Option<Value>> {
+    let mut c = AgentConn::connect(socket)?;
+    let reply = c.call(json!({"op": "status", "container": id}))?;
+    Ok(reply["containers"]
+        .as_array()
+        .and_then(|a| a.first().cloned()))
+}
+
+/// Polls `cond` until it holds or `within` passes; returns whether it held.
+pub fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

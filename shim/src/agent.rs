@@ -1,0 +1,461 @@
+//! The shim's link to the node's `baton agent`, which owns the probes: the shim registers each container
+//! that sees NVIDIA device files (before its program runs), unregisters it at delete, and turns the
+//! agent's acquired/released events for its containers into containerd events (`/baton/gpu/acquired`,
+//! `/baton/gpu/released`) and log lines.
+//!
+//! Nothing here can fail or hold up a container for long: registration waits at most
+//! [`REGISTER_TIMEOUT`], and a shim that cannot reach the agent runs its containers as plain runc and says
+//! so once in its log. When the agent goes away (killed, restarted) the link reconnects with a growing
+//! delay (starting an agent when allowed) and registers its containers again; the agent rebuilds their
+//! fds and mappings from /proc.
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    sync::Mutex,
+    time::Duration,
+};
+
+use baton_agent_api::{
+    Client, ContainerRef, Endpoint, EventBody, Filter, Registration, Reply, Request, WatchSettings,
+};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::{events::Events, options::BatonSettings};
+
+/// How long Create waits for the agent (started if need be) to watch a container.
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long an unregister may take before the link goes on.
+const UNREGISTER_TIMEOUT: Duration = Duration::from_secs(2);
+/// The longest delay between two reconnection attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// What the service tells about a container.
+#[derive(Debug, Clone, Copy)]
+pub struct GpuContainer<'a> {
+    /// Container id.
+    pub id: &'a str,
+    /// containerd namespace.
+    pub namespace: &'a str,
+    /// Pid of the init process (host pid namespace).
+    pub init_pid: u32,
+    /// Baton settings after the TOML / pod / container layering.
+    pub settings: &'a BatonSettings,
+}
+
+enum LinkMsg {
+    Register {
+        registration: Registration,
+        endpoint: Endpoint,
+        done: Option<oneshot::Sender<Result<(), String>>>,
+    },
+    Unregister(ContainerRef),
+}
+
+/// The shim's side of the agent (one per shim, shared by its containers).
+pub struct GpuAgent {
+    events: Events,
+    link: Mutex<Option<mpsc::UnboundedSender<LinkMsg>>>,
+}
+
+impl GpuAgent {
+    /// A link that connects on the first GPU container; events go out through `events`.
+    pub fn new(events: Events) -> Self {
+        Self {
+            events,
+            link: Mutex::new(None),
+        }
+    }
+
+    /// runc created the container: have the agent watch it before its program runs. Never fails it.
+    pub async fn container_created(&self, c: &GpuContainer<'_>) {
+        let Some(registration) = registration_of(c) else {
+            return;
+        };
+        let (done, ack) = oneshot::channel();
+        self.send(LinkMsg::Register {
+            registration,
+            endpoint: endpoint_of(c.settings),
+            done: Some(done),
+        });
+        match tokio::time::timeout(REGISTER_TIMEOUT, ack).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => {
+                tracing::warn!(
+                    id = c.id,
+                    "gpu: the agent does not watch this container: {e}"
+                );
+            }
+            Ok(Err(_)) => {}
+            Err(_) => tracing::warn!(
+                id = c.id,
+                "gpu: the agent did not answer within {REGISTER_TIMEOUT:?}; the container starts without waiting"
+            ),
+        }
+    }
+
+    /// The container's init is running (the pid a restored container gets at Start). Never fails it.
+    pub fn container_started(&self, c: &GpuContainer<'_>) {
+        if let Some(registration) = registration_of(c) {
+            self.send(LinkMsg::Register {
+                registration,
+                endpoint: endpoint_of(c.settings),
+                done: None,
+            });
+        }
+    }
+
+    /// The container was deleted: the agent stops watching it.
+    pub fn container_deleted(&self, id: &str, namespace: &str) {
+        let guard = self.link.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(tx) = guard.as_ref() {
+            let _ = tx.send(LinkMsg::Unregister(ContainerRef {
+                id: id.to_owned(),
+                namespace: namespace.to_owned(),
+            }));
+        }
+    }
+
+    fn send(&self, msg: LinkMsg) {
+        let mut guard = self.link.lock().unwrap_or_else(|p| p.into_inner());
+        let tx = guard.get_or_insert_with(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            tokio::spawn(Link::new(self.events.clone()).run(rx));
+            tx
+        });
+        let _ = tx.send(msg);
+    }
+}
+
+/// What to register for `c`, or `None` when it is not to be watched (ebpf off, no NVIDIA devices, no pid).
+fn registration_of(c: &GpuContainer<'_>) -> Option<Registration> {
+    if c.init_pid == 0 {
+        return None;
+    }
+    if !c.settings.ebpf {
+        tracing::debug!(id = c.id, "gpu: not watched (ebpf = false)");
+        return None;
+    }
+    let dir = baton_agent_api::device_dir(&c.settings.trace_prefix);
+    let devices = nvidia_devices(c.init_pid, dir);
+    if devices.is_empty() {
+        tracing::debug!(id = c.id, "gpu: no NVIDIA device files in the container");
+        return None;
+    }
+    let Some(cgroup) = baton_cgroups::v2_path_of_pid(c.init_pid) else {
+        tracing::warn!(
+            id = c.id,
+            "gpu: not watched: the container has no cgroup v2 path, which attributes its calls"
+        );
+        return None;
+    };
+    Some(Registration {
+        container: ContainerRef {
+            id: c.id.to_owned(),
+            namespace: c.namespace.to_owned(),
+        },
+        cgroup,
+        init_pid: c.init_pid,
+        devices,
+        settings: WatchSettings {
+            trace_prefix: c.settings.trace_prefix.clone(),
+        },
+    })
+}
+
+/// Where the agent is for a container with `settings`, and whether this shim may start it.
+fn endpoint_of(settings: &BatonSettings) -> Endpoint {
+    Endpoint {
+        socket: settings
+            .agent_socket
+            .clone()
+            .unwrap_or_else(baton_agent_api::default_socket),
+        autostart: if settings.agent_autostart {
+            baton_binary()
+        } else {
+            None
+        },
+    }
+}
+
+/// The `baton` program that starts an agent: next to the shim's binary, else on PATH.
+fn baton_binary() -> Option<PathBuf> {
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|d| d.join("baton")))
+        .filter(|p| p.is_file());
+    beside.or_else(|| {
+        std::env::var_os("PATH").and_then(|path| {
+            std::env::split_paths(&path)
+                .map(|d| d.join("baton"))
+                .find(|p| p.is_file())
+        })
+    })
+}
+
+/// The NVIDIA device files in `dir` of the root of the container of `pid` (paths inside the container).
+fn nvidia_devices(pid: u32, dir: &str) -> Vec<String> {
+    let root = format!("/proc/{pid}/root{dir}");
+    let Ok(entries) = std::fs::read_dir(Path::new(&root)) else {
+        return Vec::new();
+    };
+    let mut found: Vec<String> = entries
+        .flatten()
+        .filter(|e| {
+            baton_nvidia::fdkind::classify_name(e.file_name().as_encoded_bytes())
+                .is_some_and(|(kind, _)| kind != baton_nvidia::fdkind::FdKind::Unknown)
+        })
+        .map(|e| format!("{dir}{}", e.file_name().to_string_lossy()))
+        .collect();
+    found.sort();
+    found
+}
+
+/// The task that talks to the agent: registrations, and the watch stream of this shim's containers.
+struct Link {
+    events: Events,
+    registered: BTreeMap<ContainerRef, Registration>,
+    endpoint: Option<Endpoint>,
+    control: Option<Client>,
+    watch: Option<Client>,
+    down_logged: bool,
+    backoff: Duration,
+}
+
+impl Link {
+    fn new(events: Events) -> Self {
+        Self {
+            events,
+            registered: BTreeMap::new(),
+            endpoint: None,
+            control: None,
+            watch: None,
+            down_logged: false,
+            backoff: Duration::from_millis(100),
+        }
+    }
+
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<LinkMsg>) {
+        loop {
+            let reconnect = self.control.is_none() && !self.registered.is_empty();
+            tokio::select! {
+                msg = rx.recv() => match msg {
+                    Some(m) => self.handle(m).await,
+                    None => return,
+                },
+                ev = next_event(self.watch.as_mut()) => match ev {
+                    Ok(e) => self.publish(e).await,
+                    Err(e) => self.lost(&e.to_string()),
+                },
+                () = tokio::time::sleep(self.backoff), if reconnect => self.reconnect().await,
+            }
+        }
+    }
+
+    async fn handle(&mut self, msg: LinkMsg) {
+        match msg {
+            LinkMsg::Register {
+                registration,
+                endpoint,
+                done,
+            } => {
+                self.endpoint.get_or_insert(endpoint);
+                let result = self.register(&registration).await;
+                self.registered
+                    .insert(registration.container.clone(), registration);
+                if let Some(done) = done {
+                    let _ = done.send(result);
+                }
+            }
+            LinkMsg::Unregister(c) => {
+                if self.registered.remove(&c).is_some()
+                    && let Some(client) = self.control.as_mut()
+                {
+                    let call = client.call(Request::Unregister(c.clone()));
+                    match tokio::time::timeout(UNREGISTER_TIMEOUT, call).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => self.lost(&e.to_string()),
+                        Err(_) => self.lost("unregister timed out"),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Registers one container, connecting (and starting the agent) first if need be.
+    async fn register(&mut self, reg: &Registration) -> Result<(), String> {
+        if self.control.is_none() {
+            self.connect().await?;
+        }
+        let Some(client) = self.control.as_mut() else {
+            return Err("not connected".to_owned());
+        };
+        match client.call(Request::Register(reg.clone())).await {
+            Ok(Reply::Registered { container }) => {
+                tracing::info!(
+                    id = reg.container.id,
+                    cgroup = container.cgroup,
+                    partial = container.partial,
+                    "gpu: the agent watches the container"
+                );
+                Ok(())
+            }
+            Ok(other) => Err(format!("unexpected reply {other:?}")),
+            Err(baton_agent_api::ClientError::Refused(e)) => Err(e),
+            Err(e) => {
+                let text = e.to_string();
+                self.lost(&text);
+                Err(text)
+            }
+        }
+    }
+
+    /// Opens the control and watch connections.
+    async fn connect(&mut self) -> Result<(), String> {
+        let Some(endpoint) = self.endpoint.clone() else {
+            return Err("no agent endpoint configured".to_owned());
+        };
+        let result = async {
+            let control = baton_agent_api::connect_or_start(&endpoint, REGISTER_TIMEOUT).await?;
+            let mut watch = Client::connect(control.path()).await?;
+            watch
+                .watch(Filter {
+                    mine: true,
+                    ..Default::default()
+                })
+                .await?;
+            Ok::<_, baton_agent_api::ClientError>((control, watch))
+        }
+        .await;
+        match result {
+            Ok((control, watch)) => {
+                if std::mem::take(&mut self.down_logged) {
+                    tracing::info!(
+                        "gpu: connected to the baton agent at {} again",
+                        endpoint.socket.display()
+                    );
+                }
+                self.control = Some(control);
+                self.watch = Some(watch);
+                self.backoff = Duration::from_millis(100);
+                Ok(())
+            }
+            Err(e) => {
+                let text = e.to_string();
+                self.log_down(&text);
+                Err(text)
+            }
+        }
+    }
+
+    /// The agent went away: drop the connections; the run loop reconnects while containers are registered.
+    fn lost(&mut self, why: &str) {
+        self.control = None;
+        self.watch = None;
+        self.log_down(why);
+    }
+
+    fn log_down(&mut self, why: &str) {
+        if !std::mem::replace(&mut self.down_logged, true) {
+            tracing::warn!(
+                "gpu: no baton agent ({why}); containers run as with plain runc until it is back"
+            );
+        }
+    }
+
+    async fn reconnect(&mut self) {
+        self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+        if self.connect().await.is_err() {
+            return;
+        }
+        let all: Vec<Registration> = self.registered.values().cloned().collect();
+        for reg in all {
+            if let Err(e) = self.register(&reg).await {
+                tracing::warn!(id = reg.container.id, "gpu: registering again failed: {e}");
+            }
+        }
+    }
+
+    async fn publish(&self, e: baton_agent_api::Event) {
+        let id = e.container.id.clone();
+        match e.body {
+            EventBody::Acquired(a) => {
+                tracing::info!(id, pid = a.pid, "gpu: container acquired the GPU");
+                let payload = serde_json::json!({
+                    "container_id": id,
+                    "namespace": e.container.namespace,
+                    "pid": a.pid,
+                    "t_acquired_ns": a.t_acquired_ns.to_string(),
+                });
+                self.events.gpu(GPU_ACQUIRED_TOPIC, &payload).await;
+            }
+            EventBody::Released(r) => {
+                tracing::info!(
+                    id,
+                    pids = ?r.pids,
+                    t_last_close_ns = r.t_last_close_ns,
+                    t_released_ns = r.t_released_ns,
+                    confirmed_by = r.confirmed_by,
+                    "gpu: container released the GPU"
+                );
+                let payload = serde_json::json!({
+                    "container_id": id,
+                    "namespace": e.container.namespace,
+                    "pids": r.pids,
+                    "t_last_close_ns": r.t_last_close_ns.to_string(),
+                    "t_released_ns": r.t_released_ns.to_string(),
+                    "confirmed_by": r.confirmed_by,
+                    "objects_freed": r.objects_freed,
+                    "bytes_freed": r.bytes_freed.to_string(),
+                    "nvml": r.nvml,
+                });
+                self.events.gpu(GPU_RELEASED_TOPIC, &payload).await;
+            }
+            EventBody::Unregistered {
+                live_objects,
+                vram_bytes,
+                peak_vram_bytes,
+            } => tracing::info!(
+                id,
+                live_objects,
+                vram_bytes,
+                peak_vram_bytes,
+                "gpu: the agent no longer watches the container"
+            ),
+            EventBody::Registered { .. } => {}
+        }
+    }
+}
+
+/// containerd topic of the acquired signal.
+pub const GPU_ACQUIRED_TOPIC: &str = "/baton/gpu/acquired";
+/// containerd topic of the released signal.
+pub const GPU_RELEASED_TOPIC: &str = "/baton/gpu/released";
+
+/// The next event on the watch connection, or never without one.
+async fn next_event(
+    watch: Option<&mut Client>,
+) -> Result<baton_agent_api::Event, baton_agent_api::ClientError> {
+    match watch {
+        Some(w) => w.next_event().await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_nvidia_device_files_are_listed() {
+        // A device directory of our own, so that the answer does not depend on the machine's /dev.
+        let dir = tempfile::tempdir().unwrap();
+        let d = format!("{}/", dir.path().display());
+        assert!(nvidia_devices(std::process::id(), &d).is_empty());
+        std::fs::write(dir.path().join("nvidiactl"), b"").unwrap();
+        std::fs::write(dir.path().join("null"), b"").unwrap();
+        assert_eq!(
+            nvidia_devices(std::process::id(), &d),
+            vec![format!("{d}nvidiactl")]
+        );
+    }
+}
