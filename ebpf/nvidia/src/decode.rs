@@ -229,8 +229,11 @@ pub struct Decoded {
 pub fn decode(call: &Call, layout: &Layout) -> Decoded {
     match call.fd_kind {
         FdKind::Uvm | FdKind::UvmTools => decode_uvm(call, layout),
-        FdKind::Ctl | FdKind::Device => decode_frontend(call, layout, true),
-        FdKind::Unknown if ioc::is_nvidia(call.cmd) => decode_frontend(call, layout, true),
+        // The frontend refuses (ENOTTY) any command whose `_IOC_TYPE` is not 'F': such a call did nothing.
+        FdKind::Ctl | FdKind::Device | FdKind::Unknown if ioc::is_nvidia(call.cmd) => {
+            decode_frontend(call, layout, true)
+        }
+        FdKind::Ctl | FdKind::Device => unknown(call.cmd, ioc::nr(call.cmd)),
         FdKind::Unknown if uvm::name(call.cmd).is_some() => decode_uvm(call, layout),
         FdKind::Unknown | FdKind::Modeset | FdKind::Caps => unknown(call.cmd, call.cmd),
     }

@@ -1,6 +1,7 @@
 //! Linux `_IOC` command-number encoding as used by the NVIDIA frontend (`/dev/nvidiactl`, `/dev/nvidiaN`).
 //!
-//! The driver only looks at `_IOC_NR` and `_IOC_SIZE`; type and direction bits are ignored by it.
+//! The driver refuses (ENOTTY) a command whose `_IOC_TYPE` is not `'F'`, then looks only at `_IOC_NR` and
+//! `_IOC_SIZE`; the direction bits are ignored by it.
 //! UVM commands (`/dev/nvidia-uvm`) are *not* encoded this way: see [`crate::uvm`].
 
 /// Ioctl type ("magic") of the NVIDIA frontend: `'F'` (0x46).

@@ -717,3 +717,24 @@ proptest! {
         }
     }
 }
+
+/// The driver answers ENOTTY to a command whose `_IOC_TYPE` is not `'F'` on nvidiactl/nvidiaN: such a call
+/// frees nothing, whatever its params say, so it must not decode as the escape its number matches.
+#[test]
+fn frontend_call_with_a_foreign_magic_is_unknown() {
+    let data = nvos00(DEVICE, status::NV_OK);
+    for kind in [FdKind::Ctl, FdKind::Device] {
+        let cmd = ioc::iowr(b'G', escape::RM_FREE, nvos00::SIZE);
+        let d = decode(
+            &Call {
+                fd_kind: kind,
+                cmd,
+                data: &data,
+                nested: &[],
+            },
+            &Layout::DEFAULT,
+        );
+        assert_eq!((&d.op, d.status), (&Op::Unknown, None), "{kind:?}: {d}");
+        assert!(d.escape.starts_with("UNKNOWN("), "{}", d.escape);
+    }
+}
