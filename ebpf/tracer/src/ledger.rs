@@ -44,19 +44,25 @@ pub struct ContainerLedger {
     pub uvm: UvmState,
     /// Whether objects may be missing because the container's processes allocated them before tracing started.
     pub partial: bool,
-    /// Bytes of live video memory (kept as objects come and go).
-    vram: u64,
+    /// Bytes of live video memory (kept as objects come and go). Sizes come from params the process wrote,
+    /// so the sum is kept wide enough never to overflow and reported saturated.
+    vram: u128,
     /// The highest `vram` seen.
-    peak_vram: u64,
+    peak_vram: u128,
 }
 
 /// Video-memory bytes an object holds.
-fn vram_of(o: &RmObject) -> u64 {
+fn vram_of(o: &RmObject) -> u128 {
     if class::is_video_memory(o.class) {
-        o.bytes
+        u128::from(o.bytes)
     } else {
         0
     }
+}
+
+/// A wide byte total as a u64, saturated.
+fn saturate(bytes: u128) -> u64 {
+    u64::try_from(bytes).unwrap_or(u64::MAX)
 }
 
 impl ContainerLedger {
@@ -193,12 +199,12 @@ impl ContainerLedger {
 
     /// Bytes held by live video-memory objects.
     pub fn vram_bytes(&self) -> u64 {
-        self.vram
+        saturate(self.vram)
     }
 
     /// The most video memory the container held at once while traced.
     pub fn peak_vram_bytes(&self) -> u64 {
-        self.peak_vram
+        saturate(self.peak_vram)
     }
 
     /// Bytes held by all live memory objects (video and system memory).
@@ -207,7 +213,7 @@ impl ContainerLedger {
             .values()
             .filter(|o| class::is_memory(o.class))
             .map(|o| o.bytes)
-            .sum()
+            .fold(0u64, u64::saturating_add)
     }
 
     /// Whether any RM object is live: the GPU still holds this container's state.
@@ -305,6 +311,22 @@ mod tests {
             Some(status::NV_OK),
         );
         assert!(!l.holds_gpu_objects());
+    }
+
+    /// Sizes come from params a process wrote: two huge ones must not overflow the totals.
+    #[test]
+    fn huge_sizes_saturate_instead_of_overflowing() {
+        let mut l = ContainerLedger::default();
+        let half = u64::MAX / 2 + 1;
+        alloc(&mut l, 0, 0, 1, NV01_ROOT, None);
+        alloc(&mut l, 1, 1, 2, NV01_MEMORY_LOCAL_USER, Some(half));
+        alloc(&mut l, 1, 1, 3, NV01_MEMORY_LOCAL_USER, Some(half));
+        assert_eq!(l.vram_bytes(), u64::MAX);
+        assert_eq!(l.memory_bytes(), u64::MAX);
+        l.free(1, 2);
+        l.free(1, 1);
+        assert_eq!(l.live_objects(), 0);
+        assert_eq!(l.vram_bytes(), 0, "no underflow on the way down either");
     }
 
     #[test]
