@@ -85,21 +85,28 @@ fn a_gpu_container_is_traced_from_its_first_call_and_its_release_is_noticed() {
     );
 
     // No agent ran: the shim started one (the `baton` beside it), detached, which watched the container.
-    let log = wait_for_log(&env, "gpu: the agent no longer watches the container");
+    let log = wait_for_log(&env, "gpu: container released the GPU");
     assert!(
         log.contains("gpu: the agent watches the container"),
         "{log}"
     );
     assert!(log.contains("gpu: container acquired the GPU"), "{log}");
-    assert!(log.contains("gpu: container released the GPU"), "{log}");
     assert!(
         env.containerd().agent_pid().is_some(),
         "the agent outlives the shim that started it"
     );
-    let deleted = log
-        .lines()
-        .find(|l| l.contains("gpu: the agent no longer watches the container"))
-        .unwrap();
+    let agent_log = env.containerd().agent_socket().with_file_name("agent.log");
+    let mut deleted = String::new();
+    let unwatched = baton_integration::agent::wait_until(Duration::from_secs(30), || {
+        let text = std::fs::read_to_string(&agent_log).unwrap_or_default();
+        deleted = text
+            .lines()
+            .find(|l| l.contains("agent: no longer watching container"))
+            .unwrap_or_default()
+            .to_owned();
+        !deleted.is_empty()
+    });
+    assert!(unwatched, "the agent's log {}", agent_log.display());
     assert!(deleted.contains("live_objects=0"), "{deleted}");
     assert!(
         deleted.contains(&format!("peak_vram_bytes={}", 640u64 << 20)),

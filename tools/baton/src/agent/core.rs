@@ -180,11 +180,21 @@ impl Core {
                 peak_vram_bytes: 0,
             },
         };
-        tracing::info!(
-            id = c.id,
-            namespace = c.namespace,
-            "agent: no longer watching container"
-        );
+        if let EventBody::Unregistered {
+            live_objects,
+            vram_bytes,
+            peak_vram_bytes,
+        } = &body
+        {
+            tracing::info!(
+                id = c.id,
+                namespace = c.namespace,
+                live_objects,
+                vram_bytes,
+                peak_vram_bytes,
+                "agent: no longer watching container"
+            );
+        }
         self.publish(c, w.owner, body);
         if self.watched.is_empty() && self.tracer.take().is_some() {
             tracing::info!("agent: probes detached (no watched container left)");

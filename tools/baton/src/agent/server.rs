@@ -140,9 +140,8 @@ async fn stream_events(
                 }
                 Err(broadcast::error::RecvError::Closed) => return Ok(()),
             },
-            line = lines.next_line() => match line? {
-                None => return Ok(()),
-                Some(_) => {}
+            line = lines.next_line() => if line?.is_none() {
+                return Ok(());
             },
         }
     }

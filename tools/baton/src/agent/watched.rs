@@ -62,9 +62,8 @@ impl Watched {
     /// Applies a batch of records; returns the transition it caused, if any.
     pub fn update(&mut self, tracer: &Tracer, records: &[Record]) -> Option<EventBody> {
         let mine = || records.iter().filter(|r| r.cgroup_id == self.cgroup_id);
-        if mine().next().is_none() {
-            return None;
-        }
+        // Records of other containers change nothing here.
+        mine().next()?;
         let holds = holds_files(tracer, self.cgroup_id);
         let was_held = self.gpu == GpuHold::Held;
         let transition = match (was_held, holds) {
