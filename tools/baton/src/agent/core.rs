@@ -288,6 +288,21 @@ async fn next_batch(tracer: Option<&mut Tracer>) -> Result<Vec<Record>, baton_tr
 /// Refuses a cgroup that is not the container's own: the root, or the registering process's (on a host
 /// where runc put the container in v1 cgroups only, its v2 path is its shim's), or one its init is not in.
 fn check_cgroup_is_its_own(reg: &Registration, owner: u32) -> Result<(), String> {
+    let v2 = baton_tracer::cgroups::v2_path_of_pid;
+    let init = if reg.init_pid == 0 {
+        None
+    } else {
+        v2(reg.init_pid)
+    };
+    check_cgroup_paths(reg, v2(owner).as_deref(), init.as_deref())
+}
+
+/// [`check_cgroup_is_its_own`] on paths already read: the registering process's and the init's cgroup.
+fn check_cgroup_paths(
+    reg: &Registration,
+    owner_cgroup: Option<&str>,
+    init_cgroup: Option<&str>,
+) -> Result<(), String> {
     let id = &reg.container.id;
     let path = reg.cgroup.trim_end_matches('/');
     if path.is_empty() {
@@ -296,15 +311,13 @@ fn check_cgroup_is_its_own(reg: &Registration, owner: u32) -> Result<(), String>
              the node shares (is runc putting containers into cgroup v2 here?)"
         ));
     }
-    let v2 = baton_tracer::cgroups::v2_path_of_pid;
-    if v2(owner).is_some_and(|p| p.trim_end_matches('/') == path) {
+    if owner_cgroup.is_some_and(|p| p.trim_end_matches('/') == path) {
         return Err(format!(
             "refusing to watch container {id}: its cgroup v2 path {path} is its shim's, so its calls \
              could not be told from the shim's (runc did not give it a cgroup v2 of its own)"
         ));
     }
-    if reg.init_pid != 0
-        && let Some(actual) = v2(reg.init_pid)
+    if let Some(actual) = init_cgroup
         && actual.trim_end_matches('/') != path
     {
         return Err(format!(
@@ -334,14 +347,13 @@ mod tests {
 
     #[test]
     fn the_root_and_the_shims_own_cgroup_are_refused() {
-        let me = std::process::id();
-        let mine = baton_tracer::cgroups::v2_path_of_pid(me).unwrap();
-        let e = check_cgroup_is_its_own(&reg("/", 0), 1).unwrap_err();
+        let e = check_cgroup_paths(&reg("/", 0), None, None).unwrap_err();
         assert!(e.contains("root"), "{e}");
-        let e = check_cgroup_is_its_own(&reg(&format!("{mine}/"), 0), me).unwrap_err();
+        let e = check_cgroup_paths(&reg("/pods/shim/", 0), Some("/pods/shim"), None).unwrap_err();
         assert!(e.contains("shim's"), "{e}");
-        let e = check_cgroup_is_its_own(&reg("/elsewhere", me), 1).unwrap_err();
+        let e = check_cgroup_paths(&reg("/elsewhere", 7), Some("/pods/shim"), Some("/pods/c1"))
+            .unwrap_err();
         assert!(e.contains("not /elsewhere"), "{e}");
-        check_cgroup_is_its_own(&reg("/elsewhere", 0), 1).unwrap();
+        check_cgroup_paths(&reg("/pods/c1", 7), Some("/pods/shim"), Some("/pods/c1")).unwrap();
     }
 }
