@@ -72,6 +72,21 @@ impl Drop for AgentProcess {
     }
 }
 
+/// The lines `source` yields, read by a thread of their own until it ends (so that callers can wait with a
+/// deadline).
+fn read_lines(source: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(source).lines() {
+            let Ok(line) = line else { return };
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    lines
+}
+
 /// One connection to an agent.
 pub struct AgentConn {
     write: UnixStream,
@@ -82,16 +97,7 @@ impl AgentConn {
     /// Connects to `socket`.
     pub fn connect(socket: &Path) -> std::io::Result<Self> {
         let write = UnixStream::connect(socket)?;
-        let read = write.try_clone()?;
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(read).lines() {
-                let Ok(line) = line else { return };
-                if tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
+        let lines = read_lines(write.try_clone()?);
         Ok(Self { write, lines })
     }
 
@@ -187,16 +193,10 @@ impl CtrEvents {
             .stdout
             .take()
             .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines() {
-                let Ok(line) = line else { return };
-                if tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        Ok(Self { child, lines })
+        Ok(Self {
+            child,
+            lines: read_lines(out),
+        })
     }
 
     /// The next line on `topic` that contains `needle`; an error after `within`.
