@@ -240,8 +240,17 @@ impl Core {
         let Some(tracer) = self.tracer.as_ref() else {
             return;
         };
+        // Only the containers this batch concerns are looked at: one pass over the records, not one per
+        // watched container.
+        let touched: std::collections::HashSet<u64> = records.iter().map(|r| r.cgroup_id).collect();
         let mut out = Vec::new();
-        for (c, w) in self.watched.iter_mut() {
+        for cgroup_id in touched {
+            let Some(c) = self.by_cgroup.get(&cgroup_id) else {
+                continue;
+            };
+            let Some(w) = self.watched.get_mut(c) else {
+                continue;
+            };
             if let Some(body) = w.update(tracer, records) {
                 out.push((c.clone(), w.owner, body));
             }
