@@ -37,6 +37,12 @@ pub mod maps {
     pub const CONFIG: &str = "CONFIG";
     /// Per-CPU counters, indexed by `Counter`.
     pub const COUNTERS: &str = "COUNTERS";
+    /// tid -> CLOCK_MONOTONIC ns: threads that removed NVIDIA state (close, dup over, munmap, exec, exit) and
+    /// whose return to user space or death (past the deferred final release) is still to be reported.
+    pub const AWAIT_CONFIRM: &str = "AWAIT_CONFIRM";
+    /// index 0 -> u32: non-zero while the consumer sleeps with no timer, so the next ioctl record must wake
+    /// it (the probe clears it); see the probes' wakeup policy.
+    pub const CONSUMER: &str = "CONSUMER";
 }
 
 /// Per-CPU counters kept by the probes.
@@ -49,10 +55,25 @@ pub enum Counter {
     ReadFailures = 1,
     /// Calls in flight whose slot another thread took over before their exit (their events are lost).
     PendingEvicted = 2,
+    /// Removals whose thread could not be put in `AWAIT_CONFIRM` (map full): user space confirms them from
+    /// /proc instead.
+    ConfirmMapFull = 3,
 }
 
 /// Number of `Counter` slots.
-pub const COUNTER_SLOTS: u32 = 3;
+pub const COUNTER_SLOTS: u32 = 4;
+
+/// Why a thread's removal of NVIDIA state is known to be complete (`aux` of a `Confirm` record).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConfirmReason {
+    /// The thread entered its next syscall: it returned to user space, so it ran its task work, where the
+    /// kernel runs the final release of the files it dropped.
+    Returned = 1,
+    /// The thread is dead (switched out for the last time): past `exit_task_work`, where an exiting thread
+    /// runs the release of its files.
+    Exited = 2,
+}
 
 /// What a record describes; the first field of every record.
 #[repr(u32)]
@@ -72,10 +93,18 @@ pub enum RecordKind {
     Munmap = 6,
     /// A process holding NVIDIA fds called exec (`FdRecord`).
     Exec = 7,
-    /// A process holding NVIDIA fds exited (`FdRecord`).
+    /// A thread of a process holding NVIDIA fds exited; `aux` is 1 when it was the last one, so the process
+    /// is gone (`FdRecord`).
     Exit = 8,
-    /// A process holding NVIDIA fds forked: `aux` is the child's pid (`FdRecord`).
+    /// A process holding NVIDIA fds forked a new process (threads are not reported): `aux` is the child's
+    /// pid (`FdRecord`).
     Fork = 9,
+    /// A thread that removed NVIDIA state is past the kernel's deferred release: `aux` is a
+    /// `ConfirmReason`, `addr` the time it was marked (`FdRecord`).
+    Confirm = 10,
+    /// A process holding NVIDIA fds closed the fds `addr..=len` with `close_range` (`FdRecord`, fd = -1,
+    /// `aux` the flags; never sent for `CLOSE_RANGE_CLOEXEC`, which closes nothing).
+    CloseRange = 11,
 }
 
 impl RecordKind {
@@ -91,6 +120,8 @@ impl RecordKind {
             7 => Self::Exec,
             8 => Self::Exit,
             9 => Self::Fork,
+            10 => Self::Confirm,
+            11 => Self::CloseRange,
             _ => return None,
         })
     }
@@ -163,7 +194,8 @@ pub struct FdRecord {
     pub hdr: Header,
     /// The fd concerned (-1 when none).
     pub fd: i32,
-    /// Kind-specific: old fd for `Dup`, child pid for `Fork`.
+    /// Kind-specific: old fd for `Dup`, child pid for `Fork`, 1 for an `Exit` of the whole process (0: one
+    /// thread of it), a `ConfirmReason` for `Confirm`.
     pub aux: i32,
     /// `FdKind` of the fd (Open, Dup).
     pub fd_kind: u8,
@@ -171,9 +203,9 @@ pub struct FdRecord {
     pub minor: u8,
     /// Explicit padding.
     pub _pad: [u8; 6],
-    /// Mapping address (Mmap, Munmap).
+    /// Mapping address (Mmap, Munmap); when the thread was marked (Confirm); first fd (CloseRange).
     pub addr: u64,
-    /// Mapping length (Mmap, Munmap); file offset is not needed.
+    /// Mapping length (Mmap, Munmap; file offset is not needed); last fd (CloseRange).
     pub len: u64,
     /// Device file name for `Open`, NUL padded.
     pub name: [u8; NAME_CAP],
@@ -234,9 +266,16 @@ pub struct Prefix {
 pub struct Config {
     /// Non-zero: every process is traced, whatever its cgroup.
     pub watch_all: u32,
-    /// Offset of `child_pid` in this kernel's `sched:sched_process_fork` record (read from tracefs by user
-    /// space: the layout changed across kernels).
-    pub fork_child_pid_offset: u32,
+    /// Offset of `pid` (the new task's) in this kernel's `task:task_newtask` record (read from tracefs by
+    /// user space: layouts change across kernels); 0 turns fork reporting off.
+    pub newtask_pid_offset: u32,
+    /// Offset of `clone_flags` (8 bytes) in `task:task_newtask`: `CLONE_THREAD` tells a thread from a child.
+    pub newtask_flags_offset: u32,
+    /// Offset of `group_dead` in `sched:sched_process_exit` (0: this kernel has none; the leader's exit is
+    /// then taken for the process's).
+    pub exit_group_dead_offset: u32,
+    /// Explicit padding.
+    pub _pad: u32,
 }
 
 #[cfg(feature = "user")]

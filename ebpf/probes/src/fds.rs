@@ -9,6 +9,7 @@ use baton_probe_common::{
 };
 
 use crate::{
+    confirm::await_confirm,
     maps::{
         self, NV_FDS, NV_PROCS, PATH_BUF, PREFIXES, Pending, Sys, forget_fd, put_pending,
         take_pending,
@@ -19,6 +20,13 @@ use crate::{
 /// fcntl commands that duplicate an fd.
 const F_DUPFD: u64 = 0;
 const F_DUPFD_CLOEXEC: u64 = 1030;
+
+/// The info of records that concern no one fd.
+pub const NO_INFO: FdInfo = FdInfo {
+    kind: 0,
+    minor: 0,
+    _pad: [0; 2],
+};
 
 /// Pending flag: a dup2/dup3 whose target was an NVIDIA fd that the call closes.
 const DUP_CLOSES_TARGET: u8 = 1;
@@ -168,6 +176,18 @@ pub fn sys_enter_openat(ctx: TracePointContext) -> u32 {
 }
 
 #[tracepoint]
+pub fn sys_enter_openat2(ctx: TracePointContext) -> u32 {
+    let _ = try_enter_open(arg(&ctx, 1));
+    0
+}
+
+#[tracepoint]
+pub fn sys_exit_openat2(ctx: TracePointContext) -> u32 {
+    let _ = try_exit_open(arg(&ctx, 0) as i64);
+    0
+}
+
+#[tracepoint]
 pub fn sys_enter_open(ctx: TracePointContext) -> u32 {
     let _ = try_enter_open(arg(&ctx, 0));
     0
@@ -205,10 +225,61 @@ pub fn sys_exit_open(ctx: TracePointContext) -> u32 {
 #[tracepoint]
 pub fn sys_enter_close(ctx: TracePointContext) -> u32 {
     let fd = arg(&ctx, 0);
-    let (tgid, _) = ids();
+    let (tgid, tid) = ids();
     if let Some(info) = nv_fd(tgid, fd) {
         forget_fd(tgid, fd as u32);
         emit_fd(RecordKind::Close, fd as i32, -1, info, 0, 0, &[0; NAME_CAP]);
+        put_pending(tid, pending(Sys::Close, fd as i32, info));
+    }
+    0
+}
+
+/// The close of an NVIDIA fd returned: its final release, if this was the last reference, runs as task work
+/// before the thread is back in user space (see `confirm.rs`).
+#[tracepoint]
+pub fn sys_exit_close(_ctx: TracePointContext) -> u32 {
+    if take_pending(ids().1, Sys::Close).is_some() {
+        await_confirm();
+    }
+    0
+}
+
+/// `close_range` flag that marks the fds close-on-exec instead of closing them.
+const CLOSE_RANGE_CLOEXEC: u64 = 1 << 2;
+
+/// A holder's `close_range(first, last, flags)`: the probes cannot walk a range of fds, so the record carries
+/// it and user space, which mirrors the holder's fds, drops the NVIDIA ones in it (from the kernel map too).
+#[tracepoint]
+pub fn sys_enter_close_range(ctx: TracePointContext) -> u32 {
+    let flags = arg(&ctx, 2);
+    let (tgid, tid) = ids();
+    // SAFETY: presence check only.
+    if flags & CLOSE_RANGE_CLOEXEC == 0 && unsafe { NV_PROCS.get(tgid).is_some() } {
+        let mut p = pending(Sys::CloseRange, -1, NO_INFO);
+        p.arg = arg(&ctx, 0);
+        p.len = arg(&ctx, 1);
+        p.cmd = flags as u32;
+        put_pending(tid, p);
+    }
+    0
+}
+
+#[tracepoint]
+pub fn sys_exit_close_range(ctx: TracePointContext) -> u32 {
+    let Some(p) = take_pending(ids().1, Sys::CloseRange) else {
+        return 0;
+    };
+    if (arg(&ctx, 0) as i64) == 0 {
+        emit_fd(
+            RecordKind::CloseRange,
+            -1,
+            p.cmd as i32,
+            NO_INFO,
+            p.arg,
+            p.len,
+            &[0; NAME_CAP],
+        );
+        await_confirm();
     }
     0
 }
@@ -246,6 +317,7 @@ fn try_exit_dup(ret: i64) -> Option<()> {
     if p.flags == DUP_CLOSES_TARGET {
         forget_fd(tgid, p.fd as u32);
         emit_fd(RecordKind::Close, p.fd, -1, info, 0, 0, &[0; NAME_CAP]);
+        await_confirm();
     } else {
         track(tgid, ret as u32, info);
         emit_fd(
@@ -344,23 +416,29 @@ pub fn sys_exit_mmap(ctx: TracePointContext) -> u32 {
 
 #[tracepoint]
 pub fn sys_enter_munmap(ctx: TracePointContext) -> u32 {
-    let (tgid, _) = ids();
+    let (tgid, tid) = ids();
     // SAFETY: presence check only.
     if unsafe { NV_PROCS.get(tgid).is_some() } {
-        let info = FdInfo {
-            kind: 0,
-            minor: 0,
-            _pad: [0; 2],
-        };
+        put_pending(tid, pending(Sys::Munmap, -1, NO_INFO));
         emit_fd(
             RecordKind::Munmap,
             -1,
             -1,
-            info,
+            NO_INFO,
             arg(&ctx, 0),
             arg(&ctx, 1),
             &[0; NAME_CAP],
         );
+    }
+    0
+}
+
+/// An munmap by a holder returned: the mapping's file reference, if it was the last, is dropped as task work
+/// before the thread is back in user space. User space only waits for it when the range held NVIDIA mappings.
+#[tracepoint]
+pub fn sys_exit_munmap(_ctx: TracePointContext) -> u32 {
+    if take_pending(ids().1, Sys::Munmap).is_some() {
+        await_confirm();
     }
     0
 }

@@ -11,7 +11,7 @@ use baton_nvidia::{class, escape, fdkind::FdKind, ioc, params, uvm};
 use baton_probe_common::{Counter, DATA_CAP, IoctlRecord, NAME_CAP, NESTED_CAP, RecordKind};
 
 use crate::{
-    maps::{EVENTS, Pending, Sys, nv_fd, put_pending, take_pending},
+    maps::{CONSUMER, EVENTS, Pending, Sys, nv_fd, put_pending, take_pending},
     util::{arg, count, header, ids, now_ns},
 };
 
@@ -51,11 +51,22 @@ pub fn sys_exit_ioctl(ctx: TracePointContext) -> u32 {
 }
 
 /// Ring-buffer submit flags for an ioctl record. Waking the consumer costs more than the rest of the probe
-/// (about 2 us a call, measured by `baton bench`), so ioctl records only wake it once a batch has
-/// piled up; the consumer also polls on a short timer for the rest (see `Tracer::next_events`). Fd lifecycle records always wake it:
-/// they carry the release signal.
+/// (about 2 us a call, measured by `baton bench`), so ioctl records wake it only when it sleeps with no timer
+/// (`CONSUMER` set: the first record after a quiet spell) and when a backlog has piled up. While records
+/// flow, the consumer drains on a short timer instead (see `Tracer::next_events`), and when a drain finds
+/// nothing it sets `CONSUMER` and stops its timer: an idle node has no periodic wakeups. Fd lifecycle and
+/// confirmation records always wake it: they carry the release signal.
 #[inline(always)]
 fn wakeup_flags() -> u64 {
+    if let Some(sleeping) = CONSUMER.get_ptr_mut(0) {
+        // SAFETY: a live array element; a racing write by another CPU at worst wakes the consumer twice.
+        unsafe {
+            if *sleeping != 0 {
+                *sleeping = 0;
+                return BPF_RB_FORCE_WAKEUP as u64;
+            }
+        }
+    }
     // Wake once as the backlog crosses the threshold, not for every record above it.
     let backlog = EVENTS.query(BPF_RB_AVAIL_DATA as u64);
     if backlog >= WAKEUP_BYTES && backlog < WAKEUP_BYTES + 4 * size_of::<IoctlRecord>() as u64 {

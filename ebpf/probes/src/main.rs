@@ -14,6 +14,8 @@
 )]
 
 #[cfg(target_arch = "bpf")]
+mod confirm;
+#[cfg(target_arch = "bpf")]
 mod fds;
 #[cfg(target_arch = "bpf")]
 mod ioctl;

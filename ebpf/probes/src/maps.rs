@@ -35,6 +35,16 @@ pub static PREFIXES: Array<Prefix> = Array::with_max_entries(PREFIX_SLOTS, 0);
 #[map(name = "CONFIG")]
 pub static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
+/// Threads that removed NVIDIA state and whose passage past the kernel's deferred release is still to be
+/// reported: tid -> CLOCK_MONOTONIC ns of the mark (see `confirm.rs`).
+#[map(name = "AWAIT_CONFIRM")]
+pub static AWAIT_CONFIRM: HashMap<u32, u64> = HashMap::with_max_entries(16384, 0);
+
+/// Index 0: non-zero while user space waits with no timer; the next ioctl record wakes it and clears this
+/// (`baton_probe_common::maps::CONSUMER`).
+#[map(name = "CONSUMER")]
+pub static CONSUMER: Array<u32> = Array::with_max_entries(1, 0);
+
 /// Drop and failure counters.
 #[map(name = "COUNTERS")]
 pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
@@ -84,6 +94,9 @@ pub enum Sys {
     Open = 2,
     Dup = 3,
     Mmap = 4,
+    Close = 5,
+    Munmap = 6,
+    CloseRange = 7,
 }
 
 /// What a thread's syscall enter left for its exit.
@@ -107,7 +120,11 @@ pub struct Pending {
 /// Slots for the syscalls in flight, indexed by `tid % PENDING_SLOTS` (a thread is in one syscall at a time).
 /// An array, not a hash map: its lookups are inlined by the verifier and need no locking or allocation,
 /// which matters because every ioctl on the node pays the exit-side lookup. Two threads whose tids share a
-/// slot and are inside traced calls at the same moment lose the older call (the slot records its tid).
+/// slot and are inside traced calls at the same moment collide: the later one takes the slot, the older
+/// call's record is lost, and the eviction is counted (`Counter::PendingEvicted`, shown in `baton status`).
+/// Two such threads on two CPUs may even write the slot at once; the owner tid is checked again at exit,
+/// which catches the collision in all but a torn write, whose record then decodes as garbage, never as an
+/// out-of-bounds access (the slot is plain data of fixed size).
 #[map(name = "PENDING")]
 pub static PENDING: Array<Pending> = Array::with_max_entries(PENDING_SLOTS, 0);
 
@@ -119,7 +136,9 @@ pub const PENDING_SLOTS: u32 = 65536;
 pub fn put_pending(tid: u32, mut p: Pending) {
     if let Some(slot) = PENDING.get_ptr_mut(tid % PENDING_SLOTS) {
         p.tid = tid;
-        // SAFETY: the slot belongs to this thread while it is inside the syscall (see PENDING).
+        // SAFETY: `slot` points at a live, fixed-size array element; another thread sharing the slot may write
+        // it concurrently (see PENDING), which can tear the plain-data contents but cannot make an access go
+        // out of bounds.
         unsafe {
             if (*slot).tid != 0 && (*slot).tid != tid {
                 crate::util::count(baton_probe_common::Counter::PendingEvicted);
@@ -133,7 +152,8 @@ pub fn put_pending(tid: u32, mut p: Pending) {
 #[inline(always)]
 pub fn take_pending(tid: u32, sys: Sys) -> Option<Pending> {
     let slot = PENDING.get_ptr_mut(tid % PENDING_SLOTS)?;
-    // SAFETY: as in `put_pending`; the entry is copied out and its owner cleared.
+    // SAFETY: as in `put_pending`; the entry is copied out and its owner cleared. A torn copy is possible
+    // only in the collision `PENDING` describes.
     unsafe {
         if (*slot).tid != tid || (*slot).sys != sys {
             return None;

@@ -5,8 +5,10 @@ use baton_nvidia::{
     layout::Layout,
 };
 use baton_probe_common::{
-    DATA_CAP, FdRecord, Header, IoctlRecord, NAME_CAP, NESTED_CAP, RecordKind,
+    ConfirmReason, DATA_CAP, FdRecord, Header, IoctlRecord, NAME_CAP, NESTED_CAP, RecordKind,
 };
+
+use crate::release::ConfirmKind;
 
 /// One thing a traced process did to the NVIDIA driver.
 #[derive(Clone, Debug)]
@@ -71,10 +73,33 @@ pub enum Body {
         /// Length.
         len: u64,
     },
+    /// A holder closed the fds `first..=last` with close_range (only the NVIDIA ones among them matter).
+    CloseRange {
+        /// First fd of the range.
+        first: u32,
+        /// Last fd of the range (inclusive).
+        last: u32,
+        /// close_range flags (`CLOSE_RANGE_UNSHARE`).
+        flags: u32,
+    },
     /// A holder called exec.
     Exec,
-    /// A holder exited.
+    /// A holder exited (its last thread did).
     Exit,
+    /// A thread of a holder exited, others remain.
+    ThreadExit,
+    /// The thread is past the kernel's deferred release of what it removed (see `crate::release`).
+    Confirm {
+        /// How that is known.
+        kind: crate::release::ConfirmKind,
+        /// When the thread was marked (its removal's syscall exit, exec or exit), CLOCK_MONOTONIC ns.
+        marked_ns: u64,
+    },
+    /// Records were lost (the ring buffer was full): the mirror was rebuilt from /proc (`cgroup_id` 0).
+    Resync {
+        /// Records lost since the last resync.
+        lost: u64,
+    },
     /// A holder forked.
     Fork {
         /// The child's pid.
@@ -207,8 +232,22 @@ fn fd_body(kind: RecordKind, rec: &FdRecord) -> Option<Body> {
             addr: rec.addr,
             len: rec.len,
         },
+        RecordKind::CloseRange => Body::CloseRange {
+            first: rec.addr.min(u64::from(u32::MAX)) as u32,
+            last: rec.len.min(u64::from(u32::MAX)) as u32,
+            flags: rec.aux as u32,
+        },
         RecordKind::Exec => Body::Exec,
-        RecordKind::Exit => Body::Exit,
+        RecordKind::Exit if rec.aux != 0 => Body::Exit,
+        RecordKind::Exit => Body::ThreadExit,
+        RecordKind::Confirm => Body::Confirm {
+            kind: if rec.aux == ConfirmReason::Exited as i32 {
+                ConfirmKind::Exited
+            } else {
+                ConfirmKind::Returned
+            },
+            marked_ns: rec.addr,
+        },
         RecordKind::Fork => Body::Fork {
             child: rec.aux as u32,
         },

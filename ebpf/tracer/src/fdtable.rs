@@ -66,6 +66,33 @@ impl FdTable {
         nv
     }
 
+    /// Forgets the fds `first..=last` (close_range); returns the NVIDIA ones among them.
+    pub fn remove_range(&mut self, tgid: u32, first: u32, last: u32) -> Vec<i32> {
+        let Some(p) = self.procs.get_mut(&tgid) else {
+            return Vec::new();
+        };
+        let closed: Vec<i32> = p
+            .fds
+            .keys()
+            .copied()
+            .filter(|fd| (first..=last).contains(&(*fd as u32)))
+            .collect();
+        for fd in &closed {
+            p.fds.remove(fd);
+        }
+        self.gc(tgid);
+        closed
+    }
+
+    /// Replaces what the mirror holds of `tgid` (a resync from /proc).
+    pub fn replace(&mut self, tgid: u32, state: ProcFds) {
+        if state.pins_driver() {
+            self.procs.insert(tgid, state);
+        } else {
+            self.procs.remove(&tgid);
+        }
+    }
+
     /// Records a mapping of an NVIDIA device file.
     pub fn add_map(&mut self, tgid: u32, cgroup_id: u64, addr: u64, len: u64) {
         let p = self.procs.entry(tgid).or_default();
@@ -185,5 +212,19 @@ mod tests {
         assert_eq!(t.remove_fd(2, 3), Some(CTL));
         assert!(t.get(2).is_none());
         assert!(t.exit(1).is_some());
+    }
+
+    #[test]
+    fn close_range_forgets_only_the_fds_in_its_range() {
+        let mut t = FdTable::default();
+        for fd in [3, 7, 9] {
+            t.add_fd(1, 9, fd, CTL);
+        }
+        let mut closed = t.remove_range(1, 4, 9);
+        closed.sort();
+        assert_eq!(closed, vec![7, 9]);
+        assert!(t.get(1).unwrap().fds.contains_key(&3));
+        assert_eq!(t.remove_range(1, 0, u32::MAX), vec![3]);
+        assert!(t.get(1).is_none());
     }
 }

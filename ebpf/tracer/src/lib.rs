@@ -5,14 +5,16 @@
 //! keeps, per container (cgroup v2 id), a [`ledger::ContainerLedger`] of live RM objects, GPU memory and UVM
 //! state, and a [`fdtable::FdTable`] of the NVIDIA fds and mappings of every traced process.
 //!
-//! `baton trace` and the shim use it; issue C's release signal reads the ledger.
+//! `baton trace` and `baton agent` use it; [`release`] confirms that the kernel has really released what a
+//! container dropped, which the agent's release signal rests on.
 pub use baton_cgroups as cgroups;
 pub mod event;
 pub mod fdtable;
 pub mod ledger;
 pub mod probes;
+pub mod release;
 pub mod schema;
 pub mod seed;
 mod tracer;
 
-pub use tracer::{GpuState, Tracer, TracerConfig, TracerError};
+pub use tracer::{GpuState, Tracer, TracerConfig, TracerError, now_monotonic_ns};

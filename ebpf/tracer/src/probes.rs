@@ -7,7 +7,7 @@ use std::{fs, path::Path};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
-    programs::TracePoint,
+    programs::{RawTracePoint, TracePoint},
 };
 use baton_probe_common::{
     COUNTER_SLOTS, Config, Counter, FdInfo, FdKey, PREFIX_CAP, PREFIX_SLOTS, Prefix, maps,
@@ -20,9 +20,14 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ba
 const TRACEPOINTS: &[(&str, &str, &str)] = &[
     ("sys_enter_openat", "syscalls", "sys_enter_openat"),
     ("sys_exit_openat", "syscalls", "sys_exit_openat"),
+    ("sys_enter_openat2", "syscalls", "sys_enter_openat2"),
+    ("sys_exit_openat2", "syscalls", "sys_exit_openat2"),
     ("sys_enter_open", "syscalls", "sys_enter_open"),
     ("sys_exit_open", "syscalls", "sys_exit_open"),
     ("sys_enter_close", "syscalls", "sys_enter_close"),
+    ("sys_exit_close", "syscalls", "sys_exit_close"),
+    ("sys_enter_close_range", "syscalls", "sys_enter_close_range"),
+    ("sys_exit_close_range", "syscalls", "sys_exit_close_range"),
     ("sys_enter_dup", "syscalls", "sys_enter_dup"),
     ("sys_exit_dup", "syscalls", "sys_exit_dup"),
     ("sys_enter_dup2", "syscalls", "sys_enter_dup2"),
@@ -34,9 +39,10 @@ const TRACEPOINTS: &[(&str, &str, &str)] = &[
     ("sys_enter_mmap", "syscalls", "sys_enter_mmap"),
     ("sys_exit_mmap", "syscalls", "sys_exit_mmap"),
     ("sys_enter_munmap", "syscalls", "sys_enter_munmap"),
+    ("sys_exit_munmap", "syscalls", "sys_exit_munmap"),
     ("sys_enter_ioctl", "syscalls", "sys_enter_ioctl"),
     ("sys_exit_ioctl", "syscalls", "sys_exit_ioctl"),
-    ("sched_process_fork", "sched", "sched_process_fork"),
+    ("task_newtask", "task", "task_newtask"),
     ("sched_process_exec", "sched", "sched_process_exec"),
     ("sched_process_exit", "sched", "sched_process_exit"),
 ];
@@ -108,6 +114,15 @@ pub struct Probes {
     pub nv_procs: HashMap<MapData, u32, u32>,
     /// Forked children whose inherited fds are not copied yet: child tgid -> parent tgid.
     pub forked: HashMap<MapData, u32, u32>,
+    /// Threads marked for a release confirmation: tid -> mark time.
+    pub await_confirm: HashMap<MapData, u32, u64>,
+    /// Whether the dead-thread confirmation (`sched:sched_switch`) is attached; without it exits are
+    /// confirmed from /proc only.
+    pub exit_confirm: bool,
+    /// Index 0 set while the consumer sleeps with no timer (see the ioctl probe's wakeup policy).
+    pub consumer: Array<MapData, u32>,
+    prefixes: Array<MapData, Prefix>,
+    prefix_list: Vec<String>,
     counters: PerCpuArray<MapData, u64>,
 }
 
@@ -136,20 +151,17 @@ impl Probes {
             .map_err(|e| ProbeError::Refused(error_chain(&e)))?;
         write_config(&mut ebpf, cfg)?;
         for &(prog, category, name) in TRACEPOINTS {
-            let p: &mut TracePoint = ebpf
-                .program_mut(prog)
-                .ok_or_else(|| {
-                    ProbeError::Refused(format!("program {prog} missing from the object"))
-                })?
-                .try_into()
-                .map_err(|e: aya::programs::ProgramError| ProbeError::Refused(e.to_string()))?;
-            p.load()
-                .map_err(|e| ProbeError::Refused(format!("loading {prog}: {}", error_chain(&e))))?;
-            p.attach(category, name).map_err(|e| ProbeError::Attach {
-                category,
-                name,
-                detail: error_chain(&e),
-            })?;
+            attach_tracepoint(&mut ebpf, prog, category, name)?;
+        }
+        attach_raw(&mut ebpf, "confirm_sys_enter", "sys_enter")?;
+        let exit_confirm = switch_format_matches();
+        if exit_confirm {
+            attach_tracepoint(&mut ebpf, "sched_switch", "sched", "sched_switch")?;
+        } else {
+            tracing::warn!(
+                "sched:sched_switch has no 8-byte prev_state at offset 32 on this kernel: exits are \
+                 confirmed from /proc only"
+            );
         }
         let mut take = |name: &'static str| ebpf.take_map(name).ok_or(ProbeError::MissingMap(name));
         let events = RingBuf::try_from(take(maps::EVENTS)?).map_err(map_err(maps::EVENTS))?;
@@ -157,6 +169,14 @@ impl Probes {
         let nv_fds = HashMap::try_from(take(maps::NV_FDS)?).map_err(map_err(maps::NV_FDS))?;
         let nv_procs = HashMap::try_from(take(maps::NV_PROCS)?).map_err(map_err(maps::NV_PROCS))?;
         let forked = HashMap::try_from(take(maps::FORKED)?).map_err(map_err(maps::FORKED))?;
+        let await_confirm =
+            HashMap::try_from(take(maps::AWAIT_CONFIRM)?).map_err(map_err(maps::AWAIT_CONFIRM))?;
+        let mut prefixes =
+            Array::try_from(take(maps::PREFIXES)?).map_err(map_err(maps::PREFIXES))?;
+        for (slot, p) in cfg.prefixes.iter().enumerate() {
+            write_prefix(&mut prefixes, slot, p)?;
+        }
+        let consumer = Array::try_from(take(maps::CONSUMER)?).map_err(map_err(maps::CONSUMER))?;
         let counters =
             PerCpuArray::try_from(take(maps::COUNTERS)?).map_err(map_err(maps::COUNTERS))?;
         Ok((
@@ -166,10 +186,34 @@ impl Probes {
                 nv_fds,
                 nv_procs,
                 forked,
+                await_confirm,
+                exit_confirm,
+                consumer,
+                prefixes,
+                prefix_list: cfg.prefixes.clone(),
                 counters,
             },
             events,
         ))
+    }
+
+    /// Also follows opens under `prefix` (a device directory such as `/dev/`); a no-op when it is followed
+    /// already. At most `PREFIX_SLOTS` prefixes.
+    pub fn add_prefix(&mut self, prefix: &str) -> Result<(), ProbeError> {
+        if self.prefix_list.iter().any(|p| p == prefix) {
+            return Ok(());
+        }
+        if self.prefix_list.len() >= PREFIX_SLOTS as usize {
+            return Err(ProbeError::TooManyPrefixes);
+        }
+        write_prefix(&mut self.prefixes, self.prefix_list.len(), prefix)?;
+        self.prefix_list.push(prefix.to_owned());
+        Ok(())
+    }
+
+    /// The device-directory prefixes followed.
+    pub fn prefixes(&self) -> &[String] {
+        &self.prefix_list
     }
 
     /// The sum over CPUs of a counter.
@@ -188,7 +232,10 @@ fn write_config(ebpf: &mut Ebpf, cfg: &ProbeConfig) -> Result<(), ProbeError> {
     }
     let config = Config {
         watch_all: u32::from(cfg.watch_all),
-        fork_child_pid_offset: fork_child_pid_offset(),
+        newtask_pid_offset: field_offset("task/task_newtask", " pid;"),
+        newtask_flags_offset: field_offset("task/task_newtask", " clone_flags;"),
+        exit_group_dead_offset: field_offset("sched/sched_process_exit", " group_dead;"),
+        _pad: 0,
     };
     let mut arr: Array<_, Config> = Array::try_from(
         ebpf.map_mut(maps::CONFIG)
@@ -196,28 +243,29 @@ fn write_config(ebpf: &mut Ebpf, cfg: &ProbeConfig) -> Result<(), ProbeError> {
     )
     .map_err(map_err(maps::CONFIG))?;
     arr.set(0, config, 0).map_err(map_err(maps::CONFIG))?;
-    let mut arr: Array<_, Prefix> = Array::try_from(
-        ebpf.map_mut(maps::PREFIXES)
-            .ok_or(ProbeError::MissingMap(maps::PREFIXES))?,
-    )
-    .map_err(map_err(maps::PREFIXES))?;
-    for (i, p) in cfg.prefixes.iter().enumerate() {
-        if p.len() > PREFIX_CAP {
-            return Err(ProbeError::PrefixTooLong(p.clone()));
-        }
-        let mut bytes = [0u8; PREFIX_CAP];
-        bytes[..p.len()].copy_from_slice(p.as_bytes());
-        arr.set(
-            i as u32,
-            Prefix {
-                len: p.len() as u32,
-                bytes,
-            },
-            0,
-        )
-        .map_err(map_err(maps::PREFIXES))?;
-    }
     Ok(())
+}
+
+/// Writes `prefix` into slot `slot` of `PREFIXES`.
+fn write_prefix(
+    arr: &mut Array<MapData, Prefix>,
+    slot: usize,
+    prefix: &str,
+) -> Result<(), ProbeError> {
+    if prefix.len() > PREFIX_CAP {
+        return Err(ProbeError::PrefixTooLong(prefix.to_owned()));
+    }
+    let mut bytes = [0u8; PREFIX_CAP];
+    bytes[..prefix.len()].copy_from_slice(prefix.as_bytes());
+    arr.set(
+        slot as u32,
+        Prefix {
+            len: prefix.len() as u32,
+            bytes,
+        },
+        0,
+    )
+    .map_err(map_err(maps::PREFIXES))
 }
 
 /// Mounts tracefs if it is not mounted: aya finds tracepoint ids there.
@@ -237,20 +285,67 @@ fn ensure_tracefs() -> Result<(), ProbeError> {
     .map_err(|e| ProbeError::NoTracefs(e.to_string()))
 }
 
-/// Offset of `child_pid` in this kernel's sched_process_fork record (it moved when the comm fields became
-/// `__data_loc` strings); 0 when it cannot be read, which turns fork reporting off.
-fn fork_child_pid_offset() -> u32 {
-    let Ok(format) =
-        fs::read_to_string(Path::new(TRACEFS).join("events/sched/sched_process_fork/format"))
-    else {
-        return 0;
+/// Offset of the field whose declaration ends with `field` (e.g. `" child_pid;"`) in this kernel's record of
+/// tracepoint `event` (`sched/sched_process_fork`): layouts change across kernels (the fork record's
+/// `child_pid` moved when its comm fields became `__data_loc` strings). 0 when it cannot be read, which the
+/// probes take as "not available".
+fn field_offset(event: &str, field: &str) -> u32 {
+    field_layout(event, field).map_or(0, |(offset, _)| offset)
+}
+
+/// (offset, size) of a field of a tracepoint record, from tracefs.
+fn field_layout(event: &str, field: &str) -> Option<(u32, u32)> {
+    let format =
+        fs::read_to_string(Path::new(TRACEFS).join("events").join(event).join("format")).ok()?;
+    let line = format.lines().find(|l| l.contains(field))?;
+    let get = |key: &str| -> Option<u32> {
+        line.split(';')
+            .find_map(|f| f.trim().strip_prefix(key))
+            .and_then(|o| o.parse().ok())
     };
-    format
-        .lines()
-        .find(|l| l.contains(" child_pid;"))
-        .and_then(|l| l.split(';').find_map(|f| f.trim().strip_prefix("offset:")))
-        .and_then(|o| o.parse().ok())
-        .unwrap_or(0)
+    Some((get("offset:")?, get("size:")?))
+}
+
+/// Whether `sched:sched_switch` has its `prev_state` where the probe reads it (8 bytes at offset 32).
+fn switch_format_matches() -> bool {
+    field_layout("sched/sched_switch", " prev_state;") == Some((32, 8))
+}
+
+fn attach_tracepoint(
+    ebpf: &mut Ebpf,
+    prog: &str,
+    category: &'static str,
+    name: &'static str,
+) -> Result<(), ProbeError> {
+    let p: &mut TracePoint = ebpf
+        .program_mut(prog)
+        .ok_or_else(|| ProbeError::Refused(format!("program {prog} missing from the object")))?
+        .try_into()
+        .map_err(|e: aya::programs::ProgramError| ProbeError::Refused(e.to_string()))?;
+    p.load()
+        .map_err(|e| ProbeError::Refused(format!("loading {prog}: {}", error_chain(&e))))?;
+    p.attach(category, name).map_err(|e| ProbeError::Attach {
+        category,
+        name,
+        detail: error_chain(&e),
+    })?;
+    Ok(())
+}
+
+fn attach_raw(ebpf: &mut Ebpf, prog: &str, name: &'static str) -> Result<(), ProbeError> {
+    let p: &mut RawTracePoint = ebpf
+        .program_mut(prog)
+        .ok_or_else(|| ProbeError::Refused(format!("program {prog} missing from the object")))?
+        .try_into()
+        .map_err(|e: aya::programs::ProgramError| ProbeError::Refused(e.to_string()))?;
+    p.load()
+        .map_err(|e| ProbeError::Refused(format!("loading {prog}: {}", error_chain(&e))))?;
+    p.attach(name).map_err(|e| ProbeError::Attach {
+        category: "raw_tracepoint",
+        name,
+        detail: error_chain(&e),
+    })?;
+    Ok(())
 }
 
 /// An error with its sources, one line (aya keeps the verifier log in the source chain).

@@ -157,8 +157,24 @@ impl<'a> TraceEvent<'a> {
                 t.addr = Some(*addr);
                 t.len = Some(*len);
             }
+            Body::CloseRange { first, last, .. } => {
+                t.event = "close_range";
+                t.fd = Some(*first as i32);
+                t.addr = Some(u64::from(*first));
+                t.len = Some(u64::from(*last));
+            }
             Body::Exec => t.event = "exec",
+            Body::Resync { lost } => {
+                t.event = "resync";
+                t.len = Some(*lost);
+            }
             Body::Exit => t.event = "exit",
+            Body::ThreadExit => t.event = "thread-exit",
+            Body::Confirm { kind, marked_ns } => {
+                t.event = "confirm";
+                t.name = Some(kind.label());
+                t.latency_ns = Some(e.ts_ns.saturating_sub(*marked_ns));
+            }
             Body::Fork { child } => {
                 t.event = "fork";
                 t.child = Some(*child);

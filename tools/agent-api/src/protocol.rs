@@ -161,6 +161,16 @@ pub struct NodeStatus {
     pub programs_attached: usize,
     /// Records the kernel dropped because the ring buffer was full.
     pub ringbuf_drops: u64,
+    /// Times the agent re-read every traced process from /proc because records were lost.
+    #[serde(default)]
+    pub resyncs: u64,
+    /// Driver calls whose record was lost because another thread's call took their in-flight slot.
+    #[serde(default)]
+    pub pending_evicted: u64,
+    /// Removals of NVIDIA files confirmed complete from /proc rather than by a probe (a thread with no
+    /// further syscall, a lost record).
+    #[serde(default)]
+    pub confirmed_by_proc: u64,
     /// The watched containers.
     pub containers: Vec<ContainerStatus>,
 }
@@ -197,6 +207,10 @@ pub struct ContainerStatus {
     pub nvidia_fds: usize,
     /// Mappings of NVIDIA device files across its processes.
     pub mappings: usize,
+    /// Threads whose removal of an NVIDIA file the kernel has not finished (the release is not confirmed
+    /// while this is not 0).
+    #[serde(default)]
+    pub unconfirmed: usize,
     /// Live RM objects in its ledger.
     pub live_objects: usize,
     /// Video memory its live objects hold, in bytes.

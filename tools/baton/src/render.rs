@@ -37,8 +37,22 @@ pub fn line(e: &Event, container: &str, t0_ns: u64) -> String {
         Body::Dup { fd, old_fd, .. } => format!("{head} dup({old_fd}) = {fd}"),
         Body::Mmap { fd, addr, len } => format!("{head} mmap(fd={fd}, len={len}) = 0x{addr:x}"),
         Body::Munmap { addr, len } => format!("{head} munmap(0x{addr:x}, {len})"),
+        Body::CloseRange { first, last, flags } => {
+            format!("{head} close_range({first}, {last}, 0x{flags:x})")
+        }
         Body::Exec => format!("{head} exec"),
+        Body::Resync { lost } => {
+            format!(
+                "{head} {lost} records lost (ring buffer full): fds and mappings re-read from /proc"
+            )
+        }
         Body::Exit => format!("{head} exit"),
+        Body::ThreadExit => format!("{head} thread exit"),
+        Body::Confirm { kind, marked_ns } => format!(
+            "{head} confirm({}) {} ns after the removal",
+            kind.label(),
+            e.ts_ns.saturating_sub(*marked_ns)
+        ),
         Body::Fork { child } => format!("{head} fork() = {child}"),
     }
 }

@@ -268,12 +268,7 @@ fn report_drops(tracer: &Tracer, before: u64) -> u64 {
     now
 }
 
-/// CLOCK_MONOTONIC now, ns: the clock the probes stamp events with.
-pub fn now_monotonic_ns() -> u64 {
-    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
-        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
-        .unwrap_or(0)
-}
+pub use baton_tracer::now_monotonic_ns;
 
 #[cfg(test)]
 mod tests {

@@ -8,7 +8,10 @@ use std::collections::{BTreeMap, HashMap};
 use baton_agent_api::{
     ContainerRef, ContainerStatus, Event, EventBody, Filter, NodeStatus, Pong, Registration, Reply,
 };
-use baton_tracer::{Tracer, TracerConfig, event::Event as Record};
+use baton_tracer::{
+    Tracer, TracerConfig,
+    event::{Body, Event as Record},
+};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 use super::watched::Watched;
@@ -144,17 +147,22 @@ impl Core {
         Ok(status)
     }
 
-    /// Loads the probes on first use.
+    /// Loads the probes on first use, and follows the device directory of the container's settings.
     fn load_tracer(&mut self, trace_prefix: &str) -> Result<(), String> {
         let dir = baton_agent_api::device_dir(trace_prefix).to_owned();
-        if self.tracer.is_none() {
-            let t = Tracer::start(TracerConfig {
-                prefixes: vec![dir.clone()],
-                ..Default::default()
-            })
-            .map_err(|e| format!("cannot load the probes: {e}"))?;
-            tracing::info!("agent: probes attached (device directory {dir})");
-            self.tracer = Some(t);
+        match self.tracer.as_mut() {
+            None => {
+                let t = Tracer::start(TracerConfig {
+                    prefixes: vec![dir.clone()],
+                    ..Default::default()
+                })
+                .map_err(|e| format!("cannot load the probes: {e}"))?;
+                tracing::info!("agent: probes attached (device directory {dir})");
+                self.tracer = Some(t);
+            }
+            Some(t) => t.add_prefix(&dir).map_err(|e| {
+                format!("cannot follow device directory {dir}: {e} (the probes follow at most 4)")
+            })?,
         }
         Ok(())
     }
@@ -217,6 +225,9 @@ impl Core {
             probes_attached: self.tracer.is_some(),
             programs_attached: self.tracer.as_ref().map_or(0, Tracer::programs_attached),
             ringbuf_drops: self.tracer.as_ref().map_or(0, Tracer::dropped),
+            resyncs: self.tracer.as_ref().map_or(0, Tracer::resyncs),
+            pending_evicted: self.tracer.as_ref().map_or(0, Tracer::pending_evicted),
+            confirmed_by_proc: self.tracer.as_ref().map_or(0, Tracer::confirmed_by_proc),
             containers,
         }
     }
@@ -235,14 +246,21 @@ impl Core {
         }
     }
 
-    /// Turns a batch of records into the containers' transitions.
+    /// Turns a batch of records into the containers' transitions. Only the containers the batch concerns are
+    /// looked at (one pass over the records, not one per watched container), all of them after a resync.
     fn apply(&mut self, records: &[Record]) {
         let Some(tracer) = self.tracer.as_ref() else {
             return;
         };
-        // Only the containers this batch concerns are looked at: one pass over the records, not one per
-        // watched container.
-        let touched: std::collections::HashSet<u64> = records.iter().map(|r| r.cgroup_id).collect();
+        let resynced = records
+            .iter()
+            .any(|r| matches!(r.body, Body::Resync { .. }));
+        let touched: Vec<u64> = if resynced {
+            self.by_cgroup.keys().copied().collect()
+        } else {
+            let set: std::collections::HashSet<u64> = records.iter().map(|r| r.cgroup_id).collect();
+            set.into_iter().collect()
+        };
         let mut out = Vec::new();
         for cgroup_id in touched {
             let Some(c) = self.by_cgroup.get(&cgroup_id) else {
@@ -251,7 +269,7 @@ impl Core {
             let Some(w) = self.watched.get_mut(c) else {
                 continue;
             };
-            if let Some(body) = w.update(tracer, records) {
+            for body in w.update(tracer, records) {
                 out.push((c.clone(), w.owner, body));
             }
         }

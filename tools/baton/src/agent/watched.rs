@@ -1,13 +1,14 @@
 //! One watched container in the agent: its registration, its GPU hold state and the transitions the
 //! probes' records cause (acquired: the first NVIDIA file opened while it held none; released: none of its
-//! processes holds an NVIDIA file or mapping any more).
+//! processes holds an NVIDIA file or mapping any more, and the kernel has run the release of each, see
+//! `baton_tracer::release`).
 use std::collections::BTreeSet;
 
 use baton_agent_api::{
     Acquired, ContainerStatus, EventBody, GpuHold, ProcessStatus, Registration, Released,
 };
 use baton_tracer::{
-    Tracer,
+    GpuState, Tracer,
     event::{Body, Event as Record},
 };
 
@@ -51,7 +52,7 @@ impl Watched {
             held_objects: 0,
             held_vram: 0,
         };
-        if holds_files(tracer, cgroup_id) {
+        if tracer.gpu_state(cgroup_id).pins_files() {
             w.gpu = GpuHold::Held;
             w.partial = true;
             w.note_holders(tracer);
@@ -59,55 +60,56 @@ impl Watched {
         w
     }
 
-    /// Applies a batch of records; returns the transition it caused, if any.
-    pub fn update(&mut self, tracer: &Tracer, records: &[Record]) -> Option<EventBody> {
+    /// Applies a batch of records (or a resync or /proc confirmation); returns the transitions it caused:
+    /// acquired, released, or both when a process opened and dropped its files within the batch.
+    pub fn update(&mut self, tracer: &Tracer, records: &[Record]) -> Vec<EventBody> {
         let mine = || records.iter().filter(|r| r.cgroup_id == self.cgroup_id);
-        // Records of other containers change nothing here.
-        mine().next()?;
-        let holds = holds_files(tracer, self.cgroup_id);
-        let was_held = self.gpu == GpuHold::Held;
-        let transition = match (was_held, holds) {
-            (false, true) => {
-                let open = mine().find(|r| matches!(r.body, Body::Open { .. }));
-                let (pid, t) = open.map_or((0, now_monotonic_ns()), |r| (r.pid, r.ts_ns));
-                self.holders.clear();
-                self.gpu = GpuHold::Held;
-                self.since_ns = t;
-                Some(EventBody::Acquired(Acquired {
-                    pid,
-                    t_acquired_ns: t,
-                }))
-            }
-            (true, false) => {
-                let last = mine().rev().find(|r| {
-                    matches!(
-                        r.body,
-                        Body::Close { .. } | Body::Munmap { .. } | Body::Exec | Body::Exit
-                    )
-                });
-                let t_last = last.map_or(now_monotonic_ns(), |r| r.ts_ns);
-                for r in mine() {
-                    self.holders.insert(r.pid);
-                }
-                self.gpu = GpuHold::Released;
-                self.since_ns = t_last;
-                let state = tracer.gpu_state(self.cgroup_id);
-                Some(EventBody::Released(Released {
-                    pids: self.holders.iter().copied().collect(),
-                    t_last_close_ns: t_last,
-                    t_released_ns: t_last,
-                    confirmed_by: "syscall_exit".to_owned(),
-                    objects_freed: self.held_objects.saturating_sub(state.live_objects),
-                    bytes_freed: self.held_vram.saturating_sub(state.vram_bytes),
-                    nvml: super::nvml::view(&self.holders),
-                }))
-            }
-            _ => None,
-        };
-        if holds {
-            self.note_holders(tracer);
+        let state = tracer.gpu_state(self.cgroup_id);
+        let has_files = state.open_fds > 0 || state.mappings > 0;
+        let opened = mine().find(|r| matches!(r.body, Body::Open { .. }));
+        let mut out = Vec::new();
+        if self.gpu != GpuHold::Held && (has_files || opened.is_some()) {
+            let (pid, t) = opened.map_or((0, now_monotonic_ns()), |r| (r.pid, r.ts_ns));
+            self.holders.clear();
+            self.gpu = GpuHold::Held;
+            self.since_ns = t;
+            out.push(EventBody::Acquired(Acquired {
+                pid,
+                t_acquired_ns: t,
+            }));
         }
-        transition
+        for r in mine().filter(|r| !matches!(r.body, Body::Confirm { .. })) {
+            self.holders.insert(r.pid);
+        }
+        if has_files {
+            self.note_holders(tracer);
+        } else if self.gpu == GpuHold::Held && !state.pins_files() {
+            out.push(EventBody::Released(self.released(tracer, &state)));
+        }
+        out
+    }
+
+    /// The container's files are gone and the kernel has released them: the `released` event.
+    fn released(&mut self, tracer: &Tracer, state: &GpuState) -> Released {
+        let now = now_monotonic_ns();
+        let (last_removal, confirmation) = tracer.release_times(self.cgroup_id);
+        let t_last = last_removal.unwrap_or(now);
+        let (t_released, confirmed_by) = match confirmation {
+            Some(c) if c.t_ns >= t_last => (c.t_ns, c.kind.label().to_owned()),
+            // Released without a removal awaiting confirmation (a resync found the files gone).
+            _ => (now, "resync".to_owned()),
+        };
+        self.gpu = GpuHold::Released;
+        self.since_ns = t_released;
+        Released {
+            pids: self.holders.iter().copied().collect(),
+            t_last_close_ns: t_last,
+            t_released_ns: t_released,
+            confirmed_by,
+            objects_freed: self.held_objects.saturating_sub(state.live_objects),
+            bytes_freed: self.held_vram.saturating_sub(state.vram_bytes),
+            nvml: super::nvml::view(&self.holders),
+        }
     }
 
     fn note_holders(&mut self, tracer: &Tracer) {
@@ -147,6 +149,7 @@ impl Watched {
             processes,
             nvidia_fds: state.open_fds,
             mappings: state.mappings,
+            unconfirmed: state.unconfirmed,
             live_objects: state.live_objects,
             vram_bytes: state.vram_bytes,
             peak_vram_bytes: ledger.map_or(0, |l| l.peak_vram_bytes()),
@@ -168,11 +171,4 @@ impl Watched {
                 .map_or(0, |l| l.peak_vram_bytes()),
         }
     }
-}
-
-/// Whether any process of the container holds an NVIDIA fd or mapping (kernel facts only: what a process
-/// writes into its call parameters cannot make it look released).
-fn holds_files(tracer: &Tracer, cgroup_id: u64) -> bool {
-    let s = tracer.gpu_state(cgroup_id);
-    s.open_fds > 0 || s.mappings > 0
 }

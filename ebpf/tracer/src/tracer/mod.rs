@@ -1,6 +1,12 @@
 //! The [`Tracer`]: probes, record stream, fd mirror, ledgers and the cgroup index, kept consistent.
+mod apply;
+mod resync;
+mod wait;
+
+pub use wait::now_monotonic_ns;
+
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     path::{Path, PathBuf},
 };
 
@@ -11,10 +17,10 @@ use tokio::io::unix::AsyncFd;
 
 use crate::{
     cgroups::{self, CgroupError, CgroupIndex},
-    event::{self, Body, Event},
     fdtable::{FdTable, NvFd},
     ledger::Ledger,
     probes::{ProbeConfig, ProbeError, Probes},
+    release::{Confirmation, Releases},
     seed::{self, Found},
 };
 
@@ -29,7 +35,8 @@ pub struct TracerConfig {
     pub cgroup_root: Option<PathBuf>,
     /// Driver version whose struct layouts decode the calls; the host's, else the default, when `None`.
     pub driver_version: Option<DriverVersion>,
-    /// How often the consumer looks for ioctl records that did not wake it (see the probes' wakeup policy).
+    /// How often the consumer drains ioctl records, which do not wake it each, while they flow; when a drain
+    /// finds none it sleeps with no timer until a record wakes it (see the probes' wakeup policy).
     pub poll_interval: std::time::Duration,
 }
 
@@ -80,12 +87,22 @@ pub struct GpuState {
     pub open_fds: usize,
     /// NVIDIA device mappings across the container's processes.
     pub mappings: usize,
+    /// Threads of the container whose removal of NVIDIA state the kernel has not finished (see
+    /// `crate::release`).
+    pub unconfirmed: usize,
 }
 
 impl GpuState {
     /// Whether anything of the container is still on, or pinned in, the driver.
     pub fn holds_gpu(&self) -> bool {
-        self.live_objects > 0 || self.open_fds > 0 || self.mappings > 0
+        self.live_objects > 0 || self.pins_files()
+    }
+
+    /// Whether a process of the container holds an NVIDIA file (fd or mapping), or the kernel has not
+    /// finished releasing one it dropped. Kernel facts only: nothing a process writes into its call
+    /// parameters changes it.
+    pub fn pins_files(&self) -> bool {
+        self.open_fds > 0 || self.mappings > 0 || self.unconfirmed > 0
     }
 }
 
@@ -97,10 +114,17 @@ pub struct Tracer {
     ledger: Ledger,
     cgroups: CgroupIndex,
     layout: Layout,
-    prefixes: Vec<String>,
     watch_all: bool,
     names: HashMap<u64, String>,
     poll_interval: std::time::Duration,
+    releases: Releases,
+    /// Whether the probes were told that this consumer sleeps with no timer (see `wait`).
+    consumer_sleeping: bool,
+    /// Watched cgroups (the kernel map's keys), for a resync.
+    watched: HashSet<u64>,
+    /// Ring-buffer drops already resynced.
+    drops_seen: u64,
+    resyncs: u64,
 }
 
 impl Tracer {
@@ -129,10 +153,14 @@ impl Tracer {
             ledger: Ledger::default(),
             cgroups: CgroupIndex::new(root),
             layout,
-            prefixes: cfg.prefixes,
             watch_all: cfg.watch_all,
             names: HashMap::new(),
             poll_interval: cfg.poll_interval,
+            releases: Releases::default(),
+            consumer_sleeping: false,
+            watched: HashSet::new(),
+            drops_seen: 0,
+            resyncs: 0,
         };
         if t.watch_all {
             for pid in seed::all_pids() {
@@ -162,33 +190,40 @@ impl Tracer {
                 pid: 0,
                 detail: e.to_string(),
             })?;
+        self.watched.insert(id);
+        for pid in self.cgroup_pids(id) {
+            self.seed_pid(pid)?;
+        }
+        Ok(())
+    }
+
+    /// The processes of watched cgroup `id` now.
+    fn cgroup_pids(&mut self, id: u64) -> Vec<i32> {
         let Some(path) = self.cgroups.path_of(id).map(str::to_owned) else {
-            return Ok(());
+            return Vec::new();
         };
         let procs = self
             .cgroups
             .root()
             .join(path.trim_start_matches('/'))
             .join("cgroup.procs");
-        let pids: Vec<i32> = std::fs::read_to_string(procs)
+        std::fs::read_to_string(procs)
             .unwrap_or_default()
             .lines()
             .filter_map(|l| l.trim().parse().ok())
-            .collect();
-        for pid in pids {
-            self.seed_pid(pid)?;
-        }
-        Ok(())
+            .collect()
     }
 
     /// Stops tracing cgroup `id` (fds already followed stay followed until closed).
     pub fn unwatch_cgroup(&mut self, id: u64) {
         let _ = self.probes.watched.remove(&id);
+        self.watched.remove(&id);
+        self.releases.forget_cgroup(id);
     }
 
     /// Seeds one process's fds and mappings from /proc into the kernel map and the mirror.
     fn seed_pid(&mut self, pid: i32) -> Result<(), TracerError> {
-        let found = seed::scan_process(pid, &self.prefixes);
+        let found = seed::scan_process(pid, self.probes.prefixes());
         if found.is_empty() {
             return Ok(());
         }
@@ -241,200 +276,6 @@ impl Tracer {
         });
     }
 
-    /// Waits for records and returns the next batch of events, applied to the mirror and the ledgers.
-    /// Records that do not parse are counted in [`Tracer::unparsed`] and skipped.
-    pub async fn next_events(&mut self) -> Result<Vec<Event>, TracerError> {
-        loop {
-            // The probes wake us for fd lifecycle records and once ioctl records pile up; the timer picks up
-            // the rest, so an ioctl waits at most about one poll interval.
-            let mut guard =
-                match tokio::time::timeout(self.poll_interval, self.ring.readable_mut()).await {
-                    Ok(ready) => ready.map_err(TracerError::Poll)?,
-                    Err(_) => {
-                        let batch = self.drain_now()?;
-                        if batch.is_empty() {
-                            continue;
-                        }
-                        return Ok(batch);
-                    }
-                };
-            let mut out = Vec::new();
-            {
-                let ring = guard.get_inner_mut();
-                while let Some(item) = ring.next() {
-                    match event::parse(&item, &self.layout) {
-                        Ok(e) => out.push(e),
-                        Err(e) => tracing::debug!("skipping record: {e}"),
-                    }
-                    if out.len() >= 4096 {
-                        break;
-                    }
-                }
-            }
-            if out.is_empty() {
-                guard.clear_ready();
-                continue;
-            }
-            return self.apply_all(out);
-        }
-    }
-
-    /// Non-blocking: every event already in the ring buffer.
-    pub fn drain_now(&mut self) -> Result<Vec<Event>, TracerError> {
-        let mut out = Vec::new();
-        {
-            let ring = self.ring.get_mut();
-            while let Some(item) = ring.next() {
-                if let Ok(e) = event::parse(&item, &self.layout) {
-                    out.push(e);
-                }
-            }
-        }
-        self.apply_all(out)
-    }
-
-    fn apply_all(&mut self, events: Vec<Event>) -> Result<Vec<Event>, TracerError> {
-        let mut kept = Vec::with_capacity(events.len());
-        for e in events {
-            if self.apply(&e)? {
-                kept.push(e);
-            }
-        }
-        Ok(kept)
-    }
-
-    /// Applies one event to the mirror, the kernel maps and the ledgers. Returns false for events that turn
-    /// out not to concern NVIDIA state (an munmap of an ordinary mapping by a holder), which callers drop.
-    fn apply(&mut self, e: &Event) -> Result<bool, TracerError> {
-        let (pid, cg) = (e.pid, e.cgroup_id);
-        match &e.body {
-            Body::Ioctl(io) => {
-                if io.ret == 0 {
-                    self.ledger
-                        .container_mut(cg)
-                        .apply(pid, &io.decoded.op, io.decoded.status);
-                }
-            }
-            Body::Open {
-                fd, kind, minor, ..
-            }
-            | Body::Dup {
-                fd, kind, minor, ..
-            } => {
-                self.fds.add_fd(
-                    pid,
-                    cg,
-                    *fd,
-                    NvFd {
-                        kind: *kind,
-                        minor: *minor,
-                    },
-                );
-            }
-            Body::Close { fd } => {
-                self.fds.remove_fd(pid, *fd);
-                self.release_if_unpinned(pid, cg);
-            }
-            Body::Mmap { addr, len, .. } => self.fds.add_map(pid, cg, *addr, *len),
-            Body::Munmap { addr, len } => {
-                if self.fds.unmap(pid, *addr, *len) == 0 {
-                    return Ok(false);
-                }
-                self.release_if_unpinned(pid, cg);
-            }
-            Body::Fork { child } => self.fork(pid, *child)?,
-            Body::Exec => {
-                let still_open = |fd: i32| {
-                    std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
-                        .is_ok_and(|p| seed::classify_path(&p, &self.prefixes).is_some())
-                };
-                let closed = self.fds.exec(pid, &still_open);
-                for fd in closed {
-                    self.kernel_forget(pid, fd);
-                }
-                self.release_if_unpinned(pid, cg);
-            }
-            Body::Exit => {
-                if let Some(p) = self.fds.exit(pid) {
-                    for fd in p.fds.keys() {
-                        self.kernel_forget(pid, *fd);
-                    }
-                }
-                self.ledger.container_mut(cg).release_process(pid);
-            }
-        }
-        Ok(true)
-    }
-
-    /// A holder forked: unless the child is a thread, it inherits the fds, copied into the kernel map here.
-    ///
-    /// The child may already have run: the fork probe put it in `FORKED`, so until the copy its lookups fell
-    /// back to the parent's entries, and an inherited fd it closed meanwhile left a `FdInfo::CLOSED` entry.
-    /// The copy does not overwrite entries the child made itself (BPF_NOEXIST); then `FORKED` is dropped and
-    /// the `CLOSED` entries, which only mattered during the copy, are removed.
-    fn fork(&mut self, parent: u32, child: u32) -> Result<(), TracerError> {
-        if seed::tgid_of(child).is_some_and(|t| t != child) {
-            // A new thread: the fork probe's entries for its tid are of no use.
-            let _ = self.probes.forked.remove(&child);
-            let _ = self.probes.nv_procs.remove(&child);
-            return Ok(());
-        }
-        let inherited = self.fds.fork(parent, child);
-        for (fd, nv) in &inherited {
-            self.kernel_inherit(child, *fd, *nv)?;
-        }
-        let _ = self.probes.forked.remove(&child);
-        for (fd, _) in &inherited {
-            let key = FdKey {
-                tgid: child,
-                fd: *fd as u32,
-            };
-            if self.probes.nv_fds.get(&key, 0).is_ok_and(|i| i.is_closed()) {
-                let _ = self.probes.nv_fds.remove(&key);
-            }
-        }
-        if self.fds.get(child).is_none() {
-            let _ = self.probes.nv_procs.remove(&child);
-        }
-        Ok(())
-    }
-
-    /// Copies an inherited fd into the kernel map unless the child already has an entry for that fd.
-    fn kernel_inherit(&mut self, child: u32, fd: i32, nv: NvFd) -> Result<(), TracerError> {
-        const BPF_NOEXIST: u64 = 1;
-        let key = FdKey {
-            tgid: child,
-            fd: fd as u32,
-        };
-        let info = FdInfo {
-            kind: nv.kind as u8,
-            minor: nv.minor,
-            _pad: [0; 2],
-        };
-        match self.probes.nv_fds.insert(key, info, BPF_NOEXIST) {
-            Ok(()) => Ok(()),
-            Err(aya::maps::MapError::SyscallError(e))
-                if e.io_error.raw_os_error() == Some(nix::errno::Errno::EEXIST as i32) =>
-            {
-                Ok(())
-            }
-            Err(e) => Err(TracerError::MapUpdate {
-                map: "NV_FDS",
-                pid: child,
-                detail: e.to_string(),
-            }),
-        }
-    }
-
-    /// A process that pins no NVIDIA file any more has had all its driver state released; the probes stop
-    /// reporting its munmaps, forks and exit.
-    fn release_if_unpinned(&mut self, pid: u32, cg: u64) {
-        if self.fds.get(pid).is_none() {
-            self.ledger.container_mut(cg).release_process(pid);
-            let _ = self.probes.nv_procs.remove(&pid);
-        }
-    }
-
     /// The ledgers.
     pub fn ledger(&self) -> &Ledger {
         &self.ledger
@@ -458,7 +299,42 @@ impl Tracer {
             vram_bytes: l.map_or(0, |l| l.vram_bytes()),
             open_fds,
             mappings,
+            unconfirmed: self.releases.unconfirmed(cgroup_id),
         }
+    }
+
+    /// When container `cgroup_id` last removed NVIDIA state (the record's time), and the confirmation that
+    /// last completed one of its removals.
+    pub fn release_times(&self, cgroup_id: u64) -> (Option<u64>, Option<Confirmation>) {
+        (
+            self.releases.last_removal_ns(cgroup_id),
+            self.releases.last_confirmation(cgroup_id),
+        )
+    }
+
+    /// Calls lost because another thread took their `PENDING` slot (see the probes' maps).
+    pub fn pending_evicted(&self) -> u64 {
+        self.probes.counter(Counter::PendingEvicted)
+    }
+
+    /// Removals the probes could not mark for confirmation (their map was full; /proc confirmed them).
+    pub fn confirm_map_full(&self) -> u64 {
+        self.probes.counter(Counter::ConfirmMapFull)
+    }
+
+    /// Removals confirmed from /proc rather than by a probe.
+    pub fn confirmed_by_proc(&self) -> u64 {
+        self.releases.confirmed_by_proc()
+    }
+
+    /// Times the mirror was rebuilt from /proc after records were lost.
+    pub fn resyncs(&self) -> u64 {
+        self.resyncs
+    }
+
+    /// Also follows opens of NVIDIA device files under `prefix` (a device directory such as `/dev/`).
+    pub fn add_prefix(&mut self, prefix: &str) -> Result<(), TracerError> {
+        Ok(self.probes.add_prefix(prefix)?)
     }
 
     /// eBPF programs attached by this tracer.

@@ -1,0 +1,299 @@
+//! Confirming that what a process removed from the driver has really been released by the kernel.
+//!
+//! A close, a close_range, a dup2/dup3 over an NVIDIA fd, an munmap, an exec and a thread's exit are seen at
+//! their syscall (or tracepoint), before the kernel runs the driver's release of the file: the last `fput`
+//! defers it to task work, which runs before the thread returns to user space, and an exiting thread drops
+//! its files after `sched_process_exit`. So each such removal leaves its thread *awaiting* here until one of:
+//! - a `Confirm` record: the probes saw the thread enter its next syscall (it returned to user space, past
+//!   its task work) or switch out dead (past `exit_task_work`);
+//! - /proc shows the same (the fallback for a thread that never makes another syscall, or whose record was
+//!   lost): the thread is gone or a zombie, it is not inside a syscall, or it ran in user space since.
+//!
+//! A container is released when its processes hold no NVIDIA fd or mapping *and* none of its threads awaits.
+use std::collections::HashMap;
+
+/// How a removal was confirmed complete.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConfirmKind {
+    /// The thread entered its next syscall (a probe saw it).
+    Returned,
+    /// The thread switched out dead (a probe saw it).
+    Exited,
+    /// /proc showed the thread gone, dead, out of its syscall, or running in user space.
+    Proc,
+}
+
+impl ConfirmKind {
+    /// The name used in events and traces.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Returned => "syscall_return",
+            Self::Exited => "thread_dead",
+            Self::Proc => "proc",
+        }
+    }
+}
+
+/// The confirmation that completed a container's release.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Confirmation {
+    /// When it was seen, CLOCK_MONOTONIC ns.
+    pub t_ns: u64,
+    /// How.
+    pub kind: ConfirmKind,
+}
+
+/// First /proc check of an awaiting thread, after its removal; doubled at each check up to the cap.
+const FIRST_CHECK_NS: u64 = 2_000_000;
+const MAX_CHECK_NS: u64 = 100_000_000;
+
+#[derive(Clone, Debug)]
+struct Awaiting {
+    pid: u32,
+    cgroup_id: u64,
+    marked_ns: u64,
+    /// The thread is exiting: only its death confirms it.
+    exiting: bool,
+    next_check_ns: u64,
+    step_ns: u64,
+    /// User time of the thread at the first /proc check.
+    utime: Option<u64>,
+}
+
+/// Threads whose removals await confirmation, and each container's last removal and confirmation.
+#[derive(Debug, Default)]
+pub struct Releases {
+    awaiting: HashMap<u32, Awaiting>,
+    last_removal: HashMap<u64, u64>,
+    last_confirm: HashMap<u64, Confirmation>,
+    confirmed_by_proc: u64,
+}
+
+impl Releases {
+    /// Thread `tid` of `pid` in cgroup `cgroup_id` removed NVIDIA state at `ts_ns`.
+    pub fn removed(&mut self, tid: u32, pid: u32, cgroup_id: u64, ts_ns: u64, exiting: bool) {
+        self.last_removal.insert(cgroup_id, ts_ns);
+        let a = self.awaiting.entry(tid).or_insert(Awaiting {
+            pid,
+            cgroup_id,
+            marked_ns: ts_ns,
+            exiting,
+            next_check_ns: ts_ns + FIRST_CHECK_NS,
+            step_ns: FIRST_CHECK_NS,
+            utime: None,
+        });
+        a.exiting |= exiting;
+    }
+
+    /// The threads of exiting process `pid` that /proc still lists alive await their death too: the one
+    /// that drops the last reference to the fd table runs the files' releases, and it may not have reached
+    /// its own exit tracepoint yet.
+    pub fn process_exiting(&mut self, pid: u32, cgroup_id: u64, ts_ns: u64) {
+        let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return;
+        };
+        for tid in dir
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        {
+            if !matches!(
+                thread_state(pid, tid),
+                ThreadState::Gone | ThreadState::Dead
+            ) {
+                self.removed(tid, pid, cgroup_id, ts_ns, true);
+            }
+        }
+    }
+
+    /// A confirmation for `tid` (from a probe, or from [`Releases::check_proc`]); returns the (pid, cgroup)
+    /// it completed, if the thread awaited one.
+    pub fn confirmed(&mut self, tid: u32, kind: ConfirmKind, ts_ns: u64) -> Option<(u32, u64)> {
+        let a = self.awaiting.get(&tid)?;
+        if a.exiting && kind == ConfirmKind::Returned {
+            // Back from the exit_group syscall's entry: not yet past its exit.
+            return None;
+        }
+        let a = self.awaiting.remove(&tid)?;
+        if kind == ConfirmKind::Proc {
+            self.confirmed_by_proc += 1;
+        }
+        self.last_confirm
+            .insert(a.cgroup_id, Confirmation { t_ns: ts_ns, kind });
+        Some((a.pid, a.cgroup_id))
+    }
+
+    /// Threads of container `cgroup_id` whose removals are not confirmed yet.
+    pub fn unconfirmed(&self, cgroup_id: u64) -> usize {
+        self.awaiting
+            .values()
+            .filter(|a| a.cgroup_id == cgroup_id)
+            .count()
+    }
+
+    /// Whether a thread of `pid` still awaits.
+    pub fn pid_awaits(&self, pid: u32) -> bool {
+        self.awaiting.values().any(|a| a.pid == pid)
+    }
+
+    /// When container `cgroup_id` last removed NVIDIA state (record time).
+    pub fn last_removal_ns(&self, cgroup_id: u64) -> Option<u64> {
+        self.last_removal.get(&cgroup_id).copied()
+    }
+
+    /// The last confirmation of container `cgroup_id`.
+    pub fn last_confirmation(&self, cgroup_id: u64) -> Option<Confirmation> {
+        self.last_confirm.get(&cgroup_id).copied()
+    }
+
+    /// Removals confirmed by /proc rather than by a probe (lost records, threads with no next syscall).
+    pub fn confirmed_by_proc(&self) -> u64 {
+        self.confirmed_by_proc
+    }
+
+    /// When the next /proc check is due, if any thread awaits.
+    pub fn next_check_ns(&self) -> Option<u64> {
+        self.awaiting.values().map(|a| a.next_check_ns).min()
+    }
+
+    /// Checks in /proc the threads whose check is due at `now_ns`; returns those /proc shows past their
+    /// release, for the caller to confirm with [`ConfirmKind::Proc`]. The others are checked again later,
+    /// less and less often.
+    pub fn check_proc(&mut self, now_ns: u64) -> Vec<ProcConfirmed> {
+        let mut past = Vec::new();
+        for (tid, a) in self.awaiting.iter_mut() {
+            if a.next_check_ns > now_ns {
+                continue;
+            }
+            let done = match thread_state(a.pid, *tid) {
+                ThreadState::Gone | ThreadState::Dead => true,
+                _ if a.exiting => false,
+                ThreadState::OutOfSyscall => true,
+                ThreadState::Alive { utime } => {
+                    let ran_in_user = a.utime.is_some_and(|u| utime > u);
+                    a.utime.get_or_insert(utime);
+                    ran_in_user
+                }
+            };
+            if done {
+                past.push(ProcConfirmed {
+                    tid: *tid,
+                    pid: a.pid,
+                    cgroup_id: a.cgroup_id,
+                    marked_ns: a.marked_ns,
+                });
+            } else {
+                a.step_ns = (a.step_ns * 2).min(MAX_CHECK_NS);
+                a.next_check_ns = now_ns + a.step_ns;
+            }
+        }
+        past
+    }
+
+    /// Forgets everything about container `cgroup_id`.
+    pub fn forget_cgroup(&mut self, cgroup_id: u64) {
+        self.awaiting.retain(|_, a| a.cgroup_id != cgroup_id);
+        self.last_removal.remove(&cgroup_id);
+        self.last_confirm.remove(&cgroup_id);
+    }
+}
+
+/// A thread that /proc shows past its release.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcConfirmed {
+    /// The thread.
+    pub tid: u32,
+    /// Its process.
+    pub pid: u32,
+    /// Its container.
+    pub cgroup_id: u64,
+    /// When its removal was seen.
+    pub marked_ns: u64,
+}
+
+/// What /proc says of a thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ThreadState {
+    /// No such thread any more (reaped: past its exit).
+    Gone,
+    /// A zombie or dead: past `exit_task_work`.
+    Dead,
+    /// Not inside a syscall: back in user space.
+    OutOfSyscall,
+    /// Inside a syscall or running (can't tell which): its user time so far, in clock ticks.
+    Alive {
+        /// `utime` of /proc/PID/task/TID/stat.
+        utime: u64,
+    },
+}
+
+fn thread_state(pid: u32, tid: u32) -> ThreadState {
+    let dir = format!("/proc/{pid}/task/{tid}");
+    let Ok(stat) = std::fs::read_to_string(format!("{dir}/stat")) else {
+        return ThreadState::Gone;
+    };
+    // Fields after the parenthesised command name: state is the first, utime the 12th.
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+        return ThreadState::Gone;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    if matches!(fields.first(), Some(&"Z") | Some(&"X") | Some(&"x")) {
+        return ThreadState::Dead;
+    }
+    // "-1 sp pc": blocked or preempted outside any syscall; "running" or "nr args...": unknown/inside.
+    if std::fs::read_to_string(format!("{dir}/syscall")).is_ok_and(|s| s.starts_with("-1 ")) {
+        return ThreadState::OutOfSyscall;
+    }
+    let utime = fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0);
+    ThreadState::Alive { utime }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_removal_is_pending_until_its_thread_is_confirmed() {
+        let mut r = Releases::default();
+        r.removed(11, 10, 5, 1_000, false);
+        r.removed(12, 10, 5, 2_000, true);
+        assert_eq!(r.unconfirmed(5), 2);
+        assert_eq!(r.last_removal_ns(5), Some(2_000));
+        assert_eq!(r.confirmed(99, ConfirmKind::Returned, 3_000), None);
+        assert_eq!(r.confirmed(11, ConfirmKind::Returned, 3_000), Some((10, 5)));
+        // An exiting thread entering exit_group is not past its exit.
+        assert_eq!(r.confirmed(12, ConfirmKind::Returned, 3_500), None);
+        assert!(r.pid_awaits(10));
+        assert_eq!(r.confirmed(12, ConfirmKind::Exited, 4_000), Some((10, 5)));
+        assert_eq!(r.unconfirmed(5), 0);
+        assert_eq!(
+            r.last_confirmation(5),
+            Some(Confirmation {
+                t_ns: 4_000,
+                kind: ConfirmKind::Exited
+            })
+        );
+        assert_eq!(r.next_check_ns(), None);
+    }
+
+    #[test]
+    fn proc_confirms_a_thread_that_is_gone_and_backs_off_for_one_that_is_not() {
+        let mut r = Releases::default();
+        // No such pid: gone.
+        r.removed(u32::MAX - 1, u32::MAX - 1, 7, 0, true);
+        // This test's own thread, inside a syscall of this very read or running: not confirmed while
+        // exiting is claimed for it.
+        let me = std::process::id();
+        r.removed(me, me, 8, 0, true);
+        assert_eq!(r.check_proc(FIRST_CHECK_NS - 1), vec![]);
+        let past = r.check_proc(FIRST_CHECK_NS);
+        assert_eq!(past.len(), 1);
+        assert_eq!((past[0].tid, past[0].cgroup_id), (u32::MAX - 1, 7));
+        assert_eq!(
+            r.confirmed(past[0].tid, ConfirmKind::Proc, FIRST_CHECK_NS),
+            Some((u32::MAX - 1, 7))
+        );
+        assert_eq!(r.unconfirmed(8), 1);
+        assert_eq!(r.next_check_ns(), Some(FIRST_CHECK_NS + 2 * FIRST_CHECK_NS));
+        assert_eq!(r.confirmed_by_proc(), 1);
+    }
+}

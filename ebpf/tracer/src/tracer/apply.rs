@@ -1,0 +1,192 @@
+//! Applying the probes' records to the fd mirror, the kernel maps, the ledgers and the release tracker.
+use baton_probe_common::{FdInfo, FdKey};
+
+use super::{Tracer, TracerError};
+use crate::{
+    event::{Body, Event},
+    fdtable::NvFd,
+    seed,
+};
+
+impl Tracer {
+    pub(super) fn apply_all(&mut self, events: Vec<Event>) -> Result<Vec<Event>, TracerError> {
+        let mut kept = Vec::with_capacity(events.len());
+        for e in events {
+            if self.apply(&e)? {
+                kept.push(e);
+            }
+        }
+        Ok(kept)
+    }
+
+    /// Applies one event. Returns false for events that turn out not to concern NVIDIA state (an munmap of
+    /// an ordinary mapping by a holder, a confirmation nobody awaited), which callers drop.
+    fn apply(&mut self, e: &Event) -> Result<bool, TracerError> {
+        let (pid, cg) = (e.pid, e.cgroup_id);
+        match &e.body {
+            Body::Ioctl(io) => {
+                if io.ret == 0 {
+                    self.ledger
+                        .container_mut(cg)
+                        .apply(pid, &io.decoded.op, io.decoded.status);
+                }
+            }
+            Body::Open {
+                fd, kind, minor, ..
+            }
+            | Body::Dup {
+                fd, kind, minor, ..
+            } => {
+                let nv = NvFd {
+                    kind: *kind,
+                    minor: *minor,
+                };
+                // The probe made the kernel entry; made again in case handling an earlier close_range or
+                // exec of this process removed it after the fd number was reused.
+                self.kernel_track(pid, *fd, nv)?;
+                self.fds.add_fd(pid, cg, *fd, nv);
+            }
+            Body::Close { fd } => {
+                if self.fds.remove_fd(pid, *fd).is_none() {
+                    return Ok(false);
+                }
+                self.removed(e, false);
+            }
+            Body::CloseRange { first, last, .. } => {
+                let closed = self.fds.remove_range(pid, *first, *last);
+                if closed.is_empty() {
+                    return Ok(false);
+                }
+                for fd in closed {
+                    self.kernel_forget(pid, fd);
+                }
+                self.removed(e, false);
+            }
+            Body::Mmap { fd, addr, len } => {
+                // After an exec the probes may still take a reused fd number for the NVIDIA fd it replaced
+                // until the exec is handled here: the mirror, which has handled it, has the last word.
+                if !self.fds.get(pid).is_some_and(|p| p.fds.contains_key(fd)) {
+                    return Ok(false);
+                }
+                self.fds.add_map(pid, cg, *addr, *len);
+            }
+            Body::Munmap { addr, len } => {
+                if self.fds.unmap(pid, *addr, *len) == 0 {
+                    return Ok(false);
+                }
+                self.removed(e, false);
+            }
+            Body::Fork { child } => self.fork(pid, *child)?,
+            Body::Exec => {
+                let prefixes = self.probes.prefixes().to_vec();
+                let still_open = |fd: i32| {
+                    std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
+                        .is_ok_and(|p| seed::classify_path(&p, &prefixes).is_some())
+                };
+                let closed = self.fds.exec(pid, &still_open);
+                for fd in closed {
+                    self.kernel_forget(pid, fd);
+                }
+                self.removed(e, false);
+            }
+            Body::ThreadExit => {
+                self.releases.removed(e.tid, pid, cg, e.ts_ns, true);
+            }
+            Body::Exit => {
+                if let Some(p) = self.fds.exit(pid) {
+                    for fd in p.fds.keys() {
+                        self.kernel_forget(pid, *fd);
+                    }
+                }
+                self.ledger.container_mut(cg).release_process(pid);
+                self.releases.removed(e.tid, pid, cg, e.ts_ns, true);
+                self.releases.process_exiting(pid, cg, e.ts_ns);
+                self.forget_proc_if_done(pid);
+            }
+            Body::Confirm { kind, .. } => {
+                if self.releases.confirmed(e.tid, *kind, e.ts_ns).is_none() {
+                    return Ok(false);
+                }
+                self.forget_proc_if_done(pid);
+            }
+            Body::Resync { .. } => {}
+        }
+        Ok(true)
+    }
+
+    /// `e`'s thread removed NVIDIA state: it awaits confirmation; a process left with nothing has had its
+    /// driver state released (the ledger says so) and stops being reported once its threads are confirmed.
+    fn removed(&mut self, e: &Event, exiting: bool) {
+        self.releases
+            .removed(e.tid, e.pid, e.cgroup_id, e.ts_ns, exiting);
+        if self.fds.get(e.pid).is_none() {
+            self.ledger
+                .container_mut(e.cgroup_id)
+                .release_process(e.pid);
+        }
+    }
+
+    /// The probes stop reporting `pid` (munmaps, forks, exec, exit) once it pins nothing and none of its
+    /// threads awaits a confirmation.
+    fn forget_proc_if_done(&mut self, pid: u32) {
+        if self.fds.get(pid).is_none() && !self.releases.pid_awaits(pid) {
+            let _ = self.probes.nv_procs.remove(&pid);
+        }
+    }
+
+    /// A holder forked a new process (the probes do not report new threads): the child inherits the fds,
+    /// copied into the kernel map here.
+    ///
+    /// The child may already have run: the fork probe put it in `FORKED`, so until the copy its lookups fell
+    /// back to the parent's entries, and an inherited fd it closed meanwhile left a `FdInfo::CLOSED` entry.
+    /// The copy does not overwrite entries the child made itself (BPF_NOEXIST); then `FORKED` is dropped and
+    /// the `CLOSED` entries, which only mattered during the copy, are removed. A child that is already gone
+    /// has its exit record behind this one, which undoes the copy.
+    fn fork(&mut self, parent: u32, child: u32) -> Result<(), TracerError> {
+        let inherited = self.fds.fork(parent, child);
+        for (fd, nv) in &inherited {
+            self.kernel_inherit(child, *fd, *nv)?;
+        }
+        let _ = self.probes.forked.remove(&child);
+        for (fd, _) in &inherited {
+            let key = FdKey {
+                tgid: child,
+                fd: *fd as u32,
+            };
+            if self.probes.nv_fds.get(&key, 0).is_ok_and(|i| i.is_closed()) {
+                let _ = self.probes.nv_fds.remove(&key);
+            }
+        }
+        if self.fds.get(child).is_none() {
+            let _ = self.probes.nv_procs.remove(&child);
+        }
+        Ok(())
+    }
+
+    /// Copies an inherited fd into the kernel map unless the child already has an entry for that fd.
+    fn kernel_inherit(&mut self, child: u32, fd: i32, nv: NvFd) -> Result<(), TracerError> {
+        const BPF_NOEXIST: u64 = 1;
+        let key = FdKey {
+            tgid: child,
+            fd: fd as u32,
+        };
+        let info = FdInfo {
+            kind: nv.kind as u8,
+            minor: nv.minor,
+            _pad: [0; 2],
+        };
+        match self.probes.nv_fds.insert(key, info, BPF_NOEXIST) {
+            Ok(()) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(nix::errno::Errno::EEXIST as i32) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(TracerError::MapUpdate {
+                map: "NV_FDS",
+                pid: child,
+                detail: e.to_string(),
+            }),
+        }
+    }
+}
