@@ -74,7 +74,7 @@ impl Drop for AgentProcess {
 
 /// The lines `source` yields, read by a thread of their own until it ends (so that callers can wait with a
 /// deadline).
-fn read_lines(source: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
+pub(crate) fn read_lines(source: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
     let (tx, lines) = mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(source).lines() {
@@ -224,7 +224,13 @@ impl Drop for CtrEvents {
 
 /// Copies the mock CUDA workload and the shared libraries it links into `rootfs`; returns its path there.
 pub fn install_workload(rootfs: &Path) -> anyhow::Result<String> {
-    let bin = workspace_binary("baton-mock-nvidia", "baton-mock-cuda")?;
+    install_mock_binary(rootfs, "baton-mock-cuda")
+}
+
+/// Copies binary `name` of the mock driver's package and the shared libraries it links into `rootfs`;
+/// returns its path there (`/bin/NAME`).
+pub fn install_mock_binary(rootfs: &Path, name: &str) -> anyhow::Result<String> {
+    let bin = workspace_binary("baton-mock-nvidia", name)?;
     let ldd = Command::new("ldd").arg(&bin).output()?;
     for lib in String::from_utf8_lossy(&ldd.stdout)
         .split_whitespace()
@@ -234,21 +240,35 @@ pub fn install_workload(rootfs: &Path) -> anyhow::Result<String> {
         if let Some(dir) = dst.parent() {
             std::fs::create_dir_all(dir)?;
         }
-        std::fs::copy(lib, &dst)?;
+        copy_replacing(Path::new(lib), &dst)?;
     }
-    std::fs::copy(&bin, rootfs.join("bin/baton-mock-cuda"))?;
-    Ok("/bin/baton-mock-cuda".to_owned())
+    copy_replacing(&bin, &rootfs.join("bin").join(name))?;
+    Ok(format!("/bin/{name}"))
+}
+
+/// Copies `src` to `dst` through a temporary file renamed over it, so that a container of the same rootfs
+/// that runs the old copy keeps it (writing over a running binary fails with ETXTBSY).
+fn copy_replacing(src: &Path, dst: &Path) -> anyhow::Result<()> {
+    let tmp = dst.with_extension(format!("tmp-{}", std::process::id()));
+    std::fs::copy(src, &tmp)?;
+    std::fs::rename(&tmp, dst)?;
+    Ok(())
 }
 
 /// `ctr run` flags that bind-mount the mock driver's device files at /dev/nvidia*.
 pub fn device_mounts(mock_dir: &Path) -> Vec<String> {
+    device_mounts_at(mock_dir, "/dev")
+}
+
+/// `ctr run` flags that bind-mount the mock driver's device files into folder `dir` of the container.
+pub fn device_mounts_at(mock_dir: &Path, dir: &str) -> Vec<String> {
     ["nvidiactl", "nvidia0", "nvidia-uvm", "nvidia-uvm-tools"]
         .iter()
         .flat_map(|n| {
             [
                 "--mount".to_owned(),
                 format!(
-                    "type=bind,src={}/{n},dst=/dev/{n},options=rbind:rw",
+                    "type=bind,src={}/{n},dst={dir}/{n},options=rbind:rw",
                     mock_dir.display()
                 ),
             ]

@@ -13,6 +13,7 @@ pub mod cleanup;
 pub mod containerd;
 pub mod env;
 pub mod fifo;
+pub mod holder;
 pub mod procs;
 pub mod rootfs;
 pub mod shim_binary;

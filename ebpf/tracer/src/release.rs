@@ -43,6 +43,22 @@ pub struct Confirmation {
     pub kind: ConfirmKind,
 }
 
+/// The syscalls (x86_64 and aarch64 numbers through libc) each kind of removal comes from.
+pub mod syscalls {
+    /// close, or dup2/dup3 over an NVIDIA fd.
+    pub const CLOSE: &[i64] = &[libc::SYS_close, libc::SYS_dup3, DUP2];
+    /// close_range.
+    pub const CLOSE_RANGE: &[i64] = &[libc::SYS_close_range];
+    /// munmap.
+    pub const MUNMAP: &[i64] = &[libc::SYS_munmap];
+    /// execve, execveat.
+    pub const EXEC: &[i64] = &[libc::SYS_execve, libc::SYS_execveat];
+    #[cfg(target_arch = "x86_64")]
+    const DUP2: i64 = libc::SYS_dup2;
+    #[cfg(not(target_arch = "x86_64"))]
+    const DUP2: i64 = libc::SYS_dup3;
+}
+
 /// First /proc check of an awaiting thread, after its removal; doubled at each check up to the cap.
 const FIRST_CHECK_NS: u64 = 2_000_000;
 const MAX_CHECK_NS: u64 = 100_000_000;
@@ -54,6 +70,8 @@ struct Awaiting {
     marked_ns: u64,
     /// The thread is exiting: only its death confirms it.
     exiting: bool,
+    /// The syscalls the removal may have been made by: a thread seen inside another one returned from it.
+    syscalls: &'static [i64],
     next_check_ns: u64,
     step_ns: u64,
     /// User time of the thread at the first /proc check.
@@ -70,14 +88,24 @@ pub struct Releases {
 }
 
 impl Releases {
-    /// Thread `tid` of `pid` in cgroup `cgroup_id` removed NVIDIA state at `ts_ns`.
-    pub fn removed(&mut self, tid: u32, pid: u32, cgroup_id: u64, ts_ns: u64, exiting: bool) {
+    /// Thread `tid` of `pid` in cgroup `cgroup_id` removed NVIDIA state at `ts_ns`, by one of `syscalls`
+    /// (empty for an exit, or when unknown).
+    pub fn removed(
+        &mut self,
+        tid: u32,
+        pid: u32,
+        cgroup_id: u64,
+        ts_ns: u64,
+        exiting: bool,
+        syscalls: &'static [i64],
+    ) {
         self.last_removal.insert(cgroup_id, ts_ns);
         let a = self.awaiting.entry(tid).or_insert(Awaiting {
             pid,
             cgroup_id,
             marked_ns: ts_ns,
             exiting,
+            syscalls,
             next_check_ns: ts_ns + FIRST_CHECK_NS,
             step_ns: FIRST_CHECK_NS,
             utime: None,
@@ -100,7 +128,7 @@ impl Releases {
                 thread_state(pid, tid),
                 ThreadState::Gone | ThreadState::Dead
             ) {
-                self.removed(tid, pid, cgroup_id, ts_ns, true);
+                self.removed(tid, pid, cgroup_id, ts_ns, true, &[]);
             }
         }
     }
@@ -164,10 +192,17 @@ impl Releases {
             if a.next_check_ns > now_ns {
                 continue;
             }
-            let done = match thread_state(a.pid, *tid) {
+            let state = thread_state(a.pid, *tid);
+            let done = match state {
                 ThreadState::Gone | ThreadState::Dead => true,
                 _ if a.exiting => false,
                 ThreadState::OutOfSyscall => true,
+                ThreadState::InSyscall(nr)
+                    if !a.syscalls.is_empty() && !a.syscalls.contains(&nr) =>
+                {
+                    true
+                }
+                ThreadState::InSyscall(_) => false,
                 ThreadState::Alive { utime } => {
                     let ran_in_user = a.utime.is_some_and(|u| utime > u);
                     a.utime.get_or_insert(utime);
@@ -219,7 +254,9 @@ enum ThreadState {
     Dead,
     /// Not inside a syscall: back in user space.
     OutOfSyscall,
-    /// Inside a syscall or running (can't tell which): its user time so far, in clock ticks.
+    /// Blocked inside syscall `nr`.
+    InSyscall(i64),
+    /// Running, or inside the syscall that made the removal: its user time so far, in clock ticks.
     Alive {
         /// `utime` of /proc/PID/task/TID/stat.
         utime: u64,
@@ -239,12 +276,16 @@ fn thread_state(pid: u32, tid: u32) -> ThreadState {
     if matches!(fields.first(), Some(&"Z") | Some(&"X") | Some(&"x")) {
         return ThreadState::Dead;
     }
-    // "-1 sp pc": blocked or preempted outside any syscall; "running" or "nr args...": unknown/inside.
-    if std::fs::read_to_string(format!("{dir}/syscall")).is_ok_and(|s| s.starts_with("-1 ")) {
-        return ThreadState::OutOfSyscall;
+    // "-1 sp pc": blocked or preempted outside any syscall; "nr args...": blocked in syscall nr;
+    // "running": can't tell.
+    let syscall = std::fs::read_to_string(format!("{dir}/syscall")).unwrap_or_default();
+    match syscall.split_whitespace().next().map(str::parse::<i64>) {
+        Some(Ok(-1)) => ThreadState::OutOfSyscall,
+        Some(Ok(nr)) => ThreadState::InSyscall(nr),
+        _ => ThreadState::Alive {
+            utime: fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0),
+        },
     }
-    let utime = fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0);
-    ThreadState::Alive { utime }
 }
 
 #[cfg(test)]
@@ -254,8 +295,8 @@ mod tests {
     #[test]
     fn a_removal_is_pending_until_its_thread_is_confirmed() {
         let mut r = Releases::default();
-        r.removed(11, 10, 5, 1_000, false);
-        r.removed(12, 10, 5, 2_000, true);
+        r.removed(11, 10, 5, 1_000, false, &[3]);
+        r.removed(12, 10, 5, 2_000, true, &[]);
         assert_eq!(r.unconfirmed(5), 2);
         assert_eq!(r.last_removal_ns(5), Some(2_000));
         assert_eq!(r.confirmed(99, ConfirmKind::Returned, 3_000), None);
@@ -279,11 +320,11 @@ mod tests {
     fn proc_confirms_a_thread_that_is_gone_and_backs_off_for_one_that_is_not() {
         let mut r = Releases::default();
         // No such pid: gone.
-        r.removed(u32::MAX - 1, u32::MAX - 1, 7, 0, true);
+        r.removed(u32::MAX - 1, u32::MAX - 1, 7, 0, true, &[]);
         // This test's own thread, inside a syscall of this very read or running: not confirmed while
         // exiting is claimed for it.
         let me = std::process::id();
-        r.removed(me, me, 8, 0, true);
+        r.removed(me, me, 8, 0, true, &[]);
         assert_eq!(r.check_proc(FIRST_CHECK_NS - 1), vec![]);
         let past = r.check_proc(FIRST_CHECK_NS);
         assert_eq!(past.len(), 1);

@@ -5,6 +5,7 @@ use super::{Tracer, TracerError};
 use crate::{
     event::{Body, Event},
     fdtable::NvFd,
+    release::syscalls,
     seed,
 };
 
@@ -50,7 +51,7 @@ impl Tracer {
                 if self.fds.remove_fd(pid, *fd).is_none() {
                     return Ok(false);
                 }
-                self.removed(e, false);
+                self.removed(e, syscalls::CLOSE);
             }
             Body::CloseRange { first, last, .. } => {
                 let closed = self.fds.remove_range(pid, *first, *last);
@@ -60,7 +61,7 @@ impl Tracer {
                 for fd in closed {
                     self.kernel_forget(pid, fd);
                 }
-                self.removed(e, false);
+                self.removed(e, syscalls::CLOSE_RANGE);
             }
             Body::Mmap { fd, addr, len } => {
                 // After an exec the probes may still take a reused fd number for the NVIDIA fd it replaced
@@ -74,7 +75,7 @@ impl Tracer {
                 if self.fds.unmap(pid, *addr, *len) == 0 {
                     return Ok(false);
                 }
-                self.removed(e, false);
+                self.removed(e, syscalls::MUNMAP);
             }
             Body::Fork { child } => self.fork(pid, *child)?,
             Body::Exec => {
@@ -87,10 +88,10 @@ impl Tracer {
                 for fd in closed {
                     self.kernel_forget(pid, fd);
                 }
-                self.removed(e, false);
+                self.removed(e, syscalls::EXEC);
             }
             Body::ThreadExit => {
-                self.releases.removed(e.tid, pid, cg, e.ts_ns, true);
+                self.releases.removed(e.tid, pid, cg, e.ts_ns, true, &[]);
             }
             Body::Exit => {
                 if let Some(p) = self.fds.exit(pid) {
@@ -99,7 +100,7 @@ impl Tracer {
                     }
                 }
                 self.ledger.container_mut(cg).release_process(pid);
-                self.releases.removed(e.tid, pid, cg, e.ts_ns, true);
+                self.releases.removed(e.tid, pid, cg, e.ts_ns, true, &[]);
                 self.releases.process_exiting(pid, cg, e.ts_ns);
                 self.forget_proc_if_done(pid);
             }
@@ -116,9 +117,9 @@ impl Tracer {
 
     /// `e`'s thread removed NVIDIA state: it awaits confirmation; a process left with nothing has had its
     /// driver state released (the ledger says so) and stops being reported once its threads are confirmed.
-    fn removed(&mut self, e: &Event, exiting: bool) {
+    fn removed(&mut self, e: &Event, syscalls: &'static [i64]) {
         self.releases
-            .removed(e.tid, e.pid, e.cgroup_id, e.ts_ns, exiting);
+            .removed(e.tid, e.pid, e.cgroup_id, e.ts_ns, false, syscalls);
         if self.fds.get(e.pid).is_none() {
             self.ledger
                 .container_mut(e.cgroup_id)

@@ -10,13 +10,23 @@ use crate::{
 };
 
 impl Tracer {
-    /// If records were dropped since the last look, re-reads every traced process from /proc and returns a
-    /// `Resync` event saying how many were lost.
-    pub(super) fn resync_if_records_lost(&mut self) -> Result<Option<Event>, TracerError> {
+    /// If records were dropped since the last look: applies every record still in the ring (older than what
+    /// /proc shows now), then re-reads every traced process from /proc, and returns those records followed by
+    /// a `Resync` event saying how many were lost.
+    pub(super) fn resync_if_records_lost(&mut self) -> Result<Vec<Event>, TracerError> {
         let drops = self.dropped();
         if drops <= self.drops_seen {
-            return Ok(None);
+            return Ok(Vec::new());
         }
+        let mut out = Vec::new();
+        loop {
+            let batch = super::wait::read_ring(self.ring.get_mut(), &self.layout);
+            if batch.is_empty() {
+                break;
+            }
+            out.extend(self.apply_all(batch)?);
+        }
+        let drops = self.dropped();
         let lost = drops - self.drops_seen;
         self.drops_seen = drops;
         self.resync()?;
@@ -26,13 +36,14 @@ impl Tracer {
             "the probes' ring buffer was full and {lost} records were lost: NVIDIA fds and mappings were \
              re-read from /proc (objects created meanwhile are missing from the ledgers, marked partial)"
         );
-        Ok(Some(Event {
+        out.push(Event {
             ts_ns: now_monotonic_ns(),
             cgroup_id: 0,
             pid: 0,
             tid: 0,
             body: Body::Resync { lost },
-        }))
+        });
+        Ok(out)
     }
 
     /// Re-reads from /proc every process the mirror knows and every process of a watched cgroup.

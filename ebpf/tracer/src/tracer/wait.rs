@@ -111,7 +111,7 @@ impl Tracer {
 }
 
 /// Parses the records now in the ring (at most [`BATCH_CAP`]).
-fn read_ring(
+pub(super) fn read_ring(
     ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
     layout: &baton_nvidia::layout::Layout,
 ) -> Vec<Event> {

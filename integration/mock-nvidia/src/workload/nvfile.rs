@@ -33,6 +33,19 @@ impl NvFile {
         })
     }
 
+    /// Takes ownership of `fd`, an open device file at `path` (the scripted holder's fds).
+    pub fn from_fd(fd: OwnedFd, path: &Path) -> Self {
+        Self {
+            fd,
+            path: path.to_owned(),
+        }
+    }
+
+    /// Gives the fd back without closing it.
+    pub fn into_fd(self) -> OwnedFd {
+        self.fd
+    }
+
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path

@@ -1,0 +1,388 @@
+//! `baton-mock-holder`: a scripted holder of NVIDIA device files, for tests of the release signal. It reads
+//! one command per line on stdin and answers `ok ...` or `err ...` on stdout. Times (`T`) are
+//! CLOCK_MONOTONIC ns taken right after the call returned to user space.
+//!
+//! Commands: `open NAME` (close-on-exec, as CUDA opens) and `open-inherit NAME` -> `ok FD`; `alloc FD`
+//! (an RM root client on nvidiactl) -> `ok HANDLE STATUS`; `mmap FD` -> `ok ADDR`; `munmap ADDR`,
+//! `close FD`, `close-range FIRST LAST`, `dup2 OLD NEW` -> `ok T`; `dup FD` -> `ok NEWFD`; `fork` (a child
+//! that keeps every inherited fd and waits) -> `ok PID`; `child-exit PID` -> `ok`; `thread-close FD` (a new
+//! thread closes FD, then spins in user space with no syscall until `stop-spin`) -> `ok T`; `threads N`
+//! (N parked threads) -> `ok`; `exec` (re-executes itself: close-on-exec fds go) -> `ok T` from the new
+//! program; `forge FD` (fakes a successful RM_FREE of its client in params the driver refuses, unmaps an
+//! anonymous mapping, closes a non-NVIDIA fd) -> `ok`; `stamp` -> `ok T`; `exit CODE`; `openat2 NAME` ->
+//! `ok FD`; `flash-threads N` (N threads that exit at once, one after the other) -> `ok`; `flood FD N` (N
+//! ioctls), `flood-dup FD N` (N dups of FD, each closed) -> `ok`; `exec-map PATH` (re-executes; the new program maps PATH before anything else) ->
+//! `ok T ADDR`.
+use std::{
+    collections::HashMap,
+    io::{BufRead, Write},
+    os::fd::{FromRawFd, IntoRawFd, OwnedFd, RawFd},
+    path::PathBuf,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+};
+
+use anyhow::{Context, anyhow, bail};
+use baton_mock_nvidia::{
+    wire::put_u32,
+    workload::{calls, nvfile::NvFile},
+};
+use baton_nvidia::{class, escape, ioc, layout::Layout, params::nvos00};
+use nix::{
+    fcntl::{OFlag, open},
+    sys::{mman, stat::Mode},
+    unistd::{ForkResult, Pid, dup, dup2_raw, fork},
+};
+
+/// Set in the environment of the re-executed program.
+const EXECED_ENV: &str = "BATON_HOLDER_EXECED";
+/// Set (to a path) for a re-executed program that maps that file before anything else.
+const MAP_AT_START_ENV: &str = "BATON_HOLDER_MAP_AT_START";
+/// Bytes of each device mapping.
+const MAP_LEN: usize = 4096;
+
+#[derive(clap::Parser)]
+struct Args {
+    /// Folder with the NVIDIA device files.
+    #[arg(long, default_value = "/dev")]
+    dev_dir: PathBuf,
+}
+
+struct Holder {
+    dev_dir: PathBuf,
+    /// Children from `fork`: pid -> write end of the pipe they wait on.
+    children: HashMap<i32, OwnedFd>,
+    spinning: Arc<AtomicBool>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Args = clap::Parser::parse();
+    if std::env::var_os(EXECED_ENV).is_some() {
+        let t = now_ns();
+        match std::env::var_os(MAP_AT_START_ENV) {
+            Some(path) => match map_at_start(&PathBuf::from(path)) {
+                Ok(addr) => say(&format!("ok {t} 0x{addr:x}")),
+                Err(e) => say(&format!("err {e:#}")),
+            },
+            None => say(&format!("ok {t}")),
+        }
+    }
+    let mut holder = Holder {
+        dev_dir: args.dev_dir,
+        children: HashMap::new(),
+        spinning: Arc::new(AtomicBool::new(false)),
+    };
+    let stdin = std::io::stdin();
+    for line in stdin.lock().lines() {
+        let line = line.context("reading a command")?;
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if words.is_empty() {
+            continue;
+        }
+        match holder.run(&words) {
+            Ok(reply) => say(&format!(
+                "ok{}{reply}",
+                if reply.is_empty() { "" } else { " " }
+            )),
+            Err(e) => say(&format!("err {e:#}")),
+        }
+    }
+    Ok(())
+}
+
+impl Holder {
+    fn run(&mut self, words: &[&str]) -> anyhow::Result<String> {
+        let arg = |i: usize| -> anyhow::Result<&str> {
+            words
+                .get(i)
+                .copied()
+                .ok_or_else(|| anyhow!("{} needs {} argument(s)", words[0], i))
+        };
+        let num = |i: usize| -> anyhow::Result<i64> {
+            let s = arg(i)?;
+            let v = match s.strip_prefix("0x") {
+                Some(hex) => i64::from_str_radix(hex, 16),
+                None => s.parse(),
+            };
+            v.with_context(|| format!("{s:?} is not a number"))
+        };
+        Ok(match words[0] {
+            "open" => self.open(arg(1)?, true)?.to_string(),
+            "open-inherit" => self.open(arg(1)?, false)?.to_string(),
+            "openat2" => self.openat2(arg(1)?)?.to_string(),
+            "flash-threads" => {
+                for _ in 0..num(1)? {
+                    std::thread::spawn(|| {})
+                        .join()
+                        .map_err(|_| anyhow!("a thread panicked"))?;
+                }
+                String::new()
+            }
+            "flood-dup" => {
+                let fd = num(1)? as RawFd;
+                for _ in 0..num(2)? {
+                    // SAFETY: a raw number the script manages; the copy is closed at once.
+                    let copy = dup(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) })?;
+                    drop(copy);
+                }
+                String::new()
+            }
+            "flood" => {
+                let (fd, n) = (num(1)? as RawFd, num(2)?);
+                let cmd = ioc::iowr(ioc::NV_IOCTL_MAGIC, escape::RM_CONTROL, nvos00::SIZE);
+                let mut params = vec![0u8; nvos00::SIZE as usize];
+                for _ in 0..n {
+                    // SAFETY: `params` is a live buffer of the size the command encodes.
+                    let _ = unsafe { libc::ioctl(fd, cmd as libc::c_ulong, params.as_mut_ptr()) };
+                }
+                String::new()
+            }
+            "alloc" => self.alloc(num(1)? as RawFd)?,
+            "mmap" => format!("0x{:x}", map(num(1)? as RawFd)?),
+            "munmap" => {
+                unmap(num(1)? as usize)?;
+                now_ns().to_string()
+            }
+            "close" => {
+                nix::unistd::close(num(1)? as RawFd)?;
+                now_ns().to_string()
+            }
+            "close-range" => {
+                // SAFETY: close_range only closes fds of this process; none is owned by a Rust object.
+                let r = unsafe {
+                    libc::syscall(libc::SYS_close_range, num(1)? as u32, num(2)? as u32, 0u32)
+                };
+                if r != 0 {
+                    bail!("close_range: {}", std::io::Error::last_os_error());
+                }
+                now_ns().to_string()
+            }
+            "dup" => {
+                // SAFETY: the fd stays open (a raw number the script manages).
+                let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(num(1)? as RawFd) };
+                dup(fd)?.into_raw_fd().to_string()
+            }
+            "dup2" => {
+                // SAFETY: as above.
+                let old = unsafe { std::os::fd::BorrowedFd::borrow_raw(num(1)? as RawFd) };
+                // SAFETY: the target number is the script's to replace.
+                let new = unsafe { dup2_raw(old, num(2)? as RawFd) }?;
+                let _ = new.into_raw_fd();
+                now_ns().to_string()
+            }
+            "fork" => self.fork()?.to_string(),
+            "child-exit" => {
+                let pid = num(1)? as i32;
+                self.children
+                    .remove(&pid)
+                    .ok_or_else(|| anyhow!("no child {pid}"))?;
+                nix::sys::wait::waitpid(Pid::from_raw(pid), None)?;
+                String::new()
+            }
+            "thread-close" => self.thread_close(num(1)? as RawFd)?.to_string(),
+            "stop-spin" => {
+                self.spinning.store(false, Ordering::SeqCst);
+                String::new()
+            }
+            "threads" => {
+                for _ in 0..num(1)? {
+                    std::thread::spawn(|| {
+                        loop {
+                            std::thread::park();
+                        }
+                    });
+                }
+                String::new()
+            }
+            "exec" => self.exec(None)?,
+            "exec-map" => self.exec(Some(arg(1)?))?,
+            "forge" => self.forge(num(1)? as RawFd)?,
+            "stamp" => now_ns().to_string(),
+            "exit" => std::process::exit(num(1)? as i32),
+            other => bail!("unknown command {other:?}"),
+        })
+    }
+
+    /// Re-executes this program (close-on-exec fds go); with `map`, the new program opens that file and maps
+    /// it first thing, so that it reuses the fd number of a closed NVIDIA fd while the exec is fresh.
+    fn exec(&self, map: Option<&str>) -> anyhow::Result<String> {
+        let exe = std::fs::read_link("/proc/self/exe")?;
+        let mut cmd = std::process::Command::new(exe);
+        cmd.arg("--dev-dir").arg(&self.dev_dir).env(EXECED_ENV, "1");
+        if let Some(path) = map {
+            cmd.env(MAP_AT_START_ENV, path);
+        }
+        let err = std::os::unix::process::CommandExt::exec(&mut cmd);
+        bail!("exec: {err}")
+    }
+
+    /// Opens device `name` with openat2 (close-on-exec).
+    fn openat2(&self, name: &str) -> anyhow::Result<RawFd> {
+        let path = std::ffi::CString::new(
+            self.dev_dir
+                .join(name)
+                .into_os_string()
+                .into_encoded_bytes(),
+        )?;
+        // struct open_how { u64 flags; u64 mode; u64 resolve; }
+        let how: [u64; 3] = [(libc::O_RDWR | libc::O_CLOEXEC) as u64, 0, 0];
+        // SAFETY: `path` is NUL-terminated and `how` is an open_how of the size passed; both outlive the call.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_openat2,
+                libc::AT_FDCWD,
+                path.as_ptr(),
+                how.as_ptr(),
+                std::mem::size_of_val(&how),
+            )
+        };
+        if fd < 0 {
+            bail!("openat2 {name}: {}", std::io::Error::last_os_error());
+        }
+        Ok(fd as RawFd)
+    }
+
+    fn open(&self, name: &str, cloexec: bool) -> anyhow::Result<RawFd> {
+        let mut flags = OFlag::O_RDWR;
+        if cloexec {
+            flags |= OFlag::O_CLOEXEC;
+        }
+        let path = self.dev_dir.join(name);
+        let fd = open(&path, flags, Mode::empty())
+            .with_context(|| format!("open {}", path.display()))?;
+        Ok(fd.into_raw_fd())
+    }
+
+    /// An RM root client on `fd` (nvidiactl): a live object in the ledger.
+    fn alloc(&self, fd: RawFd) -> anyhow::Result<String> {
+        let file = self.borrow_file(fd);
+        let layout = Layout::DEFAULT;
+        let r = calls::rm_alloc(
+            &file,
+            &layout,
+            calls::AllocForm::Nvos21,
+            [0, 0, 0],
+            class::NV01_ROOT_CLIENT,
+            None,
+        );
+        let _ = file.into_fd().into_raw_fd();
+        let a = r?;
+        Ok(format!("0x{:x} {}", a.handle, a.status))
+    }
+
+    /// Pretends to free everything while keeping the files: an RM_FREE of client 0xc1d00001 whose params say
+    /// NV_OK, sent with a magic the driver refuses (so it never writes the real status back); an munmap of
+    /// an anonymous mapping; a close of a non-NVIDIA fd.
+    fn forge(&self, fd: RawFd) -> anyhow::Result<String> {
+        let mut params = vec![0u8; nvos00::SIZE as usize];
+        put_u32(&mut params, nvos00::H_ROOT_OFFSET, 0xc1d0_0001);
+        put_u32(&mut params, nvos00::H_OBJECT_OLD_OFFSET, 0xc1d0_0001);
+        put_u32(&mut params, nvos00::STATUS_OFFSET, 0);
+        let cmd = ioc::iowr(b'G', escape::RM_FREE, nvos00::SIZE);
+        // SAFETY: `params` is a live buffer of the size the command encodes; the fd is the script's.
+        let _ = unsafe { libc::ioctl(fd, cmd as libc::c_ulong, params.as_mut_ptr()) };
+        // SAFETY: a fresh anonymous mapping, unmapped at once; nothing refers to it.
+        let anon = unsafe {
+            mman::mmap_anonymous(
+                None,
+                std::num::NonZeroUsize::new(MAP_LEN).context("length")?,
+                mman::ProtFlags::PROT_READ,
+                mman::MapFlags::MAP_PRIVATE,
+            )
+        }?;
+        unmap(anon.as_ptr() as usize)?;
+        let null = open("/dev/null", OFlag::O_RDONLY, Mode::empty())?;
+        drop(null);
+        Ok(String::new())
+    }
+
+    fn fork(&mut self) -> anyhow::Result<i32> {
+        let (read, write) = nix::unistd::pipe()?;
+        // SAFETY: the child only reads its pipe and exits; it touches no lock another thread may hold.
+        match unsafe { fork() }? {
+            ForkResult::Child => {
+                drop(write);
+                let mut buf = [0u8; 1];
+                // Blocks until the parent drops the write end (`child-exit`) or dies.
+                let _ = nix::unistd::read(&read, &mut buf);
+                // SAFETY: leaves at once without running the parent's atexit handlers or destructors.
+                unsafe { libc::_exit(0) }
+            }
+            ForkResult::Parent { child } => {
+                drop(read);
+                self.children.insert(child.as_raw(), write);
+                Ok(child.as_raw())
+            }
+        }
+    }
+
+    /// A thread closes `fd` and then spins with no syscall (not even for the time, which may be one: this
+    /// thread stamps nothing, the main thread does once it sees the close done): only /proc can tell that
+    /// the closing thread returned to user space.
+    fn thread_close(&self, fd: RawFd) -> anyhow::Result<u64> {
+        let closed = Arc::new(AtomicBool::new(false));
+        let (done, spin) = (closed.clone(), self.spinning.clone());
+        spin.store(true, Ordering::SeqCst);
+        std::thread::spawn(move || {
+            // SAFETY: the script hands this fd over to the thread, which closes it.
+            drop(unsafe { OwnedFd::from_raw_fd(fd) });
+            done.store(true, Ordering::SeqCst);
+            while spin.load(Ordering::Relaxed) {
+                std::hint::spin_loop();
+            }
+        });
+        while !closed.load(Ordering::SeqCst) {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+        Ok(now_ns())
+    }
+
+    fn borrow_file(&self, fd: RawFd) -> NvFile {
+        // SAFETY: the fd is open and owned by the script; `into_fd` hands it back unclosed.
+        NvFile::from_fd(unsafe { OwnedFd::from_raw_fd(fd) }, &self.dev_dir)
+    }
+}
+
+/// Opens `path` (any file) and maps it shared.
+fn map_at_start(path: &std::path::Path) -> anyhow::Result<usize> {
+    let fd = open(path, OFlag::O_RDWR, Mode::empty())
+        .with_context(|| format!("open {}", path.display()))?;
+    map(fd.into_raw_fd())
+}
+
+fn map(fd: RawFd) -> anyhow::Result<usize> {
+    // SAFETY: a fresh shared mapping of the device file at an address the kernel picks; nothing aliases it.
+    let addr = unsafe {
+        mman::mmap(
+            None,
+            std::num::NonZeroUsize::new(MAP_LEN).context("length")?,
+            mman::ProtFlags::PROT_READ | mman::ProtFlags::PROT_WRITE,
+            mman::MapFlags::MAP_SHARED,
+            std::os::fd::BorrowedFd::borrow_raw(fd),
+            0,
+        )
+    }
+    .context("mmap")?;
+    Ok(addr.as_ptr() as usize)
+}
+
+fn unmap(addr: usize) -> anyhow::Result<()> {
+    let ptr = std::ptr::NonNull::new(addr as *mut libc::c_void).context("address 0")?;
+    // SAFETY: the script unmaps what it mapped; no Rust object lives in those pages.
+    unsafe { mman::munmap(ptr, MAP_LEN) }.context("munmap")?;
+    Ok(())
+}
+
+fn now_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
+        .unwrap_or(0)
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}

@@ -1,0 +1,149 @@
+//! A container running the mock's scripted NVIDIA file holder (`baton-mock-holder`), driven one command at a
+//! time through `ctr run`'s stdin and stdout, for the release-signal tests.
+use std::{
+    io::Write,
+    path::Path,
+    process::{Child, ChildStdin, Stdio},
+    sync::mpsc,
+    time::Duration,
+};
+
+use crate::{
+    agent::{device_mounts_at, install_mock_binary, read_lines},
+    env::TestEnv,
+};
+
+/// How long one command may take (a loaded CI machine included).
+const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A running holder container; `ctr run` is killed on drop if the test did not finish it.
+pub struct HolderContainer {
+    id: String,
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+}
+
+impl HolderContainer {
+    /// Runs container `id` (with `annotations`) seeing the mock driver's devices in `mock_dir`, and waits
+    /// until the holder answers.
+    pub fn start(
+        env: &TestEnv,
+        id: &str,
+        mock_dir: &Path,
+        annotations: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
+        Self::start_at(env, id, mock_dir, annotations, "/dev")
+    }
+
+    /// [`HolderContainer::start`] with the device files in folder `dev_dir` of the container.
+    pub fn start_at(
+        env: &TestEnv,
+        id: &str,
+        mock_dir: &Path,
+        annotations: &[(&str, &str)],
+        dev_dir: &str,
+    ) -> anyhow::Result<Self> {
+        let holder = install_mock_binary(env.rootfs(), "baton-mock-holder")?;
+        let mut flags = device_mounts_at(mock_dir, dev_dir);
+        flags.push("--rm".into());
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let args = env.run_args(id, annotations, &flags, &[&holder, "--dev-dir", dev_dir]);
+        let mut child = env
+            .containerd()
+            .ctr_command()
+            .args(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let stdin = child.stdin.take();
+        let out = child
+            .stdout
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+        let mut h = Self {
+            id: id.to_owned(),
+            child,
+            stdin,
+            lines: read_lines(out),
+        };
+        h.cmd("stamp")?;
+        Ok(h)
+    }
+
+    /// The container's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Sends one command and returns the words of its `ok` reply; an error for `err` or no reply.
+    pub fn cmd(&mut self, line: &str) -> anyhow::Result<Vec<String>> {
+        let stdin = self
+            .stdin
+            .as_mut()
+            .ok_or_else(|| anyhow::anyhow!("the holder's stdin is closed"))?;
+        writeln!(stdin, "{line}")?;
+        stdin.flush()?;
+        self.reply(line)
+    }
+
+    /// Sends a command after which the holder gives no reply (`exit`).
+    pub fn send(&mut self, line: &str) -> anyhow::Result<()> {
+        let stdin = self
+            .stdin
+            .as_mut()
+            .ok_or_else(|| anyhow::anyhow!("the holder's stdin is closed"))?;
+        writeln!(stdin, "{line}")?;
+        Ok(stdin.flush()?)
+    }
+
+    /// The next reply line (for a command sent with [`HolderContainer::send`] whose reply comes later, as
+    /// the re-executed program's after `exec`).
+    pub fn reply(&mut self, what: &str) -> anyhow::Result<Vec<String>> {
+        let reply = self
+            .lines
+            .recv_timeout(REPLY_TIMEOUT)
+            .map_err(|e| anyhow::anyhow!("no reply to {what:?} from {}: {e}", self.id))?;
+        let mut words = reply.split_whitespace().map(str::to_owned);
+        match words.next().as_deref() {
+            Some("ok") => Ok(words.collect()),
+            _ => anyhow::bail!("{what:?} in {}: {reply}", self.id),
+        }
+    }
+
+    /// Sends a command and returns the number its reply starts with (an fd, a time, a pid, an address).
+    pub fn num(&mut self, line: &str) -> anyhow::Result<u64> {
+        let words = self.cmd(line)?;
+        let first = words
+            .first()
+            .ok_or_else(|| anyhow::anyhow!("{line:?}: empty reply"))?;
+        Ok(match first.strip_prefix("0x") {
+            Some(hex) => u64::from_str_radix(hex, 16)?,
+            None => first.parse()?,
+        })
+    }
+
+    /// Closes the holder's stdin (it exits) and waits for `ctr run` to return.
+    pub fn finish(mut self) -> anyhow::Result<()> {
+        drop(self.stdin.take());
+        let deadline = std::time::Instant::now() + REPLY_TIMEOUT;
+        while std::time::Instant::now() < deadline {
+            if self.child.try_wait()?.is_some() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        anyhow::bail!("ctr run of {} did not return", self.id)
+    }
+}
+
+impl Drop for HolderContainer {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
