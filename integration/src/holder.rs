@@ -8,10 +8,76 @@ use std::{
     time::Duration,
 };
 
+use baton_mock_nvidia::driver::{MockDriver, MountOptions, MountedDriver};
+use serde_json::{Value, json};
+
 use crate::{
-    agent::{device_mounts_at, install_mock_binary, read_lines},
+    agent::{AgentConn, AgentWatch, container_status, device_mounts_at, install_mock_binary, read_lines},
     env::TestEnv,
+    skip,
+    trace_env::missing_trace_prerequisite,
 };
+
+/// A containerd with the Baton shim and a mounted mock driver: where holder containers run.
+pub struct GpuRig {
+    /// The test's containerd.
+    pub env: TestEnv,
+    /// Where the mock driver's device files are.
+    pub mock_dir: tempfile::TempDir,
+    _mock: MountedDriver,
+}
+
+impl GpuRig {
+    /// Starts the rig, or `None` after reporting a skip (a missing prerequisite fails in strict runs).
+    pub fn start(name: &str) -> Option<Self> {
+        if let Some(reason) = missing_trace_prerequisite() {
+            skip::missing(&reason);
+            return None;
+        }
+        let env = TestEnv::start(name)?;
+        if !env.is_baton() {
+            skip::not_applicable("the agent and the release signal are Baton's");
+            return None;
+        }
+        let mock_dir = tempfile::tempdir().ok()?;
+        let mock = MockDriver::mount(MountOptions::new(mock_dir.path()))
+            .unwrap_or_else(|e| panic!("mounting the mock driver: {e}"));
+        Some(Self {
+            env,
+            mock_dir,
+            _mock: mock,
+        })
+    }
+
+    /// Starts holder container `id`; panics when it does not answer.
+    pub fn holder(&self, id: &str) -> HolderContainer {
+        HolderContainer::start(&self.env, id, self.mock_dir.path(), &[])
+            .unwrap_or_else(|e| panic!("holder {id}: {e:#}"))
+    }
+
+    /// The agent's events for container `id` (the agent runs once a GPU container was created).
+    pub fn watch(&self, id: &str) -> AgentWatch {
+        AgentConn::connect(&self.env.containerd().agent_socket())
+            .and_then(|c| c.watch(json!({ "container": id })).map_err(std::io::Error::other))
+            .unwrap_or_else(|e| panic!("watching {id}: {e}"))
+    }
+
+    /// The agent's status of container `id`; panics when it is not watched.
+    pub fn status(&self, id: &str) -> Value {
+        container_status(&self.env.containerd().agent_socket(), id)
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| panic!("container {id} is not watched"))
+    }
+
+    /// The agent's node status.
+    pub fn node_status(&self) -> Value {
+        AgentConn::connect(&self.env.containerd().agent_socket())
+            .map_err(anyhow::Error::from)
+            .and_then(|mut c| c.call(json!({"op": "status"})))
+            .unwrap_or_else(|e| panic!("agent status: {e:#}"))
+    }
+}
 
 /// How long one command may take (a loaded CI machine included).
 const REPLY_TIMEOUT: Duration = Duration::from_secs(30);

@@ -11,64 +11,12 @@
 use std::time::Duration;
 
 use baton_integration::{
-    TestEnv,
-    agent::{AgentConn, AgentWatch, container_status},
-    holder::HolderContainer,
-    skip,
-    trace_env::missing_trace_prerequisite,
+    agent::{AgentConn, AgentWatch},
+    holder::{GpuRig as Rig, HolderContainer},
 };
-use baton_mock_nvidia::driver::{MockDriver, MountOptions, MountedDriver};
 use serde_json::{Value, json};
 
 const WITHIN: Duration = Duration::from_secs(30);
-
-/// A containerd with the Baton shim and a mounted mock driver.
-struct Rig {
-    env: TestEnv,
-    mock_dir: tempfile::TempDir,
-    _mock: MountedDriver,
-}
-
-impl Rig {
-    fn start(name: &str) -> Option<Self> {
-        if let Some(reason) = missing_trace_prerequisite() {
-            skip::missing(&reason);
-            return None;
-        }
-        let env = TestEnv::start(name)?;
-        if !env.is_baton() {
-            skip::not_applicable(
-                "the release signal is Baton's: not checked against another runtime",
-            );
-            return None;
-        }
-        let mock_dir = tempfile::tempdir().unwrap();
-        let mock = MockDriver::mount(MountOptions::new(mock_dir.path())).unwrap();
-        Some(Self {
-            env,
-            mock_dir,
-            _mock: mock,
-        })
-    }
-
-    fn holder(&self, id: &str) -> HolderContainer {
-        HolderContainer::start(&self.env, id, self.mock_dir.path(), &[]).unwrap()
-    }
-
-    /// The agent's events for container `id` (the agent runs: the shim started it at the container's create).
-    fn watch(&self, id: &str) -> AgentWatch {
-        AgentConn::connect(&self.env.containerd().agent_socket())
-            .unwrap()
-            .watch(json!({ "container": id }))
-            .unwrap()
-    }
-
-    fn status(&self, id: &str) -> Value {
-        container_status(&self.env.containerd().agent_socket(), id)
-            .unwrap()
-            .unwrap_or_else(|| panic!("container {id} is not watched"))
-    }
-}
 
 /// The next transition (acquired or released) of `id`.
 fn next_transition(w: &mut AgentWatch, id: &str) -> Value {
