@@ -12,7 +12,9 @@ use baton_mock_nvidia::driver::{MockDriver, MountOptions, MountedDriver};
 use serde_json::{Value, json};
 
 use crate::{
-    agent::{AgentConn, AgentWatch, container_status, device_mounts_at, install_mock_binary, read_lines},
+    agent::{
+        AgentConn, AgentWatch, container_status, device_mounts_at, install_mock_binary, read_lines,
+    },
     env::TestEnv,
     skip,
     trace_env::missing_trace_prerequisite,
@@ -58,7 +60,10 @@ impl GpuRig {
     /// The agent's events for container `id` (the agent runs once a GPU container was created).
     pub fn watch(&self, id: &str) -> AgentWatch {
         AgentConn::connect(&self.env.containerd().agent_socket())
-            .and_then(|c| c.watch(json!({ "container": id })).map_err(std::io::Error::other))
+            .and_then(|c| {
+                c.watch(json!({ "container": id }))
+                    .map_err(std::io::Error::other)
+            })
             .unwrap_or_else(|e| panic!("watching {id}: {e}"))
     }
 

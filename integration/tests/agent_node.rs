@@ -32,9 +32,7 @@ fn bpf_programs_held(pid: i32) -> usize {
         return 0;
     };
     dir.flatten()
-        .filter(|e| {
-            std::fs::read_to_string(e.path()).is_ok_and(|info| info.contains("prog_type:"))
-        })
+        .filter(|e| std::fs::read_to_string(e.path()).is_ok_and(|info| info.contains("prog_type:")))
         .count()
 }
 
@@ -68,7 +66,10 @@ fn twenty_gpu_pods_share_one_probe_set_which_goes_with_the_last() {
     let agent = rig.env.containerd().agent_pid().unwrap();
     let with_one = rig.node_status()["programs_attached"].as_u64().unwrap();
     let held_with_one = bpf_programs_held(agent);
-    assert!(with_one > 0 && held_with_one as u64 == with_one, "{with_one} {held_with_one}");
+    assert!(
+        with_one > 0 && held_with_one as u64 == with_one,
+        "{with_one} {held_with_one}"
+    );
     pods.push(first);
     for i in 1..20 {
         let id = format!("pod-{i}");
@@ -88,10 +89,23 @@ fn twenty_gpu_pods_share_one_probe_set_which_goes_with_the_last() {
             .all(|c| c["gpu"] == json!("held")),
         "{node}"
     );
-    assert_eq!(node["programs_attached"].as_u64().unwrap(), with_one, "{node}");
-    assert_eq!(bpf_programs_held(agent), held_with_one, "the agent's programs");
+    assert_eq!(
+        node["programs_attached"].as_u64().unwrap(),
+        with_one,
+        "{node}"
+    );
+    assert_eq!(
+        bpf_programs_held(agent),
+        held_with_one,
+        "the agent's programs"
+    );
     for shim in rig.env.shims() {
-        assert_eq!(bpf_programs_held(shim.pid), 0, "shim {} loads no probes", shim.pid);
+        assert_eq!(
+            bpf_programs_held(shim.pid),
+            0,
+            "shim {} loads no probes",
+            shim.pid
+        );
     }
     for h in pods {
         h.finish().unwrap();
@@ -99,7 +113,11 @@ fn twenty_gpu_pods_share_one_probe_set_which_goes_with_the_last() {
     let detached = wait_until(WITHIN, || {
         rig.node_status()["probes_attached"] == json!(false)
     });
-    assert!(detached, "the probes go with the last GPU pod: {}", rig.node_status());
+    assert!(
+        detached,
+        "the probes go with the last GPU pod: {}",
+        rig.node_status()
+    );
     assert_eq!(bpf_programs_held(agent), 0);
 }
 
@@ -147,10 +165,7 @@ fn the_agent_killed_mid_run_is_started_again_and_rebuilds_from_proc() {
     // Created while no agent runs: the new one cannot have seen it.
     h.cmd(&format!("alloc {fd}")).unwrap();
     let back = wait_until(WITHIN, || {
-        rig.env
-            .containerd()
-            .agent_pid()
-            .is_some_and(|p| p != old)
+        rig.env.containerd().agent_pid().is_some_and(|p| p != old)
             && baton_integration::agent::container_status(
                 &rig.env.containerd().agent_socket(),
                 "survivor",
@@ -159,10 +174,17 @@ fn the_agent_killed_mid_run_is_started_again_and_rebuilds_from_proc() {
             .flatten()
             .is_some()
     });
-    assert!(back, "the shim started the agent again and registered the container again");
+    assert!(
+        back,
+        "the shim started the agent again and registered the container again"
+    );
     let status = rig.status("survivor");
     assert_eq!(status["gpu"], json!("held"), "{status}");
-    assert_eq!(status["nvidia_fds"], json!(1), "rebuilt from /proc: {status}");
+    assert_eq!(
+        status["nvidia_fds"],
+        json!(1),
+        "rebuilt from /proc: {status}"
+    );
     assert_eq!(status["partial"], json!(true), "{status}");
     let log = std::fs::read_to_string(rig.env.containerd().log_path()).unwrap();
     assert_eq!(
@@ -170,12 +192,60 @@ fn the_agent_killed_mid_run_is_started_again_and_rebuilds_from_proc() {
         1,
         "the shim says once that the agent is gone"
     );
-    assert!(log.contains("gpu: connected to the baton agent at"), "and that it is back");
+    assert!(
+        log.contains("gpu: connected to the baton agent at"),
+        "and that it is back"
+    );
 
     let mut w = rig.watch("survivor");
     let before = h.num("stamp").unwrap();
     h.num(&format!("close {fd}")).unwrap();
     let e = expect(&mut w, "survivor", "released");
     assert!(e["t_last_close_ns"].as_u64().unwrap() >= before, "{e}");
+    h.finish().unwrap();
+}
+
+#[test]
+fn baton_trace_uses_the_agents_probe_set_when_an_agent_runs() {
+    let Some(rig) = GpuRig::start("agent-trace") else {
+        return;
+    };
+    let mut h = rig.holder("traced");
+    let mut w = rig.watch("traced");
+    let agent = rig.env.containerd().agent_pid().unwrap();
+    let programs = rig.node_status()["programs_attached"].as_u64().unwrap();
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let mut cmd = std::process::Command::new(
+        baton_integration::trace_env::workspace_binary("baton", "baton").unwrap(),
+    );
+    cmd.args(["trace", "-c", "traced", "--summary", "-o"])
+        .arg(out.path())
+        .env("BATON_AGENT_SOCKET", rig.env.containerd().agent_socket());
+    let trace =
+        baton_integration::trace_env::BatonTrace::start(cmd, Duration::from_secs(30)).unwrap();
+    let fd = h.num("open nvidiactl").unwrap();
+    expect(&mut w, "traced", "acquired");
+    h.cmd(&format!("alloc {fd}")).unwrap();
+    h.num(&format!("close {fd}")).unwrap();
+    expect(&mut w, "traced", "released");
+    // One probe set on the node: the agent's, unchanged; the trace loaded none.
+    assert_eq!(
+        rig.node_status()["programs_attached"].as_u64().unwrap(),
+        programs
+    );
+    assert_eq!(bpf_programs_held(agent) as u64, programs);
+    let (status, stderr) = trace.stop().unwrap();
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stderr.contains("using the probe set of the baton agent"),
+        "{stderr}"
+    );
+    let text = std::fs::read_to_string(out.path()).unwrap();
+    assert!(text.contains("open(nvidiactl) = "), "{text}");
+    assert!(text.contains("NV_ESC_RM_ALLOC(nvidiactl"), "{text}");
+    assert!(text.contains("hClass=NV01_ROOT_CLIENT"), "{text}");
+    assert!(text.contains(&format!("close({fd})")), "{text}");
+    let summary = format!("== container {}/traced", rig.env.namespace());
+    assert!(text.contains(&summary), "the summary follows: {text}");
     h.finish().unwrap();
 }

@@ -149,7 +149,10 @@ impl Probes {
         let mut ebpf = EbpfLoader::new()
             .load(OBJECT)
             .map_err(|e| ProbeError::Refused(error_chain(&e)))?;
-        write_config(&mut ebpf, cfg)?;
+        if cfg.prefixes.len() > PREFIX_SLOTS as usize {
+            return Err(ProbeError::TooManyPrefixes);
+        }
+        write_config(&mut ebpf, cfg.watch_all)?;
         for &(prog, category, name) in TRACEPOINTS {
             attach_tracepoint(&mut ebpf, prog, category, name)?;
         }
@@ -211,6 +214,11 @@ impl Probes {
         Ok(())
     }
 
+    /// Traces every process (`true`) or only the watched cgroups.
+    pub fn set_watch_all(&mut self, on: bool) -> Result<(), ProbeError> {
+        write_config(&mut self._ebpf, on)
+    }
+
     /// The device-directory prefixes followed.
     pub fn prefixes(&self) -> &[String] {
         &self.prefix_list
@@ -226,12 +234,10 @@ impl Probes {
     }
 }
 
-fn write_config(ebpf: &mut Ebpf, cfg: &ProbeConfig) -> Result<(), ProbeError> {
-    if cfg.prefixes.len() > PREFIX_SLOTS as usize {
-        return Err(ProbeError::TooManyPrefixes);
-    }
+/// Writes the probes' `CONFIG`: whether every process is traced, and this kernel's record layouts.
+fn write_config(ebpf: &mut Ebpf, watch_all: bool) -> Result<(), ProbeError> {
     let config = Config {
-        watch_all: u32::from(cfg.watch_all),
+        watch_all: u32::from(watch_all),
         newtask_pid_offset: field_offset("task/task_newtask", " pid;"),
         newtask_flags_offset: field_offset("task/task_newtask", " clone_flags;"),
         exit_group_dead_offset: field_offset("sched/sched_process_exit", " group_dead;"),

@@ -10,7 +10,8 @@ use tokio::{
 };
 
 use crate::protocol::{
-    Event, EventLine, Filter, PROTOCOL_VERSION, Reply, ReplyLine, Request, RequestLine,
+    Event, EventLine, Filter, PROTOCOL_VERSION, Reply, ReplyLine, Request, RequestLine, TraceLine,
+    TraceRequest,
 };
 
 /// Errors of the client.
@@ -126,6 +127,35 @@ impl Client {
             Reply::Watching => Ok(()),
             other => Err(self.protocol("expected the watching reply".into(), format!("{other:?}"))),
         }
+    }
+
+    /// Asks for trace output; read it with [`Client::next_trace_line`], end it with [`Client::end_trace`].
+    pub async fn trace(&mut self, request: TraceRequest) -> Result<usize, ClientError> {
+        match self.call(Request::Trace(request)).await? {
+            Reply::Tracing { programs_attached } => Ok(programs_attached),
+            other => Err(self.protocol("expected the tracing reply".into(), format!("{other:?}"))),
+        }
+    }
+
+    /// The next trace line; `None` once the agent has sent everything (after [`Client::end_trace`]).
+    pub async fn next_trace_line(&mut self) -> Result<Option<String>, ClientError> {
+        let line = match self.read_line().await {
+            Ok(l) => l,
+            Err(ClientError::Closed { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let t: TraceLine =
+            serde_json::from_str(&line).map_err(|e| self.protocol(e.to_string(), line.clone()))?;
+        Ok(Some(t.line))
+    }
+
+    /// Ends a trace: the agent sends what is left (the summary, if asked) and closes.
+    pub async fn end_trace(&mut self) -> Result<(), ClientError> {
+        self.stream
+            .get_mut()
+            .shutdown()
+            .await
+            .map_err(|source| self.io(source))
     }
 
     /// The next event of a watch.

@@ -23,6 +23,48 @@ pub enum Request {
     Status(Filter),
     /// Stream events (all, or those matching the filter) after the reply.
     Watch(Filter),
+    /// Stream `baton trace` output of the agent's probe set after the reply, until the client shuts down
+    /// its sending side (the summary, if asked, follows; then the agent closes).
+    Trace(TraceRequest),
+}
+
+/// What `baton trace` asks the agent to trace, and how to print it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TraceRequest {
+    /// Container names (containerd `namespace/id`, an id, or its 12-character prefix); containers started
+    /// later are picked up.
+    #[serde(default)]
+    pub containers: Vec<String>,
+    /// cgroup v2 paths.
+    #[serde(default)]
+    pub cgroups: Vec<String>,
+    /// Processes whose container is traced (only their calls are shown).
+    #[serde(default)]
+    pub pids: Vec<u32>,
+    /// Every process on the node.
+    #[serde(default)]
+    pub all: bool,
+    /// Device-directory prefixes to follow besides those followed already.
+    #[serde(default)]
+    pub prefixes: Vec<String>,
+    /// One JSON object per event (the trace schema) instead of text lines.
+    #[serde(default)]
+    pub json: bool,
+    /// No live lines.
+    #[serde(default)]
+    pub quiet: bool,
+    /// A per-container summary at the end.
+    #[serde(default)]
+    pub summary: bool,
+}
+
+/// One line of trace output.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TraceLine {
+    /// [`PROTOCOL_VERSION`].
+    pub v: u32,
+    /// The text line or JSON object, as `baton trace` prints it.
+    pub line: String,
 }
 
 /// A request line: the version and the request.
@@ -132,6 +174,11 @@ pub enum Reply {
     Status(NodeStatus),
     /// Events follow on this connection.
     Watching,
+    /// Trace lines follow on this connection.
+    Tracing {
+        /// eBPF programs of the agent's probe set (no other set was loaded).
+        programs_attached: usize,
+    },
     /// The request failed; `error` says why and what to do.
     Error {
         /// The message.

@@ -332,6 +332,27 @@ impl Tracer {
         self.resyncs
     }
 
+    /// Traces every process on the node (`true`, seeding what they hold from /proc) or only the watched
+    /// cgroups again (processes already followed stay followed until they let go).
+    pub fn set_watch_all(&mut self, on: bool) -> Result<(), TracerError> {
+        if on == self.watch_all {
+            return Ok(());
+        }
+        self.probes.set_watch_all(on)?;
+        self.watch_all = on;
+        if on {
+            for pid in seed::all_pids() {
+                self.seed_pid(pid)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether every process is traced.
+    pub fn watches_all(&self) -> bool {
+        self.watch_all
+    }
+
     /// Also follows opens of NVIDIA device files under `prefix` (a device directory such as `/dev/`).
     pub fn add_prefix(&mut self, prefix: &str) -> Result<(), TracerError> {
         Ok(self.probes.add_prefix(prefix)?)

@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use baton_agent_api::{
     ContainerRef, ContainerStatus, Event, EventBody, Filter, NodeStatus, Pong, Registration, Reply,
+    TraceRequest,
 };
 use baton_tracer::{
     Tracer, TracerConfig,
@@ -14,7 +15,7 @@ use baton_tracer::{
 };
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-use super::watched::Watched;
+use super::{trace_session::TraceSession, watched::Watched};
 use crate::trace::now_monotonic_ns;
 
 /// An event on its way to the watchers, with the pid of the process that registered its container.
@@ -26,10 +27,27 @@ pub struct Published {
     pub owner: u32,
 }
 
+/// What a connection asks of the core.
+pub enum What {
+    /// A request of the protocol (not `trace`, which comes as `Trace`).
+    Request(baton_agent_api::Request),
+    /// Start trace session `session`, whose lines go to `lines`.
+    Trace {
+        /// The connection's session number.
+        session: u64,
+        /// What to trace.
+        request: TraceRequest,
+        /// Where its lines go.
+        lines: mpsc::Sender<String>,
+    },
+    /// The client ended trace session `session`.
+    EndTrace(u64),
+}
+
 /// A request from a connection.
 pub struct Command {
     /// What is asked.
-    pub request: baton_agent_api::Request,
+    pub what: What,
     /// The asking process (SO_PEERCRED).
     pub peer_pid: u32,
     /// Where the reply goes.
@@ -43,6 +61,7 @@ pub struct Core {
     by_cgroup: HashMap<u64, ContainerRef>,
     events: broadcast::Sender<Published>,
     seq: u64,
+    traces: BTreeMap<u64, TraceSession>,
 }
 
 impl Core {
@@ -54,6 +73,7 @@ impl Core {
             by_cgroup: HashMap::new(),
             events,
             seq: 0,
+            traces: BTreeMap::new(),
         }
     }
 
@@ -63,12 +83,25 @@ impl Core {
             tokio::select! {
                 cmd = commands.recv() => match cmd {
                     Some(c) => {
-                        let reply = self.handle(c.request, c.peer_pid);
+                        let reply = match c.what {
+                            What::Request(r) => self.handle(r, c.peer_pid),
+                            What::Trace { session, request, lines } => {
+                                self.start_trace(session, &request, lines)
+                            }
+                            What::EndTrace(session) => self.end_trace(session),
+                        };
                         let _ = c.reply.send(reply);
                     }
                     None => return,
                 },
                 batch = next_batch(self.tracer.as_mut()) => self.on_batch(batch),
+                _ = rescan_tick(self.traces.values().any(TraceSession::has_names)) => {
+                    if let Some(t) = self.tracer.as_mut() {
+                        for s in self.traces.values_mut() {
+                            s.refresh(t);
+                        }
+                    }
+                }
             }
         }
     }
@@ -84,9 +117,7 @@ impl Core {
             R::Register(reg) => match self.register(reg, peer) {
                 Ok(container) => Reply::Registered { container },
                 Err(error) => {
-                    if self.watched.is_empty() {
-                        self.tracer = None;
-                    }
+                    self.drop_tracer_if_unused();
                     Reply::Error { error }
                 }
             },
@@ -94,8 +125,8 @@ impl Core {
                 found: self.unregister(&c),
             },
             R::Status(filter) => Reply::Status(self.status(&filter, peer)),
-            R::Watch(_) => Reply::Error {
-                error: "watch is answered by the connection, not the core".to_owned(),
+            R::Watch(_) | R::Trace(_) => Reply::Error {
+                error: "watch and trace are answered by the connection, not the core".to_owned(),
             },
         }
     }
@@ -149,7 +180,12 @@ impl Core {
 
     /// Loads the probes on first use, and follows the device directory of the container's settings.
     fn load_tracer(&mut self, trace_prefix: &str) -> Result<(), String> {
-        let dir = baton_agent_api::device_dir(trace_prefix).to_owned();
+        self.load_tracer_for(baton_agent_api::device_dir(trace_prefix))
+    }
+
+    /// Loads the probes on first use, and follows device directory `dir`.
+    fn load_tracer_for(&mut self, dir: &str) -> Result<(), String> {
+        let dir = dir.to_owned();
         match self.tracer.as_mut() {
             None => {
                 let t = Tracer::start(TracerConfig {
@@ -204,10 +240,65 @@ impl Core {
             );
         }
         self.publish(c, w.owner, body);
-        if self.watched.is_empty() && self.tracer.take().is_some() {
-            tracing::info!("agent: probes detached (no watched container left)");
-        }
+        self.drop_tracer_if_unused();
         true
+    }
+
+    /// Drops (detaches) the probes when no container is watched and no trace runs.
+    fn drop_tracer_if_unused(&mut self) {
+        if self.watched.is_empty() && self.traces.is_empty() && self.tracer.take().is_some() {
+            tracing::info!("agent: probes detached (no watched container or trace left)");
+        }
+    }
+
+    fn start_trace(
+        &mut self,
+        session: u64,
+        request: &TraceRequest,
+        lines: mpsc::Sender<String>,
+    ) -> Reply {
+        let default_dir = ["/dev/".to_owned()];
+        let first_dir = request.prefixes.first().unwrap_or(&default_dir[0]);
+        let started = self.load_tracer_for(first_dir).and_then(|()| {
+            let tracer = self.tracer.as_mut().ok_or("the probes are not loaded")?;
+            TraceSession::start(request, tracer, lines)
+        });
+        match started {
+            Ok(s) => {
+                tracing::info!(session, "agent: trace started");
+                self.traces.insert(session, s);
+                Reply::Tracing {
+                    programs_attached: self.tracer.as_ref().map_or(0, Tracer::programs_attached),
+                }
+            }
+            Err(error) => {
+                self.drop_tracer_if_unused();
+                Reply::Error { error }
+            }
+        }
+    }
+
+    fn end_trace(&mut self, session: u64) -> Reply {
+        let Some(s) = self.traces.remove(&session) else {
+            return Reply::Unregistered { found: false };
+        };
+        if let Some(t) = self.tracer.as_mut() {
+            let was_all = s.all;
+            let cgroups = s.finish(t);
+            for id in cgroups {
+                let in_use = self.by_cgroup.contains_key(&id)
+                    || self.traces.values().any(|o| o.traces_cgroup(id));
+                if !in_use {
+                    t.unwatch_cgroup(id);
+                }
+            }
+            if was_all && !self.traces.values().any(|o| o.all) {
+                let _ = t.set_watch_all(false);
+            }
+        }
+        tracing::info!(session, "agent: trace ended");
+        self.drop_tracer_if_unused();
+        Reply::Unregistered { found: true }
     }
 
     fn status(&self, filter: &Filter, asker: u32) -> NodeStatus {
@@ -234,7 +325,14 @@ impl Core {
 
     fn on_batch(&mut self, batch: Result<Vec<Record>, baton_tracer::TracerError>) {
         match batch {
-            Ok(records) => self.apply(&records),
+            Ok(records) => {
+                self.apply(&records);
+                if let Some(t) = self.tracer.as_mut() {
+                    for s in self.traces.values_mut() {
+                        s.take(&records, t);
+                    }
+                }
+            }
             Err(e) => {
                 tracing::error!(
                     "agent: reading the probes failed ({e}); detaching them until the next registration"
@@ -242,6 +340,7 @@ impl Core {
                 self.tracer = None;
                 self.watched.clear();
                 self.by_cgroup.clear();
+                self.traces.clear();
             }
         }
     }
@@ -301,6 +400,15 @@ impl Core {
         };
         // No watcher is not an error: the state is in `status`.
         let _ = self.events.send(Published { event, owner });
+    }
+}
+
+/// Every 500 ms while `active` (a trace names containers, which may start later), else never.
+async fn rescan_tick(active: bool) {
+    if active {
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    } else {
+        std::future::pending::<()>().await;
     }
 }
 

@@ -8,6 +8,7 @@ mod core;
 mod daemon;
 mod nvml;
 mod server;
+mod trace_session;
 mod watched;
 
 use std::{os::unix::fs::PermissionsExt, path::PathBuf};

@@ -1,7 +1,9 @@
 //! The agent's socket: root-only connections (SO_PEERCRED), one JSON request per line, one reply per
-//! request; `watch` turns the connection into an event stream.
+//! request; `watch` turns the connection into an event stream, `trace` into a stream of trace lines.
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use baton_agent_api::{
-    EventLine, Filter, PROTOCOL_VERSION, Reply, ReplyLine, Request, RequestLine,
+    EventLine, Filter, PROTOCOL_VERSION, Reply, ReplyLine, Request, RequestLine, TraceLine,
 };
 use tokio::{
     io::{AsyncBufReadExt, AsyncWriteExt, BufReader},
@@ -9,7 +11,10 @@ use tokio::{
     sync::{broadcast, mpsc, oneshot},
 };
 
-use super::core::{Command, Published};
+use super::{
+    core::{Command, Published, What},
+    trace_session::LINE_BUFFER,
+};
 
 /// Accepts connections until the listener fails.
 pub async fn serve(
@@ -57,24 +62,86 @@ async fn connection(
                 continue;
             }
         };
-        if let Request::Watch(filter) = request {
-            let rx = events.subscribe();
-            send_reply(&mut write, Reply::Watching).await?;
-            return stream_events(rx, filter, peer_pid, write, lines).await;
+        match request {
+            Request::Watch(filter) => {
+                let rx = events.subscribe();
+                send_reply(&mut write, Reply::Watching).await?;
+                return stream_events(rx, filter, peer_pid, write, lines).await;
+            }
+            Request::Trace(request) => {
+                let session = NEXT_SESSION.fetch_add(1, Ordering::Relaxed);
+                let (tx, rx) = mpsc::channel(LINE_BUFFER);
+                let what = What::Trace {
+                    session,
+                    request,
+                    lines: tx,
+                };
+                let reply = ask(&commands, what, peer_pid).await;
+                let tracing = matches!(reply, Reply::Tracing { .. });
+                send_reply(&mut write, reply).await?;
+                if tracing {
+                    return stream_trace(session, rx, &commands, peer_pid, write, lines).await;
+                }
+            }
+            request => {
+                let reply = ask(&commands, What::Request(request), peer_pid).await;
+                send_reply(&mut write, reply).await?;
+            }
         }
-        let (tx, rx) = oneshot::channel();
-        let cmd = Command {
-            request,
-            peer_pid,
-            reply: tx,
-        };
-        let reply = match commands.send(cmd).await {
-            Ok(()) => rx.await.unwrap_or_else(|_| stopping()),
-            Err(_) => stopping(),
-        };
-        send_reply(&mut write, reply).await?;
     }
     Ok(())
+}
+
+/// Trace sessions are numbered across connections.
+static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
+
+/// Hands `what` to the core and waits for its reply.
+async fn ask(commands: &mpsc::Sender<Command>, what: What, peer_pid: u32) -> Reply {
+    let (tx, rx) = oneshot::channel();
+    let cmd = Command {
+        what,
+        peer_pid,
+        reply: tx,
+    };
+    match commands.send(cmd).await {
+        Ok(()) => rx.await.unwrap_or_else(|_| stopping()),
+        Err(_) => stopping(),
+    }
+}
+
+/// Writes the session's lines until the client shuts down its side; then ends the session (the core sends
+/// the summary, if asked, and drops its sender) and writes what is left.
+async fn stream_trace(
+    session: u64,
+    mut rx: mpsc::Receiver<String>,
+    commands: &mpsc::Sender<Command>,
+    peer_pid: u32,
+    mut write: OwnedWriteHalf,
+    mut lines: tokio::io::Lines<BufReader<tokio::net::unix::OwnedReadHalf>>,
+) -> std::io::Result<()> {
+    let mut ended = false;
+    loop {
+        tokio::select! {
+            line = rx.recv() => match line {
+                Some(line) => {
+                    let sent = send_line(&mut write, &TraceLine { v: PROTOCOL_VERSION, line }).await;
+                    if let Err(e) = sent {
+                        if !ended {
+                            ask(commands, What::EndTrace(session), peer_pid).await;
+                        }
+                        return Err(e);
+                    }
+                }
+                None => return write.shutdown().await,
+            },
+            line = lines.next_line(), if !ended => {
+                // The client shut down its side (or sent more, which ends a trace too).
+                let _ = line;
+                ended = true;
+                ask(commands, What::EndTrace(session), peer_pid).await;
+            },
+        }
+    }
 }
 
 fn stopping() -> Reply {

@@ -1,13 +1,18 @@
 //! `baton trace`: attaches the probes, follows the selected containers, prints one line (or one JSON
 //! object) per driver call and, on exit, a per-container summary.
+mod session;
+mod via_agent;
+
 use std::{collections::HashSet, io::Write, path::PathBuf, time::Duration};
 
 use anyhow::{Context, bail};
 use baton_nvidia::layout::DriverVersion;
-use baton_tracer::{Tracer, TracerConfig, cgroups, event::Event, schema::TraceEvent};
+use baton_tracer::{Tracer, TracerConfig, cgroups, event::Event};
 use clap::Args;
 
-use crate::{render, summary::Summary};
+pub use session::{Output, Selection};
+
+use crate::summary::Summary;
 
 /// Options of `baton trace`.
 #[derive(Args, Clone, Debug, Default)]
@@ -49,6 +54,10 @@ pub struct TraceArgs {
     /// Write events here instead of stdout.
     #[arg(long, short = 'o')]
     pub output: Option<PathBuf>,
+    /// Load a probe set of its own even when a `baton agent` runs (by default the agent's set traces, so
+    /// that the node pays for one; `--driver-version` and `--cgroup-root` imply this).
+    #[arg(long)]
+    pub standalone: bool,
 }
 
 /// Printed on stderr once the probes are attached and the selected cgroups watched (README, `baton trace`):
@@ -68,48 +77,16 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
             _ = terminate.recv() => {}
         }
     };
-    run_until(args, stop, |_| {}).await
-}
-
-/// What the selection options resolve to.
-struct Selection {
-    names: Vec<String>,
-    watched: HashSet<u64>,
-}
-
-impl Selection {
-    /// Watches every cgroup whose container name or path matches a `--container` name.
-    fn refresh(&mut self, tracer: &mut Tracer) -> anyhow::Result<()> {
-        if self.names.is_empty() {
-            return Ok(());
-        }
-        tracer.cgroups_mut().rescan();
-        let matches: Vec<u64> = tracer
-            .cgroups_mut()
-            .entries()
-            .filter(|(_, path)| self.names.iter().any(|n| name_matches(n, path)))
-            .map(|(id, _)| id)
-            .collect();
-        for id in matches {
-            if self.watched.insert(id) {
-                tracer.watch_cgroup(id)?;
-            }
-        }
-        Ok(())
+    if args.containers.is_empty() && args.cgroups.is_empty() && args.pids.is_empty() && !args.all {
+        bail!("nothing to trace: give --container NAME, --cgroup PATH, --pid PID or --all");
     }
-}
-
-/// Whether `--container name` selects the cgroup at `path`.
-fn name_matches(name: &str, path: &str) -> bool {
-    let cname = cgroups::container_name(path);
-    cname == name
-        || path
-            .trim_end_matches(".scope")
-            .ends_with(&format!("/{name}"))
-        || path
-            .trim_end_matches(".scope")
-            .ends_with(&format!("-{name}"))
-        || (name.len() >= 12 && cname.len() == 12 && name.starts_with(&cname))
+    if !args.standalone && args.driver_version.is_none() && args.cgroup_root.is_none() {
+        let socket = baton_agent_api::default_socket();
+        if let Some(client) = via_agent::agent_answering(&socket).await {
+            return via_agent::run(args, client, stop).await;
+        }
+    }
+    run_until(args, stop, |_| {}).await
 }
 
 /// Runs the tracer until `stop` completes; `on_event` sees every event (the demo uses it).
@@ -192,67 +169,16 @@ pub async fn run_until(
                 sel.refresh(&mut tracer)?;
                 reported_drops = report_drops(&tracer, reported_drops);
             }
-            batch = tracer.next_events() => output.take(batch?, &mut tracer, &mut on_event)?,
+            batch = tracer.next_events() => output.take(&batch?, &mut tracer, &mut on_event, None)?,
         }
     }
-    output.take(tracer.drain_now()?, &mut tracer, &mut on_event)?;
+    output.take(&tracer.drain_now()?, &mut tracer, &mut on_event, None)?;
     report_drops(&tracer, reported_drops);
     if args.summary {
         let report = output.summary.render(&mut tracer);
         writeln!(output.out, "{report}")?;
     }
     output.out.flush()?;
-    Ok(())
-}
-
-/// Where events go: the live lines or JSON objects, and the summary.
-struct Output {
-    out: Box<dyn Write>,
-    summary: Summary,
-    /// `--pid` filter (empty: every process of the traced containers).
-    pids: HashSet<u32>,
-    json: bool,
-    quiet: bool,
-    t0: u64,
-}
-
-impl Output {
-    /// Takes a batch of events: the ones `--pid` selects are counted, handed to `on_event` and printed.
-    fn take(
-        &mut self,
-        events: Vec<Event>,
-        tracer: &mut Tracer,
-        on_event: &mut impl FnMut(&Event),
-    ) -> anyhow::Result<()> {
-        for e in events
-            .iter()
-            .filter(|e| self.pids.is_empty() || self.pids.contains(&e.pid))
-        {
-            on_event(e);
-            self.summary.add(e);
-            if !self.quiet {
-                emit(&mut *self.out, e, tracer, self.json, self.t0)?;
-            }
-        }
-        self.out.flush()?;
-        Ok(())
-    }
-}
-
-fn emit(
-    out: &mut dyn Write,
-    e: &Event,
-    tracer: &mut Tracer,
-    json: bool,
-    t0: u64,
-) -> anyhow::Result<()> {
-    let name = tracer.container_name(e.cgroup_id);
-    if json {
-        serde_json::to_writer(&mut *out, &TraceEvent::new(e, &name))?;
-        writeln!(out)?;
-    } else {
-        writeln!(out, "{}", render::line(e, &name, t0))?;
-    }
     Ok(())
 }
 
@@ -272,7 +198,7 @@ pub use baton_tracer::now_monotonic_ns;
 
 #[cfg(test)]
 mod tests {
-    use super::name_matches;
+    use super::session::name_matches;
 
     #[test]
     fn container_names_match_ids_and_paths() {

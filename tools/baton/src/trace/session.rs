@@ -1,0 +1,108 @@
+//! What a trace session is, wherever its probes are (its own, or the agent's): the selection the options
+//! resolve to, and the output (live lines or JSON objects, and the summary).
+use std::{collections::HashSet, io::Write};
+
+use baton_tracer::{Tracer, cgroups, event::Event, schema::TraceEvent};
+
+use crate::{render, summary::Summary};
+
+/// What the selection options resolve to.
+pub struct Selection {
+    /// `--container` names.
+    pub names: Vec<String>,
+    /// The cgroups traced.
+    pub watched: HashSet<u64>,
+}
+
+impl Selection {
+    /// Watches every cgroup whose container name or path matches a `--container` name.
+    pub fn refresh(&mut self, tracer: &mut Tracer) -> anyhow::Result<()> {
+        if self.names.is_empty() {
+            return Ok(());
+        }
+        tracer.cgroups_mut().rescan();
+        let matches: Vec<u64> = tracer
+            .cgroups_mut()
+            .entries()
+            .filter(|(_, path)| self.names.iter().any(|n| name_matches(n, path)))
+            .map(|(id, _)| id)
+            .collect();
+        for id in matches {
+            if self.watched.insert(id) {
+                tracer.watch_cgroup(id)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `--container name` selects the cgroup at `path`.
+pub fn name_matches(name: &str, path: &str) -> bool {
+    let cname = cgroups::container_name(path);
+    cname == name
+        || path
+            .trim_end_matches(".scope")
+            .ends_with(&format!("/{name}"))
+        || path
+            .trim_end_matches(".scope")
+            .ends_with(&format!("-{name}"))
+        || (name.len() >= 12 && cname.len() == 12 && name.starts_with(&cname))
+}
+
+/// Where events go: the live lines or JSON objects, and the summary.
+pub struct Output<W: Write> {
+    /// Where lines go.
+    pub out: W,
+    /// Counts for `--summary`.
+    pub summary: Summary,
+    /// `--pid` filter (empty: every process of the traced containers).
+    pub pids: HashSet<u32>,
+    /// JSON objects instead of text lines.
+    pub json: bool,
+    /// No live lines.
+    pub quiet: bool,
+    /// Time origin of the text lines.
+    pub t0: u64,
+}
+
+impl<W: Write> Output<W> {
+    /// Takes a batch of events: the ones `--pid` selects (and, when `only` is given, of those cgroups) are
+    /// counted, handed to `on_event` and printed.
+    pub fn take(
+        &mut self,
+        events: &[Event],
+        tracer: &mut Tracer,
+        on_event: &mut impl FnMut(&Event),
+        only: Option<&HashSet<u64>>,
+    ) -> anyhow::Result<()> {
+        for e in events.iter().filter(|e| {
+            (self.pids.is_empty() || self.pids.contains(&e.pid))
+                && only.is_none_or(|set| set.contains(&e.cgroup_id))
+        }) {
+            on_event(e);
+            self.summary.add(e);
+            if !self.quiet {
+                emit(&mut self.out, e, tracer, self.json, self.t0)?;
+            }
+        }
+        self.out.flush()?;
+        Ok(())
+    }
+}
+
+fn emit(
+    out: &mut dyn Write,
+    e: &Event,
+    tracer: &mut Tracer,
+    json: bool,
+    t0: u64,
+) -> anyhow::Result<()> {
+    let name = tracer.container_name(e.cgroup_id);
+    if json {
+        serde_json::to_writer(&mut *out, &TraceEvent::new(e, &name))?;
+        writeln!(out)?;
+    } else {
+        writeln!(out, "{}", render::line(e, &name, t0))?;
+    }
+    Ok(())
+}

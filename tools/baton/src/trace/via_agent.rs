@@ -1,0 +1,86 @@
+//! `baton trace` through the node agent's probe set: the agent resolves the selection, traces and renders;
+//! this side prints what it sends. Ending the trace (Ctrl-C, SIGTERM, `--duration`) shuts down the sending
+//! side of the connection, after which the agent sends the summary, if asked, and closes.
+use std::{io::Write, path::Path, time::Duration};
+
+use anyhow::Context;
+use baton_agent_api::{Client, Request, TraceRequest};
+
+use super::{READY_LINE, TraceArgs};
+
+/// How long a ping of the agent may take before `baton trace` loads its own probes instead.
+const PING_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A connection to the agent at `socket`, if one answers.
+pub async fn agent_answering(socket: &Path) -> Option<Client> {
+    let mut client = Client::connect(socket).await.ok()?;
+    match tokio::time::timeout(PING_TIMEOUT, client.call(Request::Ping)).await {
+        Ok(Ok(_)) => Some(client),
+        _ => None,
+    }
+}
+
+/// Traces through the agent until `stop`, `--duration` or the agent's end.
+pub async fn run(
+    args: TraceArgs,
+    mut client: Client,
+    stop: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let request = TraceRequest {
+        containers: args.containers.clone(),
+        cgroups: args
+            .cgroups
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect(),
+        pids: args.pids.clone(),
+        all: args.all,
+        prefixes: args.prefixes.clone(),
+        json: args.json,
+        quiet: args.quiet,
+        summary: args.summary,
+    };
+    let programs = client.trace(request).await.with_context(|| {
+        format!(
+            "tracing through the baton agent at {}",
+            client.path().display()
+        )
+    })?;
+    eprintln!(
+        "baton trace: using the probe set of the baton agent at {} ({programs} programs)",
+        client.path().display()
+    );
+    eprintln!("{READY_LINE}");
+    let mut out: Box<dyn Write> = match &args.output {
+        Some(p) => Box::new(
+            std::fs::File::create(p).with_context(|| format!("cannot create {}", p.display()))?,
+        ),
+        None => Box::new(std::io::stdout().lock()),
+    };
+    let deadline = async {
+        match args.duration {
+            Some(s) => tokio::time::sleep(Duration::from_secs_f64(s)).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(stop, deadline);
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            _ = &mut deadline => break,
+            line = client.next_trace_line() => match line? {
+                Some(l) => {
+                    writeln!(out, "{l}")?;
+                    out.flush()?;
+                }
+                None => return Ok(()),
+            },
+        }
+    }
+    client.end_trace().await?;
+    while let Some(l) = client.next_trace_line().await? {
+        writeln!(out, "{l}")?;
+    }
+    out.flush()?;
+    Ok(())
+}
