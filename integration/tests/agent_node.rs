@@ -249,3 +249,35 @@ fn baton_trace_uses_the_agents_probe_set_when_an_agent_runs() {
     assert!(text.contains(&summary), "the summary follows: {text}");
     h.finish().unwrap();
 }
+
+#[test]
+fn a_container_whose_shim_was_killed_is_dropped_once_its_init_is_gone() {
+    let Some(rig) = GpuRig::start("agent-orphan") else {
+        return;
+    };
+    let h = rig.holder("orphan");
+    let status = rig.status("orphan");
+    let init = status["init_pid"].as_i64().unwrap() as i32;
+    let kill = |pid: i32| {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap()
+    };
+    for shim in rig.env.shims() {
+        kill(shim.pid);
+    }
+    // The container outlives its shim: still watched.
+    assert_eq!(
+        rig.status("orphan")["init_pid"].as_i64().unwrap() as i32,
+        init
+    );
+    kill(init);
+    let dropped = wait_until(WITHIN, || {
+        baton_integration::agent::container_status(&rig.env.containerd().agent_socket(), "orphan")
+            .is_ok_and(|s| s.is_none())
+    });
+    assert!(dropped, "{}", rig.node_status());
+    drop(h);
+}

@@ -73,7 +73,7 @@ fn each_way_a_file_goes_releases_once_nothing_holds_one() {
     assert_eq!(alloc[1], "0", "the root client was allocated: {alloc:?}");
     let before = h.num("stamp").unwrap();
     let t = h.num(&format!("close {fd}")).unwrap();
-    let e = expect_release(&mut w, "ways", before, t, &["syscall_return"]);
+    let e = expect_release(&mut w, "ways", before, t, &["syscall_return", "proc"]);
     assert_eq!(
         e["objects_freed"],
         json!(1),
@@ -85,7 +85,7 @@ fn each_way_a_file_goes_releases_once_nothing_holds_one() {
     expect_acquire(&mut w, "ways");
     let before = h.num("stamp").unwrap();
     let t = h.num(&format!("close {fd}")).unwrap();
-    expect_release(&mut w, "ways", before, t, &["syscall_return"]);
+    expect_release(&mut w, "ways", before, t, &["syscall_return", "proc"]);
 
     // re-acquire, then close_range over two fds
     h.num("open nvidiactl").unwrap();
@@ -93,14 +93,14 @@ fn each_way_a_file_goes_releases_once_nothing_holds_one() {
     h.num("open nvidia0").unwrap();
     let before = h.num("stamp").unwrap();
     let t = h.num("close-range 3 4294967295").unwrap();
-    expect_release(&mut w, "ways", before, t, &["syscall_return"]);
+    expect_release(&mut w, "ways", before, t, &["syscall_return", "proc"]);
 
     // dup2 of another file over the only NVIDIA fd
     let fd = h.num("open nvidiactl").unwrap();
     expect_acquire(&mut w, "ways");
     let before = h.num("stamp").unwrap();
     let t = h.num(&format!("dup2 1 {fd}")).unwrap();
-    expect_release(&mut w, "ways", before, t, &["syscall_return"]);
+    expect_release(&mut w, "ways", before, t, &["syscall_return", "proc"]);
 
     // the mapping outlives its fd: the close releases nothing, the munmap does
     let fd = h.num("open nvidia0").unwrap();
@@ -109,7 +109,7 @@ fn each_way_a_file_goes_releases_once_nothing_holds_one() {
     let closed = h.num(&format!("close {fd}")).unwrap();
     let before = h.num("stamp").unwrap();
     let t = h.num(&format!("munmap 0x{addr:x}")).unwrap();
-    let e = expect_release(&mut w, "ways", before, t, &["syscall_return"]);
+    let e = expect_release(&mut w, "ways", before, t, &["syscall_return", "proc"]);
     assert!(e["t_last_close_ns"].as_u64().unwrap() > closed, "{e}");
 
     // exec: the close-on-exec fd goes, the inherited one stays until closed
@@ -118,7 +118,7 @@ fn each_way_a_file_goes_releases_once_nothing_holds_one() {
     let before = h.num("stamp").unwrap();
     h.send("exec").unwrap();
     let t = h.reply("exec").unwrap()[0].parse().unwrap();
-    expect_release(&mut w, "ways", before, t, &["syscall_return"]);
+    expect_release(&mut w, "ways", before, t, &["syscall_return", "proc"]);
 
     // a thread closes the last fd and never makes another syscall: /proc confirms it
     let fd = h.num("open nvidiactl").unwrap();
@@ -197,7 +197,7 @@ fn a_forged_release_in_the_params_releases_nothing() {
     // The next transition is the real close's release, not one at the forgery.
     let before = h.num("stamp").unwrap();
     let t = h.num(&format!("close {fd}")).unwrap();
-    expect_release(&mut w, "forger", before, t, &["syscall_return"]);
+    expect_release(&mut w, "forger", before, t, &["syscall_return", "proc"]);
     h.finish().unwrap();
 }
 
@@ -218,11 +218,11 @@ fn two_containers_release_independently_and_one_that_never_opens_has_no_transiti
     expect_acquire(&mut wb, "b");
     let before = a.num("stamp").unwrap();
     let t = a.num(&format!("close {fa}")).unwrap();
-    expect_release(&mut wa, "a", before, t, &["syscall_return"]);
+    expect_release(&mut wa, "a", before, t, &["syscall_return", "proc"]);
     assert_eq!(rig.status("b")["gpu"], json!("held"));
     let before = b.num("stamp").unwrap();
     let t = b.num(&format!("close {fb}")).unwrap();
-    expect_release(&mut wb, "b", before, t, &["syscall_return"]);
+    expect_release(&mut wb, "b", before, t, &["syscall_return", "proc"]);
 
     idle.cmd("stamp").unwrap();
     assert_eq!(rig.status("idle")["gpu"], json!("never"));
@@ -251,7 +251,7 @@ fn threads_that_come_and_go_and_a_reused_fd_after_exec_leave_no_phantom_holder()
     h.cmd("flash-threads 50").unwrap();
     let before = h.num("stamp").unwrap();
     let t = h.num(&format!("close {fd}")).unwrap();
-    expect_release(&mut w, "phantoms", before, t, &["syscall_return"]);
+    expect_release(&mut w, "phantoms", before, t, &["syscall_return", "proc"]);
 
     // The re-executed program maps /dev/zero through the fd number its close-on-exec NVIDIA fd had: that
     // is no NVIDIA mapping, and the exec releases.
@@ -261,7 +261,7 @@ fn threads_that_come_and_go_and_a_reused_fd_after_exec_leave_no_phantom_holder()
     h.send("exec-map /dev/zero").unwrap();
     let reply = h.reply("exec-map").unwrap();
     let t: u64 = reply[0].parse().unwrap();
-    expect_release(&mut w, "phantoms", before, t, &["syscall_return"]);
+    expect_release(&mut w, "phantoms", before, t, &["syscall_return", "proc"]);
     let status = rig.status("phantoms");
     assert_eq!(
         status["mappings"],
@@ -331,7 +331,7 @@ fn a_second_containers_device_folder_is_followed_too() {
     expect_acquire(&mut w2, "second");
     let before = second.num("stamp").unwrap();
     let t = second.num(&format!("close {fd}")).unwrap();
-    expect_release(&mut w2, "second", before, t, &["syscall_return"]);
+    expect_release(&mut w2, "second", before, t, &["syscall_return", "proc"]);
     first.finish().unwrap();
     second.finish().unwrap();
 }

@@ -258,6 +258,12 @@ impl Link {
                 endpoint,
                 done,
             } => {
+                // Start re-registers for the pid a restored container gets: nothing to do when it is the same.
+                if done.is_none()
+                    && self.registered.get(&registration.container) == Some(&registration)
+                {
+                    return;
+                }
                 self.endpoint.get_or_insert(endpoint);
                 let result = self.register(&registration).await;
                 self.registered

@@ -9,7 +9,7 @@ use baton_probe_common::{
 };
 
 use crate::{
-    confirm::await_confirm,
+    confirm::{await_confirm, confirm_returned},
     maps::{
         self, NV_FDS, NV_PROCS, PATH_BUF, PREFIXES, Pending, Sys, forget_fd, put_pending,
         take_pending,
@@ -171,12 +171,14 @@ fn try_enter_open(path: u64) -> Option<()> {
 
 #[tracepoint]
 pub fn sys_enter_openat(ctx: TracePointContext) -> u32 {
+    confirm_returned();
     let _ = try_enter_open(arg(&ctx, 1));
     0
 }
 
 #[tracepoint]
 pub fn sys_enter_openat2(ctx: TracePointContext) -> u32 {
+    confirm_returned();
     let _ = try_enter_open(arg(&ctx, 1));
     0
 }
@@ -189,6 +191,7 @@ pub fn sys_exit_openat2(ctx: TracePointContext) -> u32 {
 
 #[tracepoint]
 pub fn sys_enter_open(ctx: TracePointContext) -> u32 {
+    confirm_returned();
     let _ = try_enter_open(arg(&ctx, 0));
     0
 }
@@ -224,6 +227,7 @@ pub fn sys_exit_open(ctx: TracePointContext) -> u32 {
 
 #[tracepoint]
 pub fn sys_enter_close(ctx: TracePointContext) -> u32 {
+    confirm_returned();
     let fd = arg(&ctx, 0);
     let (tgid, tid) = ids();
     if let Some(info) = nv_fd(tgid, fd) {
@@ -251,6 +255,7 @@ const CLOSE_RANGE_CLOEXEC: u64 = 1 << 2;
 /// it and user space, which mirrors the holder's fds, drops the NVIDIA ones in it (from the kernel map too).
 #[tracepoint]
 pub fn sys_enter_close_range(ctx: TracePointContext) -> u32 {
+    confirm_returned();
     let flags = arg(&ctx, 2);
     let (tgid, tid) = ids();
     // SAFETY: presence check only.
@@ -335,24 +340,28 @@ fn try_exit_dup(ret: i64) -> Option<()> {
 
 #[tracepoint]
 pub fn sys_enter_dup(ctx: TracePointContext) -> u32 {
+    confirm_returned();
     let _ = try_enter_dup(arg(&ctx, 0), None);
     0
 }
 
 #[tracepoint]
 pub fn sys_enter_dup2(ctx: TracePointContext) -> u32 {
+    confirm_returned();
     let _ = try_enter_dup(arg(&ctx, 0), Some(arg(&ctx, 1)));
     0
 }
 
 #[tracepoint]
 pub fn sys_enter_dup3(ctx: TracePointContext) -> u32 {
+    confirm_returned();
     let _ = try_enter_dup(arg(&ctx, 0), Some(arg(&ctx, 1)));
     0
 }
 
 #[tracepoint]
 pub fn sys_enter_fcntl(ctx: TracePointContext) -> u32 {
+    confirm_returned();
     let cmd = arg(&ctx, 1);
     if cmd == F_DUPFD || cmd == F_DUPFD_CLOEXEC {
         let _ = try_enter_dup(arg(&ctx, 0), None);
@@ -386,6 +395,7 @@ pub fn sys_exit_fcntl(ctx: TracePointContext) -> u32 {
 
 #[tracepoint]
 pub fn sys_enter_mmap(ctx: TracePointContext) -> u32 {
+    confirm_returned();
     let fd = arg(&ctx, 4);
     let (tgid, tid) = ids();
     if let Some(info) = nv_fd(tgid, fd) {
@@ -416,6 +426,7 @@ pub fn sys_exit_mmap(ctx: TracePointContext) -> u32 {
 
 #[tracepoint]
 pub fn sys_enter_munmap(ctx: TracePointContext) -> u32 {
+    confirm_returned();
     let (tgid, tid) = ids();
     // SAFETY: presence check only.
     if unsafe { NV_PROCS.get(tgid).is_some() } {

@@ -11,6 +11,7 @@ use baton_nvidia::{class, escape, fdkind::FdKind, ioc, params, uvm};
 use baton_probe_common::{Counter, DATA_CAP, IoctlRecord, NAME_CAP, NESTED_CAP, RecordKind};
 
 use crate::{
+    confirm::confirm_returned,
     maps::{CONSUMER, EVENTS, Pending, Sys, nv_fd, put_pending, take_pending},
     util::{arg, count, header, ids, now_ns},
 };
@@ -20,6 +21,7 @@ const WAKEUP_BYTES: u64 = 256 << 10;
 
 #[tracepoint]
 pub fn sys_enter_ioctl(ctx: TracePointContext) -> u32 {
+    confirm_returned();
     let fd = arg(&ctx, 0);
     let (tgid, tid) = ids();
     let Some(info) = nv_fd(tgid, fd as u32) else {

@@ -40,6 +40,11 @@ pub static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 #[map(name = "AWAIT_CONFIRM")]
 pub static AWAIT_CONFIRM: HashMap<u32, u64> = HashMap::with_max_entries(16384, 0);
 
+/// Index 0: how many threads `AWAIT_CONFIRM` holds, so that the syscall-entry check skips its hash lookup
+/// while none is marked (nearly always).
+#[map(name = "AWAITING")]
+pub static AWAITING: Array<u64> = Array::with_max_entries(1, 0);
+
 /// Index 0: non-zero while user space waits with no timer; the next ioctl record wakes it and clears this
 /// (`baton_probe_common::maps::CONSUMER`).
 #[map(name = "CONSUMER")]

@@ -7,7 +7,7 @@ use std::{fs, path::Path};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
-    programs::{RawTracePoint, TracePoint},
+    programs::TracePoint,
 };
 use baton_probe_common::{
     COUNTER_SLOTS, Config, Counter, FdInfo, FdKey, PREFIX_CAP, PREFIX_SLOTS, Prefix, maps,
@@ -156,7 +156,6 @@ impl Probes {
         for &(prog, category, name) in TRACEPOINTS {
             attach_tracepoint(&mut ebpf, prog, category, name)?;
         }
-        attach_raw(&mut ebpf, "confirm_sys_enter", "sys_enter")?;
         let exit_confirm = switch_format_matches();
         if exit_confirm {
             attach_tracepoint(&mut ebpf, "sched_switch", "sched", "sched_switch")?;
@@ -332,22 +331,6 @@ fn attach_tracepoint(
         .map_err(|e| ProbeError::Refused(format!("loading {prog}: {}", error_chain(&e))))?;
     p.attach(category, name).map_err(|e| ProbeError::Attach {
         category,
-        name,
-        detail: error_chain(&e),
-    })?;
-    Ok(())
-}
-
-fn attach_raw(ebpf: &mut Ebpf, prog: &str, name: &'static str) -> Result<(), ProbeError> {
-    let p: &mut RawTracePoint = ebpf
-        .program_mut(prog)
-        .ok_or_else(|| ProbeError::Refused(format!("program {prog} missing from the object")))?
-        .try_into()
-        .map_err(|e: aya::programs::ProgramError| ProbeError::Refused(e.to_string()))?;
-    p.load()
-        .map_err(|e| ProbeError::Refused(format!("loading {prog}: {}", error_chain(&e))))?;
-    p.attach(name).map_err(|e| ProbeError::Attach {
-        category: "raw_tracepoint",
         name,
         detail: error_chain(&e),
     })?;

@@ -4,10 +4,11 @@
 //! their syscall (or tracepoint), before the kernel runs the driver's release of the file: the last `fput`
 //! defers it to task work, which runs before the thread returns to user space, and an exiting thread drops
 //! its files after `sched_process_exit`. So each such removal leaves its thread *awaiting* here until one of:
-//! - a `Confirm` record: the probes saw the thread enter its next syscall (it returned to user space, past
-//!   its task work) or switch out dead (past `exit_task_work`);
-//! - /proc shows the same (the fallback for a thread that never makes another syscall, or whose record was
-//!   lost): the thread is gone or a zombie, it is not inside a syscall, or it ran in user space since.
+//! - a `Confirm` record: the probes saw the thread enter its next traced syscall (it returned to user space,
+//!   past its task work) or switch out dead (past `exit_task_work`);
+//! - /proc shows the same (for a thread whose next syscall is not a traced one, that never makes another, or
+//!   whose record was lost): the thread is gone or a zombie, it is outside any syscall or inside another one
+//!   than the removal's, or it ran in user space since. The first check comes 0.1 ms after the removal.
 //!
 //! A container is released when its processes hold no NVIDIA fd or mapping *and* none of its threads awaits.
 use std::collections::HashMap;
@@ -15,7 +16,7 @@ use std::collections::HashMap;
 /// How a removal was confirmed complete.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ConfirmKind {
-    /// The thread entered its next syscall (a probe saw it).
+    /// The thread entered its next traced syscall (a probe saw it).
     Returned,
     /// The thread switched out dead (a probe saw it).
     Exited,
@@ -59,8 +60,12 @@ pub mod syscalls {
     const DUP2: i64 = libc::SYS_dup3;
 }
 
-/// First /proc check of an awaiting thread, after its removal; doubled at each check up to the cap.
-const FIRST_CHECK_NS: u64 = 2_000_000;
+/// /proc checks of an awaiting thread: every `FIRST_CHECK_NS` for the first `FAST_CHECKS_NS` after its
+/// removal, then at doubling intervals up to `MAX_CHECK_NS`. The probes confirm a thread only at its next
+/// traced syscall, so a thread that goes on with others (a write, a futex wait) is confirmed here, and within
+/// the signal's millisecond: it shows inside that other syscall. A check reads two small /proc files.
+const FIRST_CHECK_NS: u64 = 50_000;
+const FAST_CHECKS_NS: u64 = 1_000_000;
 const MAX_CHECK_NS: u64 = 100_000_000;
 
 #[derive(Clone, Debug)]
@@ -217,7 +222,9 @@ impl Releases {
                     marked_ns: a.marked_ns,
                 });
             } else {
-                a.step_ns = (a.step_ns * 2).min(MAX_CHECK_NS);
+                if now_ns.saturating_sub(a.marked_ns) >= FAST_CHECKS_NS {
+                    a.step_ns = (a.step_ns * 2).min(MAX_CHECK_NS);
+                }
                 a.next_check_ns = now_ns + a.step_ns;
             }
         }
@@ -334,7 +341,17 @@ mod tests {
             Some((u32::MAX - 1, 7))
         );
         assert_eq!(r.unconfirmed(8), 1);
-        assert_eq!(r.next_check_ns(), Some(FIRST_CHECK_NS + 2 * FIRST_CHECK_NS));
+        assert_eq!(
+            r.next_check_ns(),
+            Some(2 * FIRST_CHECK_NS),
+            "checked often at first"
+        );
+        r.check_proc(FAST_CHECKS_NS);
+        assert_eq!(
+            r.next_check_ns(),
+            Some(FAST_CHECKS_NS + 2 * FIRST_CHECK_NS),
+            "then less and less often"
+        );
         assert_eq!(r.confirmed_by_proc(), 1);
     }
 }

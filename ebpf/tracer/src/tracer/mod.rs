@@ -118,6 +118,8 @@ pub struct Tracer {
     names: HashMap<u64, String>,
     poll_interval: std::time::Duration,
     releases: Releases,
+    /// Fires when the next /proc check of an awaiting removal is due.
+    check_timer: AsyncFd<wait::CheckTimer>,
     /// Whether the probes were told that this consumer sleeps with no timer (see `wait`).
     consumer_sleeping: bool,
     /// Watched cgroups (the kernel map's keys), for a resync.
@@ -146,6 +148,7 @@ impl Tracer {
         // the AsyncFd holding it) is dropped.
         let ring = unsafe { AsyncFd::register(events) }
             .map_err(|e| TracerError::Poll(e.into_parts().1))?;
+        let check_timer = wait::CheckTimer::new().map_err(TracerError::Poll)?;
         let mut t = Self {
             probes,
             ring,
@@ -157,6 +160,7 @@ impl Tracer {
             names: HashMap::new(),
             poll_interval: cfg.poll_interval,
             releases: Releases::default(),
+            check_timer,
             consumer_sleeping: false,
             watched: HashSet::new(),
             drops_seen: 0,

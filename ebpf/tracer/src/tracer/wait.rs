@@ -21,25 +21,32 @@ impl Tracer {
     /// Records that do not parse are skipped (logged at debug level).
     pub async fn next_events(&mut self) -> Result<Vec<Event>, TracerError> {
         loop {
-            let timeout = self.next_timeout();
-            let woke = match timeout {
-                Some(t) => tokio::time::timeout(t, self.ring.readable_mut()).await.ok(),
-                None => Some(self.ring.readable_mut().await),
-            };
-            let batch = match woke {
-                Some(ready) => {
+            let check_due = self.releases.next_check_ns();
+            self.arm_check_timer(check_due)?;
+            let drain = (!self.consumer_sleeping).then_some(self.poll_interval);
+            let (records, from_ring) = tokio::select! {
+                ready = self.ring.readable_mut() => {
                     let mut guard = ready.map_err(TracerError::Poll)?;
                     let out = read_ring(guard.get_inner_mut(), &self.layout);
                     if out.is_empty() {
                         guard.clear_ready();
                     }
-                    out
+                    (out, true)
                 }
-                None => self.on_timer()?,
+                _ = sleep_or_never(drain) => (self.on_timer()?, true),
+                ready = self.check_timer.readable(), if check_due.is_some() => {
+                    let mut guard = ready.map_err(TracerError::Poll)?;
+                    // Reading the expiry count clears it; the timer is armed again above.
+                    let _ = guard.get_inner().0.wait();
+                    guard.clear_ready();
+                    (Vec::new(), false)
+                }
             };
-            let batch = self.with_proc_confirmations(batch);
-            if !batch.is_empty() {
+            if from_ring && !records.is_empty() {
                 self.consumer_sleeping = false;
+            }
+            let batch = self.with_proc_confirmations(records);
+            if !batch.is_empty() {
                 let mut applied = self.apply_all(batch)?;
                 applied.extend(self.resync_if_records_lost()?);
                 if !applied.is_empty() {
@@ -49,25 +56,29 @@ impl Tracer {
         }
     }
 
+    /// Arms the /proc-check timer for `due` (CLOCK_MONOTONIC ns), or disarms it. A timerfd, not a tokio
+    /// timer: those tick in milliseconds, and the first check comes a tenth of one after a removal.
+    fn arm_check_timer(&self, due: Option<u64>) -> Result<(), TracerError> {
+        use nix::sys::{
+            time::TimeSpec,
+            timerfd::{Expiration, TimerSetTimeFlags},
+        };
+        let timer = &self.check_timer.get_ref().0;
+        let result = match due {
+            Some(ns) => timer.set(
+                Expiration::OneShot(TimeSpec::from_duration(Duration::from_nanos(ns.max(1)))),
+                TimerSetTimeFlags::TFD_TIMER_ABSTIME,
+            ),
+            None => timer.unset(),
+        };
+        result.map_err(|e| TracerError::Poll(e.into()))
+    }
+
     /// Non-blocking: every event already in the ring buffer, applied.
     pub fn drain_now(&mut self) -> Result<Vec<Event>, TracerError> {
         let out = read_ring(self.ring.get_mut(), &self.layout);
         let out = self.with_proc_confirmations(out);
         self.apply_all(out)
-    }
-
-    /// How long to wait for the ring: the drain interval while records flow, the next /proc check, or
-    /// forever.
-    fn next_timeout(&self) -> Option<Duration> {
-        let drain = (!self.consumer_sleeping).then_some(self.poll_interval);
-        let check = self
-            .releases
-            .next_check_ns()
-            .map(|due| Duration::from_nanos(due.saturating_sub(now_monotonic_ns())));
-        match (drain, check) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
     }
 
     /// The timer fired: drain what did not wake us; when nothing did, tell the probes we sleep.
@@ -107,6 +118,37 @@ impl Tracer {
             }
         }
         batch
+    }
+}
+
+/// The timerfd of the /proc checks, as tokio's `AsyncFd` needs it.
+pub struct CheckTimer(pub nix::sys::timerfd::TimerFd);
+
+impl std::os::fd::AsRawFd for CheckTimer {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsFd::as_fd(&self.0).as_raw_fd()
+    }
+}
+
+impl CheckTimer {
+    /// A disarmed CLOCK_MONOTONIC timerfd registered with the runtime (call inside one).
+    pub fn new() -> std::io::Result<tokio::io::unix::AsyncFd<Self>> {
+        use nix::sys::timerfd::{ClockId, TimerFd, TimerFlags};
+        let fd = TimerFd::new(
+            ClockId::CLOCK_MONOTONIC,
+            TimerFlags::TFD_NONBLOCK | TimerFlags::TFD_CLOEXEC,
+        )?;
+        // SAFETY: `CheckTimer` owns the timerfd, which stays open and unchanged until it (and so the AsyncFd
+        // holding it) is dropped.
+        unsafe { tokio::io::unix::AsyncFd::register(Self(fd)) }.map_err(|e| e.into_parts().1)
+    }
+}
+
+/// Sleeps for `d`, or forever when there is none.
+async fn sleep_or_never(d: Option<Duration>) {
+    match d {
+        Some(d) => tokio::time::sleep(d).await,
+        None => std::future::pending().await,
     }
 }
 

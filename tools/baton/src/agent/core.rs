@@ -42,6 +42,8 @@ pub enum What {
     },
     /// The client ended trace session `session`.
     EndTrace(u64),
+    /// A connection of process `pid` ended (a shim that exited, or was killed, ends both of its own).
+    PeerGone(u32),
 }
 
 /// A request from a connection.
@@ -89,6 +91,7 @@ impl Core {
                                 self.start_trace(session, &request, lines)
                             }
                             What::EndTrace(session) => self.end_trace(session),
+                            What::PeerGone(pid) => self.peer_gone(pid),
                         };
                         let _ = c.reply.send(reply);
                     }
@@ -114,20 +117,30 @@ impl Core {
                 version: env!("CARGO_PKG_VERSION").to_owned(),
                 probes_attached: self.tracer.is_some(),
             }),
-            R::Register(reg) => match self.register(reg, peer) {
-                Ok(container) => Reply::Registered { container },
-                Err(error) => {
-                    self.drop_tracer_if_unused();
-                    Reply::Error { error }
-                }
-            },
+            R::Register(reg) => {
+                self.prune_orphans();
+                self.register_reply(reg, peer)
+            }
             R::Unregister(c) => Reply::Unregistered {
                 found: self.unregister(&c),
             },
-            R::Status(filter) => Reply::Status(self.status(&filter, peer)),
+            R::Status(filter) => {
+                self.prune_orphans();
+                Reply::Status(self.status(&filter, peer))
+            }
             R::Watch(_) | R::Trace(_) => Reply::Error {
                 error: "watch and trace are answered by the connection, not the core".to_owned(),
             },
+        }
+    }
+
+    fn register_reply(&mut self, reg: Registration, owner: u32) -> Reply {
+        match self.register(reg, owner) {
+            Ok(container) => Reply::Registered { container },
+            Err(error) => {
+                self.drop_tracer_if_unused();
+                Reply::Error { error }
+            }
         }
     }
 
@@ -242,6 +255,33 @@ impl Core {
         self.publish(c, w.owner, body);
         self.drop_tracer_if_unused();
         true
+    }
+
+    /// Process `pid`'s connection ended: when it is gone, its orphans go (see [`Core::prune_orphans`]).
+    fn peer_gone(&mut self, pid: u32) -> Reply {
+        let found = pid != 0 && process_gone(pid) && self.prune_orphans() > 0;
+        Reply::Unregistered { found }
+    }
+
+    /// Stops watching the containers whose registering shim is gone and whose init is gone too (a shim
+    /// killed with -9 never unregisters them). Those still running stay watched. Looked at when a connection
+    /// ends and before `register` and `status`, never on a timer. Returns how many went.
+    fn prune_orphans(&mut self) -> usize {
+        let orphans: Vec<ContainerRef> = self
+            .watched
+            .iter()
+            .filter(|(_, w)| process_gone(w.owner) && process_gone(w.registration.init_pid))
+            .map(|(c, _)| c.clone())
+            .collect();
+        for c in &orphans {
+            tracing::info!(
+                id = c.id,
+                namespace = c.namespace,
+                "agent: its shim and its init are gone: no longer watched"
+            );
+            self.unregister(c);
+        }
+        orphans.len()
     }
 
     /// Drops (detaches) the probes when no container is watched and no trace runs.
@@ -400,6 +440,16 @@ impl Core {
         };
         // No watcher is not an error: the state is in `status`.
         let _ = self.events.send(Published { event, owner });
+    }
+}
+
+/// Whether process `pid` has exited (no such process, or a zombie: it runs nothing any more).
+fn process_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+        Err(_) => true,
     }
 }
 

@@ -26,9 +26,16 @@ pub async fn serve(
         let (stream, _) = listener.accept().await?;
         let (commands, events) = (commands.clone(), events.clone());
         tokio::spawn(async move {
-            if let Err(e) = connection(stream, commands, events).await {
+            let peer = stream
+                .peer_cred()
+                .ok()
+                .and_then(|c| c.pid())
+                .and_then(|p| u32::try_from(p).ok())
+                .unwrap_or(0);
+            if let Err(e) = connection(stream, commands.clone(), events).await {
                 tracing::debug!("agent: connection ended: {e}");
             }
+            ask(&commands, What::PeerGone(peer), peer).await;
         });
     }
 }
