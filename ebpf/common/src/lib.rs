@@ -67,7 +67,7 @@ pub const COUNTER_SLOTS: u32 = 4;
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ConfirmReason {
-    /// The thread entered its next syscall: it returned to user space, so it ran its task work, where the
+    /// The thread entered its next traced syscall: it returned to user space, so it ran its task work, where the
     /// kernel runs the final release of the files it dropped.
     Returned = 1,
     /// The thread is dead (switched out for the last time): past `exit_task_work`, where an exiting thread
