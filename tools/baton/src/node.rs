@@ -108,7 +108,8 @@ fn gpu_word(g: GpuHold) -> &'static str {
 /// The table `baton status` prints.
 pub fn render_status(s: &NodeStatus, now_ns: u64) -> String {
     let mut out = format!(
-        "agent pid {}, probes {} ({} programs), {} ring-buffer drops\n",
+        "agent pid {}, probes {} ({} programs), {} ring-buffer drops ({} resyncs from /proc), {} calls lost \
+         to in-flight slot collisions\n",
         s.agent_pid,
         if s.probes_attached {
             "attached"
@@ -116,7 +117,9 @@ pub fn render_status(s: &NodeStatus, now_ns: u64) -> String {
             "detached"
         },
         s.programs_attached,
-        s.ringbuf_drops
+        s.ringbuf_drops,
+        s.resyncs,
+        s.pending_evicted
     );
     out.push_str(&format!(
         "{:<16} {:<10} {:<9} {:>8} {:>4} {:>5} {:>7} {:>12}  {}\n",
@@ -132,7 +135,7 @@ fn render_container(c: &ContainerStatus, now_ns: u64) -> String {
     let since = now_ns.saturating_sub(c.since_ns) as f64 / 1e9;
     let pids: Vec<String> = c.processes.iter().map(|p| p.pid.to_string()).collect();
     format!(
-        "{:<16} {:<10} {:<9} {:>7.1}s {:>4} {:>5} {:>7} {:>12}  {}{}\n",
+        "{:<16} {:<10} {:<9} {:>7.1}s {:>4} {:>5} {:>7} {:>12}  {}{}{}\n",
         c.container.id,
         c.container.namespace,
         gpu_word(c.gpu),
@@ -146,7 +149,12 @@ fn render_container(c: &ContainerStatus, now_ns: u64) -> String {
         } else {
             pids.join(",")
         },
-        if c.partial { " (partial)" } else { "" }
+        if c.partial { " (partial)" } else { "" },
+        if c.unconfirmed > 0 {
+            format!(" ({} removals not yet confirmed)", c.unconfirmed)
+        } else {
+            String::new()
+        }
     )
 }
 
