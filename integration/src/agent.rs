@@ -24,7 +24,11 @@ pub struct AgentProcess {
 impl AgentProcess {
     /// Starts `baton agent --socket SOCKET`, logging to `log`, and waits until it answers `ping`.
     pub fn start(socket: &Path, log: &Path) -> anyhow::Result<Self> {
-        let baton = workspace_binary("baton", "baton")?;
+        Self::start_program(&workspace_binary("baton", "baton")?, socket, log)
+    }
+
+    /// [`AgentProcess::start`] with the `baton` binary at `baton` (a release build, for benchmarks).
+    pub fn start_program(baton: &Path, socket: &Path, log: &Path) -> anyhow::Result<Self> {
         let log_file = std::fs::File::create(log)?;
         let child = Command::new(baton)
             .args(["agent", "--socket"])
@@ -182,17 +186,7 @@ pub struct CtrEvents {
 impl CtrEvents {
     /// Starts `ctr events` (every namespace's events: ctr events does not filter by namespace).
     pub fn start(containerd: &Containerd) -> anyhow::Result<Self> {
-        let mut child = containerd
-            .ctr_command()
-            .arg("events")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()?;
-        let out = child
-            .stdout
-            .take()
-            .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+        let (child, out) = spawn_ctr_events(containerd)?;
         Ok(Self {
             child,
             lines: read_lines(out),
@@ -220,6 +214,24 @@ impl Drop for CtrEvents {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// `ctr events` against `containerd`, and its stdout.
+pub fn spawn_ctr_events(
+    containerd: &Containerd,
+) -> anyhow::Result<(Child, std::process::ChildStdout)> {
+    let mut child = containerd
+        .ctr_command()
+        .arg("events")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let out = child
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+    Ok((child, out))
 }
 
 /// Copies the mock CUDA workload and the shared libraries it links into `rootfs`; returns its path there.

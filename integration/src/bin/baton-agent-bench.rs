@@ -8,14 +8,16 @@
 //! (`tools/dev bench` runs it).
 use std::{
     io::{BufRead, BufReader, Write},
-    os::unix::net::UnixStream,
     path::Path,
-    process::{Child, ChildStdin, Command, Stdio},
+    process::{Child, ChildStdin, Stdio},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result, bail};
-use baton_integration::trace_env::missing_trace_prerequisite;
+use baton_integration::{
+    agent::{AgentConn, AgentProcess},
+    trace_env::missing_trace_prerequisite,
+};
 use baton_mock_nvidia::driver::{MockDriver, MountOptions};
 use baton_tracer::cgroups;
 use serde_json::{Value, json};
@@ -113,45 +115,19 @@ struct Sample {
 }
 
 struct Agent {
-    child: Child,
-    conn: UnixStream,
-    lines: BufReader<UnixStream>,
+    process: AgentProcess,
+    conn: AgentConn,
 }
 
 impl Agent {
     fn start(baton: &Path, socket: &Path, log: &Path) -> Result<Self> {
-        let log = std::fs::File::create(log)?;
-        let child = Command::new(baton)
-            .args(["agent", "--socket"])
-            .arg(socket)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()?;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let conn = loop {
-            if let Ok(c) = UnixStream::connect(socket) {
-                break c;
-            }
-            if Instant::now() > deadline {
-                bail!("the agent did not listen on {}", socket.display());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let lines = BufReader::new(conn.try_clone()?);
-        Ok(Self { child, conn, lines })
+        let process = AgentProcess::start_program(baton, socket, log)?;
+        let conn = AgentConn::connect(socket)?;
+        Ok(Self { process, conn })
     }
 
-    fn call(&mut self, mut request: Value) -> Result<Value> {
-        request["v"] = json!(1);
-        writeln!(self.conn, "{request}")?;
-        let mut line = String::new();
-        self.lines.read_line(&mut line)?;
-        let reply: Value = serde_json::from_str(&line)?;
-        if reply["ok"] != json!(true) {
-            bail!("agent refused {request}: {reply}");
-        }
-        Ok(reply)
+    fn call(&mut self, request: Value) -> Result<Value> {
+        self.conn.call(request)
     }
 
     fn register(&mut self, id: &str, cgroup: &str, pid: u32, dev: &Path) -> Result<()> {
@@ -164,7 +140,7 @@ impl Agent {
     }
 
     fn pid(&self) -> u32 {
-        self.child.id()
+        self.process.pid()
     }
 
     fn rss_kib(&self) -> u64 {
@@ -182,13 +158,6 @@ impl Agent {
             cpu: (cpu_ticks(self.pid()) - cpu0) as f64 / hz / secs,
             switches: switches(self.pid()) - sw0,
         })
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -14,7 +14,6 @@ use std::{
     io::{BufRead, BufReader, Write},
     os::unix::net::UnixStream,
     path::Path,
-    process::Stdio,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -215,15 +214,7 @@ impl Drop for KillOnDrop {
 
 /// `ctr events` and its lines, stamped.
 fn ctr_event_lines(env: &TestEnv) -> Result<(KillOnDrop, mpsc::Receiver<Stamped>)> {
-    let mut child = env
-        .containerd()
-        .ctr_command()
-        .arg("events")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let out = child.stdout.take().context("no stdout")?;
+    let (child, out) = baton_integration::agent::spawn_ctr_events(env.containerd())?;
     Ok((KillOnDrop(child), stamped_lines(out)))
 }
 
