@@ -258,8 +258,14 @@ fn threads_that_come_and_go_and_a_reused_fd_after_exec_leave_no_phantom_holder()
     let fd = h.num("open nvidiactl").unwrap();
     expect_acquire(&mut w, "phantoms");
     let before = h.num("stamp").unwrap();
+    // The agent is stopped meanwhile, so that the mmap comes before the exec is handled, while the probes
+    // still take fd {fd} for the NVIDIA fd it was.
+    let agent = nix::unistd::Pid::from_raw(rig.env.containerd().agent_pid().unwrap());
+    nix::sys::signal::kill(agent, nix::sys::signal::Signal::SIGSTOP).unwrap();
     h.send("exec-map /dev/zero").unwrap();
-    let reply = h.reply("exec-map").unwrap();
+    let reply = h.reply("exec-map");
+    nix::sys::signal::kill(agent, nix::sys::signal::Signal::SIGCONT).unwrap();
+    let reply = reply.unwrap();
     let t: u64 = reply[0].parse().unwrap();
     expect_release(&mut w, "phantoms", before, t, &["syscall_return", "proc"]);
     let status = rig.status("phantoms");
