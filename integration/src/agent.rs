@@ -155,6 +155,14 @@ impl AgentWatch {
         }
     }
 
+    /// The next transition (acquired or released) of container `id`.
+    pub fn next_transition(&mut self, id: &str, within: Duration) -> anyhow::Result<Value> {
+        self.next_matching(within, |e| {
+            e["id"] == json!(id)
+                && (e["kind"] == json!("acquired") || e["kind"] == json!("released"))
+        })
+    }
+
     /// The next event of kind `kind` for container `id`.
     pub fn next_of(&mut self, id: &str, kind: &str, within: Duration) -> anyhow::Result<Value> {
         self.next_matching(within, |e| e["id"] == json!(id) && e["kind"] == json!(kind))

@@ -68,3 +68,20 @@ pub fn alive(pid: i32) -> bool {
         .and_then(|process| process.stat())
         .is_ok_and(|stat| stat.state != 'Z')
 }
+
+/// Voluntary plus involuntary context switches so far of every thread of `pid` (0 when it is gone).
+pub fn context_switches(pid: i32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .map(|s| {
+            s.lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .sum::<u64>()
+        })
+        .sum()
+}

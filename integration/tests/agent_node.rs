@@ -10,20 +10,16 @@ use std::time::Duration;
 use baton_integration::{
     agent::{AgentWatch, wait_until},
     holder::{GpuRig, HolderContainer},
+    procs::context_switches,
 };
 use serde_json::{Value, json};
 
 const WITHIN: Duration = Duration::from_secs(30);
 
 fn expect(w: &mut AgentWatch, id: &str, kind: &str) -> Value {
-    w.next_matching(WITHIN, |e| {
-        e["id"] == json!(id) && (e["kind"] == json!("acquired") || e["kind"] == json!("released"))
-    })
-    .map(|e| {
-        assert_eq!(e["kind"], json!(kind), "{e}");
-        e
-    })
-    .unwrap()
+    let e = w.next_transition(id, WITHIN).unwrap();
+    assert_eq!(e["kind"], json!(kind), "{e}");
+    e
 }
 
 /// eBPF programs whose fds process `pid` holds (from /proc/PID/fdinfo: the kernel's view, not the agent's).
@@ -34,23 +30,6 @@ fn bpf_programs_held(pid: i32) -> usize {
     dir.flatten()
         .filter(|e| std::fs::read_to_string(e.path()).is_ok_and(|info| info.contains("prog_type:")))
         .count()
-}
-
-/// Voluntary plus involuntary context switches of every thread of `pid`.
-fn context_switches(pid: i32) -> u64 {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return 0;
-    };
-    tasks
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
-        .flat_map(|s| {
-            s.lines()
-                .filter(|l| l.contains("ctxt_switches:"))
-                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-                .collect::<Vec<_>>()
-        })
-        .sum()
 }
 
 #[test]

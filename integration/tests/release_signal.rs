@@ -20,10 +20,7 @@ const WITHIN: Duration = Duration::from_secs(30);
 
 /// The next transition (acquired or released) of `id`.
 fn next_transition(w: &mut AgentWatch, id: &str) -> Value {
-    w.next_matching(WITHIN, |e| {
-        e["id"] == json!(id) && (e["kind"] == json!("acquired") || e["kind"] == json!("released"))
-    })
-    .unwrap()
+    w.next_transition(id, WITHIN).unwrap()
 }
 
 /// Asserts that the next transition is a release confirmed by one of `by`, after the removal at

@@ -114,11 +114,6 @@ pub struct Probes {
     pub nv_procs: HashMap<MapData, u32, u32>,
     /// Forked children whose inherited fds are not copied yet: child tgid -> parent tgid.
     pub forked: HashMap<MapData, u32, u32>,
-    /// Threads marked for a release confirmation: tid -> mark time.
-    pub await_confirm: HashMap<MapData, u32, u64>,
-    /// Whether the dead-thread confirmation (`sched:sched_switch`) is attached; without it exits are
-    /// confirmed from /proc only.
-    pub exit_confirm: bool,
     /// Index 0 set while the consumer sleeps with no timer (see the ioctl probe's wakeup policy).
     pub consumer: Array<MapData, u32>,
     prefixes: Array<MapData, Prefix>,
@@ -156,8 +151,7 @@ impl Probes {
         for &(prog, category, name) in TRACEPOINTS {
             attach_tracepoint(&mut ebpf, prog, category, name)?;
         }
-        let exit_confirm = switch_format_matches();
-        if exit_confirm {
+        if switch_format_matches() {
             attach_tracepoint(&mut ebpf, "sched_switch", "sched", "sched_switch")?;
         } else {
             tracing::warn!(
@@ -171,8 +165,6 @@ impl Probes {
         let nv_fds = HashMap::try_from(take(maps::NV_FDS)?).map_err(map_err(maps::NV_FDS))?;
         let nv_procs = HashMap::try_from(take(maps::NV_PROCS)?).map_err(map_err(maps::NV_PROCS))?;
         let forked = HashMap::try_from(take(maps::FORKED)?).map_err(map_err(maps::FORKED))?;
-        let await_confirm =
-            HashMap::try_from(take(maps::AWAIT_CONFIRM)?).map_err(map_err(maps::AWAIT_CONFIRM))?;
         let mut prefixes =
             Array::try_from(take(maps::PREFIXES)?).map_err(map_err(maps::PREFIXES))?;
         for (slot, p) in cfg.prefixes.iter().enumerate() {
@@ -188,8 +180,6 @@ impl Probes {
                 nv_fds,
                 nv_procs,
                 forked,
-                await_confirm,
-                exit_confirm,
                 consumer,
                 prefixes,
                 prefix_list: cfg.prefixes.clone(),

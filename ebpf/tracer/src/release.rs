@@ -271,27 +271,21 @@ enum ThreadState {
 }
 
 fn thread_state(pid: u32, tid: u32) -> ThreadState {
-    let dir = format!("/proc/{pid}/task/{tid}");
-    let Ok(stat) = std::fs::read_to_string(format!("{dir}/stat")) else {
+    let task = procfs::process::Process::new(pid as i32).and_then(|p| p.task_from_tid(tid as i32));
+    let Ok(stat) = task.and_then(|t| t.stat()) else {
         return ThreadState::Gone;
     };
-    // Fields after the parenthesised command name: state is the first, utime the 12th.
-    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
-        return ThreadState::Gone;
-    };
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    if matches!(fields.first(), Some(&"Z") | Some(&"X") | Some(&"x")) {
+    if matches!(stat.state, 'Z' | 'X' | 'x') {
         return ThreadState::Dead;
     }
     // "-1 sp pc": blocked or preempted outside any syscall; "nr args...": blocked in syscall nr;
-    // "running": can't tell.
-    let syscall = std::fs::read_to_string(format!("{dir}/syscall")).unwrap_or_default();
+    // "running": can't tell. (procfs does not read this file.)
+    let syscall =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/syscall")).unwrap_or_default();
     match syscall.split_whitespace().next().map(str::parse::<i64>) {
         Some(Ok(-1)) => ThreadState::OutOfSyscall,
         Some(Ok(nr)) => ThreadState::InSyscall(nr),
-        _ => ThreadState::Alive {
-            utime: fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0),
-        },
+        _ => ThreadState::Alive { utime: stat.utime },
     }
 }
 

@@ -77,15 +77,6 @@ pub fn all_pids() -> Vec<i32> {
         .unwrap_or_default()
 }
 
-/// The thread group of `tid` (its pid), from /proc.
-pub fn tgid_of(tid: u32) -> Option<u32> {
-    procfs::process::Process::new(tid as i32)
-        .ok()?
-        .status()
-        .ok()
-        .map(|s| s.tgid as u32)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

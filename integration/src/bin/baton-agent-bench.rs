@@ -16,6 +16,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use baton_integration::{
     agent::{AgentConn, AgentProcess},
+    procs::{context_switches, rss_bytes},
     trace_env::missing_trace_prerequisite,
 };
 use baton_mock_nvidia::driver::{MockDriver, MountOptions};
@@ -144,19 +145,23 @@ impl Agent {
     }
 
     fn rss_kib(&self) -> u64 {
-        status_field(self.pid(), "VmRSS:")
+        rss_bytes(self.pid() as i32).unwrap_or(0) / 1024
     }
 
     /// The agent's CPU and context switches while `during` runs.
     fn sample(&self, during: impl FnOnce() -> Result<()>) -> Result<Sample> {
-        let (cpu0, sw0, t0) = (cpu_ticks(self.pid()), switches(self.pid()), Instant::now());
+        let (cpu0, sw0, t0) = (
+            cpu_ticks(self.pid()),
+            context_switches(self.pid() as i32),
+            Instant::now(),
+        );
         during()?;
         let secs = t0.elapsed().as_secs_f64();
         let hz = 100.0; // USER_HZ on Linux
         Ok(Sample {
             secs,
             cpu: (cpu_ticks(self.pid()) - cpu0) as f64 / hz / secs,
-            switches: switches(self.pid()) - sw0,
+            switches: context_switches(self.pid() as i32) - sw0,
         })
     }
 }
@@ -214,44 +219,9 @@ impl Drop for Holder {
     }
 }
 
-fn status_field(pid: u32, key: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with(key))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        .unwrap_or(0)
-}
-
-/// utime + stime of every thread, in clock ticks.
+/// utime + stime of the process (all its threads), in clock ticks.
 fn cpu_ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, r)| r.split_whitespace().collect())
-        .unwrap_or_default();
-    let get = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    get(11) + get(12)
-}
-
-/// Context switches of every thread.
-fn switches(pid: u32) -> u64 {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return 0;
-    };
-    tasks
-        .flatten()
-        .map(|t| {
-            let s = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
-            s.lines()
-                .filter(|l| l.contains("ctxt_switches:"))
-                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-                .sum::<u64>()
-        })
-        .sum()
+    procfs::process::Process::new(pid as i32)
+        .and_then(|p| p.stat())
+        .map_or(0, |s| s.utime + s.stime)
 }

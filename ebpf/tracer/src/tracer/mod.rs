@@ -102,7 +102,12 @@ impl GpuState {
     /// finished releasing one it dropped. Kernel facts only: nothing a process writes into its call
     /// parameters changes it.
     pub fn pins_files(&self) -> bool {
-        self.open_fds > 0 || self.mappings > 0 || self.unconfirmed > 0
+        self.has_files() || self.unconfirmed > 0
+    }
+
+    /// Whether a process of the container has an NVIDIA fd or mapping open now.
+    pub fn has_files(&self) -> bool {
+        self.open_fds > 0 || self.mappings > 0
     }
 }
 
@@ -120,6 +125,8 @@ pub struct Tracer {
     releases: Releases,
     /// Fires when the next /proc check of an awaiting removal is due.
     check_timer: AsyncFd<wait::CheckTimer>,
+    /// The deadline `check_timer` is armed for (`None`: disarmed).
+    check_armed_for: Option<u64>,
     /// Whether the probes were told that this consumer sleeps with no timer (see `wait`).
     consumer_sleeping: bool,
     /// Watched cgroups (the kernel map's keys), for a resync.
@@ -161,6 +168,7 @@ impl Tracer {
             poll_interval: cfg.poll_interval,
             releases: Releases::default(),
             check_timer,
+            check_armed_for: None,
             consumer_sleeping: false,
             watched: HashSet::new(),
             drops_seen: 0,
@@ -321,11 +329,6 @@ impl Tracer {
         self.probes.counter(Counter::PendingEvicted)
     }
 
-    /// Removals the probes could not mark for confirmation (their map was full; /proc confirmed them).
-    pub fn confirm_map_full(&self) -> u64 {
-        self.probes.counter(Counter::ConfirmMapFull)
-    }
-
     /// Removals confirmed from /proc rather than by a probe.
     pub fn confirmed_by_proc(&self) -> u64 {
         self.releases.confirmed_by_proc()
@@ -350,11 +353,6 @@ impl Tracer {
             }
         }
         Ok(())
-    }
-
-    /// Whether every process is traced.
-    pub fn watches_all(&self) -> bool {
-        self.watch_all
     }
 
     /// Also follows opens of NVIDIA device files under `prefix` (a device directory such as `/dev/`).

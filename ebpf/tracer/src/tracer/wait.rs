@@ -39,6 +39,7 @@ impl Tracer {
                     // Reading the expiry count clears it; the timer is armed again above.
                     let _ = guard.get_inner().0.wait();
                     guard.clear_ready();
+                    self.check_armed_for = None;
                     (Vec::new(), false)
                 }
             };
@@ -58,7 +59,11 @@ impl Tracer {
 
     /// Arms the /proc-check timer for `due` (CLOCK_MONOTONIC ns), or disarms it. A timerfd, not a tokio
     /// timer: those tick in milliseconds, and the first check comes a tenth of one after a removal.
-    fn arm_check_timer(&self, due: Option<u64>) -> Result<(), TracerError> {
+    /// Only a change of the deadline costs a syscall.
+    fn arm_check_timer(&mut self, due: Option<u64>) -> Result<(), TracerError> {
+        if due == self.check_armed_for {
+            return Ok(());
+        }
         use nix::sys::{
             time::TimeSpec,
             timerfd::{Expiration, TimerSetTimeFlags},
@@ -71,7 +76,9 @@ impl Tracer {
             ),
             None => timer.unset(),
         };
-        result.map_err(|e| TracerError::Poll(e.into()))
+        result.map_err(|e| TracerError::Poll(e.into()))?;
+        self.check_armed_for = due;
+        Ok(())
     }
 
     /// Non-blocking: every event already in the ring buffer, applied.

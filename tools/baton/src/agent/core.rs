@@ -445,10 +445,8 @@ impl Core {
 
 /// Whether process `pid` has exited (no such process, or a zombie: it runs nothing any more).
 fn process_gone(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+    match procfs::process::Process::new(pid as i32).and_then(|p| p.stat()) {
+        Ok(stat) => matches!(stat.state, 'Z' | 'X' | 'x'),
         Err(_) => true,
     }
 }

@@ -65,7 +65,7 @@ impl Watched {
     pub fn update(&mut self, tracer: &Tracer, records: &[Record]) -> Vec<EventBody> {
         let mine = || records.iter().filter(|r| r.cgroup_id == self.cgroup_id);
         let state = tracer.gpu_state(self.cgroup_id);
-        let has_files = state.open_fds > 0 || state.mappings > 0;
+        let has_files = state.has_files();
         let opened = mine().find(|r| matches!(r.body, Body::Open { .. }));
         let mut out = Vec::new();
         if self.gpu != GpuHold::Held && (has_files || opened.is_some()) {
