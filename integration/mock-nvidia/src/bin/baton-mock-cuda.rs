@@ -1,16 +1,21 @@
 //! `baton-mock-cuda`: a mock CUDA process. Sets up GPU resources through the NVIDIA device files, runs
-//! training steps, optionally holds, and tears down, printing one line per phase. SIGUSR1 releases
-//! everything (prints `released`), SIGUSR2 sets it up again (prints `reacquired`), the way
-//! cuda-checkpoint toggles a process; SIGTERM/SIGINT (or stdin closing under `--hold`) ends it.
-//! Exits 0 only if every RM status was `NV_OK`.
+//! training steps (until stopped with `--steps 0`), optionally holds, and tears down, printing one line
+//! per phase. SIGUSR1 releases everything (prints `released`), SIGUSR2 sets it up again (prints
+//! `reacquired`); SIGTERM/SIGINT (or stdin closing under `--hold`) ends it. Like real CUDA it runs a
+//! restore thread on `/tmp/baton-mock-cuda/<pid>.sock` that `baton-mock-cuda-checkpoint` drives (lock,
+//! checkpoint, restore, unlock). Exits 0 only if every RM status was `NV_OK`.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::PathBuf;
-use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use anyhow::Context;
 use baton_mock_nvidia::driver::DEFAULT_DRIVER_VERSION;
-use baton_mock_nvidia::workload::{Workload, WorkloadOptions};
+use baton_mock_nvidia::workload::control::{self, Action};
+use baton_mock_nvidia::workload::gate::{Event, Gate, Next};
+use baton_mock_nvidia::workload::restore::{ControlSocket, RestoreOptions};
+use baton_mock_nvidia::workload::{Workload, WorkloadOptions, say, weights};
 use clap::Parser;
 use nix::sys::signal::{SigSet, Signal};
 
@@ -21,10 +26,10 @@ struct Args {
     /// Folder with nvidiactl, nvidia0, nvidia-uvm.
     #[arg(long, default_value = "/dev")]
     dev_dir: PathBuf,
-    /// Training steps.
+    /// Training steps; 0 keeps stepping until stopped.
     #[arg(long, default_value_t = 3)]
     steps: u64,
-    /// Milliseconds per step.
+    /// Milliseconds per step (the step counts as in flight for a lock all that time).
     #[arg(long, default_value_t = 10)]
     step_ms: u64,
     /// Video memory to allocate, in MiB.
@@ -39,27 +44,43 @@ struct Args {
     /// Write the JSON summary of what it did to this file.
     #[arg(long)]
     summary_json: Option<PathBuf>,
+    /// Rate at which a checkpoint or restore copies the video memory, in MiB/s.
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
+    copy_mib_per_s: u64,
+    /// Milliseconds a lock takes before it can succeed (a smaller lock timeout then times out).
+    #[arg(long, default_value_t = 0)]
+    lock_delay_ms: u64,
+    /// Make this action (lock, checkpoint, restore, unlock) fail without changing anything.
+    #[arg(long, value_parser = parse_action)]
+    fail_at: Option<Action>,
+    /// On a restore request, exit at once with this code (a job that finished while checkpointed).
+    #[arg(long)]
+    exit_at_restore: Option<i32>,
 }
 
-/// What the signal and stdin threads report.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Event {
-    Release,
-    Reacquire,
-    Stop,
+fn parse_action(name: &str) -> Result<Action, String> {
+    Action::parse(name).ok_or_else(|| {
+        format!("{name:?} is not an action (expected lock, checkpoint, restore or unlock)")
+    })
 }
+
+type Shared = Arc<Mutex<Workload>>;
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let events = start_event_threads(args.hold)?;
-    let mut workload = Workload::new(WorkloadOptions {
+    let gate = Arc::new(Gate::new());
+    // Before any other thread starts, so that every thread inherits the blocked signals.
+    start_event_threads(args.hold, &gate)?;
+    let workload: Shared = Arc::new(Mutex::new(Workload::new(WorkloadOptions {
         dev_dir: args.dev_dir.clone(),
         steps: args.steps,
         step_ms: args.step_ms,
         vram_mib: args.vram_mib,
         driver_version: args.driver_version.clone(),
-    })?;
-    let result = run(&mut workload, &events, args.hold);
+    })?));
+    let _socket = start_restore_thread(&gate, &workload, &args);
+    let result = run(&workload, &gate, &args);
+    let mut workload = lock(&workload);
     let teardown = workload.teardown();
     let summary = workload.summary();
     let json = serde_json::to_string(summary)?;
@@ -80,29 +101,75 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn run(workload: &mut Workload, events: &Receiver<Event>, hold: bool) -> anyhow::Result<()> {
-    workload.setup()?;
-    say("phase setup-done");
-    let mut stopped = false;
-    let mut failure = None;
-    workload.run_steps(|workload| match handle_pending(workload, events) {
-        Ok(keep_going) => {
-            stopped = !keep_going;
-            keep_going
-        }
+/// Serves the control socket; without one (a read-only /tmp, say) the workload runs on, unable to be
+/// checkpointed, and says why on stderr.
+fn start_restore_thread(gate: &Arc<Gate>, workload: &Shared, args: &Args) -> Option<ControlSocket> {
+    let path = control::socket_path(std::process::id());
+    let served = ControlSocket::bind().and_then(|mut socket| {
+        socket.serve(gate.clone(), workload.clone(), restore_options(args))?;
+        Ok(socket)
+    });
+    match served {
+        Ok(socket) => Some(socket),
         Err(error) => {
-            failure = Some(error);
-            false
+            eprintln!(
+                "baton-mock-cuda: no restore thread, cuda-checkpoint cannot reach this process: cannot serve {}: {error}",
+                path.display()
+            );
+            None
         }
-    })?;
-    if let Some(error) = failure {
-        return Err(error);
+    }
+}
+
+fn restore_options(args: &Args) -> RestoreOptions {
+    RestoreOptions {
+        vram_mib: args.vram_mib,
+        copy_mib_per_s: args.copy_mib_per_s,
+        lock_delay: Duration::from_millis(args.lock_delay_ms),
+        fail_at: args.fail_at,
+        exit_at_restore: args.exit_at_restore,
+        weights_seed: weights::DEFAULT_SEED,
+    }
+}
+
+fn lock(workload: &Shared) -> MutexGuard<'_, Workload> {
+    workload.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The main thread: set up, step, hold; every CUDA call goes through the gate.
+fn run(workload: &Shared, gate: &Gate, args: &Args) -> anyhow::Result<()> {
+    let setup = lock(workload).setup();
+    gate.done();
+    setup?;
+    say("phase setup-done");
+    let mut main = MainThread {
+        workload,
+        gate,
+        released: false,
+    };
+    let mut done = 0;
+    while args.steps == 0 || done < args.steps {
+        match gate.next(!main.released) {
+            Next::Step => {
+                let step = lock(workload).step();
+                // The step is in flight (busy) for its whole duration.
+                std::thread::sleep(Duration::from_millis(args.step_ms));
+                gate.done();
+                step?;
+                done += 1;
+            }
+            Next::Event(event) => {
+                if !main.apply(event)? {
+                    return Ok(());
+                }
+            }
+        }
     }
     say("phase steps-done");
-    if hold && !stopped {
+    if args.hold {
         say("phase holding");
-        while let Ok(event) = events.recv() {
-            if !apply(workload, event, events)? {
+        while let Next::Event(event) = gate.next(false) {
+            if !main.apply(event)? {
                 break;
             }
         }
@@ -110,55 +177,47 @@ fn run(workload: &mut Workload, events: &Receiver<Event>, hold: bool) -> anyhow:
     Ok(())
 }
 
-/// Handles the events that arrived since the last step; `false` when told to stop.
-fn handle_pending(workload: &mut Workload, events: &Receiver<Event>) -> anyhow::Result<bool> {
-    loop {
-        match events.try_recv() {
-            Ok(event) => {
-                if !apply(workload, event, events)? {
-                    return Ok(false);
-                }
-            }
-            Err(TryRecvError::Empty) => return Ok(true),
-            Err(TryRecvError::Disconnected) => return Ok(false),
-        }
-    }
+struct MainThread<'a> {
+    workload: &'a Shared,
+    gate: &'a Gate,
+    /// Released by SIGUSR1: no steps until SIGUSR2.
+    released: bool,
 }
 
-/// Applies one event; a release waits (like a checkpointed process) until re-acquire or stop.
-fn apply(workload: &mut Workload, event: Event, events: &Receiver<Event>) -> anyhow::Result<bool> {
-    match event {
-        Event::Stop => Ok(false),
-        Event::Reacquire => {
-            if !workload.is_set_up() {
-                workload.reacquire()?;
-                say("reacquired");
-            }
-            Ok(true)
-        }
-        Event::Release => {
-            if workload.is_set_up() {
-                workload.release()?;
-                say("released");
-            }
-            loop {
-                match events.recv() {
-                    Ok(Event::Reacquire) => {
-                        workload.reacquire()?;
-                        say("reacquired");
-                        return Ok(true);
-                    }
-                    Ok(Event::Release) => {}
-                    Ok(Event::Stop) | Err(_) => return Ok(false),
+impl MainThread<'_> {
+    /// Applies one event (the gate marked the thread busy); `false` when told to stop.
+    fn apply(&mut self, event: Event) -> anyhow::Result<bool> {
+        let result = self.apply_busy(event);
+        self.gate.done();
+        result
+    }
+
+    fn apply_busy(&mut self, event: Event) -> anyhow::Result<bool> {
+        let mut workload = lock(self.workload);
+        match event {
+            Event::Stop => return Ok(false),
+            Event::Reacquire => {
+                if !workload.is_set_up() {
+                    workload.reacquire()?;
+                    say("reacquired");
                 }
+                self.released = false;
+            }
+            Event::Release => {
+                if workload.is_set_up() {
+                    workload.release()?;
+                    say("released");
+                }
+                self.released = true;
             }
         }
+        Ok(true)
     }
 }
 
 /// Blocks the control signals in this (main) thread before any other starts, then waits for them in a
 /// dedicated thread; with `hold`, another thread reports stdin closing.
-fn start_event_threads(hold: bool) -> anyhow::Result<Receiver<Event>> {
+fn start_event_threads(hold: bool, gate: &Arc<Gate>) -> anyhow::Result<()> {
     let mut signals = SigSet::empty();
     for signal in [
         Signal::SIGUSR1,
@@ -171,34 +230,24 @@ fn start_event_threads(hold: bool) -> anyhow::Result<Receiver<Event>> {
     signals
         .thread_block()
         .context("cannot block control signals")?;
-    let (sender, receiver) = mpsc::channel();
-    let signal_sender: Sender<Event> = sender.clone();
+    let signal_gate = gate.clone();
     std::thread::spawn(move || {
         while let Ok(signal) = signals.wait() {
-            let event = match signal {
+            signal_gate.post(match signal {
                 Signal::SIGUSR1 => Event::Release,
                 Signal::SIGUSR2 => Event::Reacquire,
                 _ => Event::Stop,
-            };
-            if signal_sender.send(event).is_err() {
-                break;
-            }
+            });
         }
     });
     if hold {
+        let stdin_gate = gate.clone();
         std::thread::spawn(move || {
             let mut sink = [0u8; 256];
             let mut stdin = std::io::stdin();
             while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
-            let _ = sender.send(Event::Stop);
+            stdin_gate.post(Event::Stop);
         });
     }
-    Ok(receiver)
-}
-
-fn say(line: &str) {
-    let mut stdout = std::io::stdout().lock();
-    // A closed stdout must not kill the workload mid-teardown.
-    let _ = writeln!(stdout, "{line}");
-    let _ = stdout.flush();
+    Ok(())
 }

@@ -2,13 +2,19 @@
 //! real syscalls (open, ioctl, mmap, close), against the mock driver or anything else at `dev_dir`.
 //!
 //! [`Workload`] is the sequence, [`calls`] the single calls (tests use them for error cases), and
-//! [`Summary`] what it did.
+//! [`Summary`] what it did. [`restore`] is the in-process restore thread that `cuda-checkpoint` (or its
+//! stand-in, `baton-mock-cuda-checkpoint`) drives over the [`control`] protocol; [`gate`] keeps the
+//! training loop out of CUDA calls while the process is locked.
 
 pub mod calls;
+pub mod control;
+pub mod gate;
 pub mod nvfile;
 pub mod process;
+pub mod restore;
 pub mod session;
 pub mod summary;
+pub mod weights;
 
 use std::path::PathBuf;
 
@@ -16,12 +22,21 @@ pub use process::{Finished, WorkloadProcess, WorkloadProcessError};
 pub use session::{Handles, MAP_BYTES, Workload};
 pub use summary::{FailedCall, Summary};
 
+/// Prints `line` on stdout at once (tests wait for these lines); a closed stdout is ignored, so that it
+/// cannot kill the workload mid-teardown.
+pub fn say(line: &str) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    let _ = writeln!(stdout, "{line}");
+    let _ = stdout.flush();
+}
+
 /// How to run the workload.
 #[derive(Debug, Clone)]
 pub struct WorkloadOptions {
     /// Folder holding `nvidiactl`, `nvidia0`, `nvidia-uvm` (`/dev` on a real host).
     pub dev_dir: PathBuf,
-    /// Training steps to run.
+    /// Training steps to run (`baton-mock-cuda` runs steps until stopped when 0).
     pub steps: u64,
     /// Milliseconds between steps.
     pub step_ms: u64,

@@ -5,7 +5,6 @@
 use std::num::NonZeroUsize;
 use std::os::fd::AsFd;
 use std::ptr::NonNull;
-use std::time::Duration;
 
 use baton_nvidia::layout::{DriverVersion, Layout};
 use baton_nvidia::{class, ctrl, escape, status, uvm};
@@ -51,6 +50,11 @@ struct Mapping {
     length: NonZeroUsize,
     linear_address: u64,
 }
+
+// SAFETY: a mapping of a device file belongs to the process, not to a thread: any thread may write to it
+// or unmap it. `Mapping` is only reached through `&mut Workload` (the restore thread shares the workload
+// behind a mutex), so the pointer is never used from two threads at once.
+unsafe impl Send for Mapping {}
 
 /// Everything one setup holds.
 #[derive(Debug)]
@@ -156,22 +160,6 @@ impl Workload {
         self.build_objects()?;
         self.register_uvm()?;
         self.map_memory()
-    }
-
-    /// Runs `--steps` training steps, `--step-ms` apart; `between` is called after each step and may
-    /// stop the loop by returning `false`.
-    pub fn run_steps(
-        &mut self,
-        mut between: impl FnMut(&mut Self) -> bool,
-    ) -> Result<(), WorkloadError> {
-        for _ in 0..self.options.steps {
-            self.step()?;
-            std::thread::sleep(Duration::from_millis(self.options.step_ms));
-            if !between(self) {
-                break;
-            }
-        }
-        Ok(())
     }
 
     /// One training step: the controls a CUDA launch loop makes, and a write into mapped memory.

@@ -1,0 +1,240 @@
+//! The workload's "restore thread", like the one CUDA runs in every process: it serves the control socket
+//! ([`super::control`]) and carries out `cuda-checkpoint`'s actions. running -> lock -> locked ->
+//! checkpoint -> checkpointed -> restore -> locked -> unlock -> running. A checkpoint "copies" device memory
+//! to the host (time proportional to the allocation) and then releases every GPU resource; a restore
+//! re-acquires them, "copies" back and verifies the weights. Each transition prints a line on stdout.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use super::control::{self, Action, CudaState, Reply, Request};
+use super::gate::{Gate, LockError};
+use super::weights::Weights;
+use super::{Workload, say};
+
+/// How the restore thread behaves.
+#[derive(Debug, Clone)]
+pub struct RestoreOptions {
+    /// Video memory the workload allocates, in MiB (what a checkpoint copies).
+    pub vram_mib: u64,
+    /// Copy rate between "device" and host, in MiB/s (at least 1).
+    pub copy_mib_per_s: u64,
+    /// How long a lock takes before it can succeed.
+    pub lock_delay: Duration,
+    /// This action answers an injected failure and changes nothing.
+    pub fail_at: Option<Action>,
+    /// A restore request makes the process exit at once with this code.
+    pub exit_at_restore: Option<i32>,
+    /// Seed of the weights.
+    pub weights_seed: u32,
+}
+
+/// The bound control socket; the file is removed when this is dropped.
+#[derive(Debug)]
+pub struct ControlSocket {
+    path: PathBuf,
+    listener: Option<UnixListener>,
+}
+
+impl ControlSocket {
+    /// Binds `/tmp/baton-mock-cuda/<own pid>.sock`, creating the folder. A socket left by a process that
+    /// is gone is replaced; one that still answers (a process with the same pid in another pid namespace
+    /// sharing this root filesystem) is left alone, and this fails with `AddrInUse`.
+    pub fn bind() -> std::io::Result<Self> {
+        let path = control::socket_path(std::process::id());
+        std::fs::create_dir_all(control::SOCKET_DIR)?;
+        let listener = match UnixListener::bind(&path) {
+            Err(error) if error.kind() == std::io::ErrorKind::AddrInUse => {
+                if UnixStream::connect(&path).is_ok() {
+                    return Err(error);
+                }
+                std::fs::remove_file(&path)?;
+                UnixListener::bind(&path)?
+            }
+            bound => bound?,
+        };
+        Ok(Self {
+            path,
+            listener: Some(listener),
+        })
+    }
+
+    /// Where it is.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
+    /// Starts the restore thread on this socket.
+    pub fn serve(
+        &mut self,
+        gate: Arc<Gate>,
+        workload: Arc<Mutex<Workload>>,
+        options: RestoreOptions,
+    ) -> std::io::Result<()> {
+        let listener = self
+            .listener
+            .take()
+            .ok_or_else(|| std::io::Error::other("the control socket is already served"))?;
+        let mut thread = RestoreThread {
+            weights: Weights::new(options.weights_seed),
+            gate,
+            workload,
+            options,
+            socket: self.path.clone(),
+        };
+        std::thread::Builder::new()
+            .name("restore".to_owned())
+            .spawn(move || {
+                for stream in listener.incoming().map_while(Result::ok) {
+                    thread.answer(stream);
+                }
+            })?;
+        Ok(())
+    }
+}
+
+impl Drop for ControlSocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+struct RestoreThread {
+    gate: Arc<Gate>,
+    workload: Arc<Mutex<Workload>>,
+    weights: Weights,
+    options: RestoreOptions,
+    socket: PathBuf,
+}
+
+impl RestoreThread {
+    /// Reads one request from `stream` and writes its reply (a client that went away is ignored).
+    fn answer(&mut self, stream: UnixStream) {
+        let mut line = String::new();
+        if BufReader::new(&stream).read_line(&mut line).is_err() {
+            return;
+        }
+        let reply = match Request::parse(line.trim_end()) {
+            Ok(request) => match self.handle(request) {
+                Ok(state) => Reply::Ok(state),
+                Err(message) => Reply::Err(message),
+            },
+            Err(message) => Reply::Err(message),
+        };
+        let _ = (&stream).write_all(format!("{reply}\n").as_bytes());
+    }
+
+    fn handle(&mut self, request: Request) -> Result<CudaState, String> {
+        let action = match request {
+            Request::State => return Ok(self.gate.state()),
+            Request::Lock { .. } => Action::Lock,
+            Request::Other(action) => action,
+        };
+        let state = self.gate.state();
+        let needs = needed_state(action);
+        if state != needs {
+            return Err(format!(
+                "{action} needs a {needs} process; state is {state}"
+            ));
+        }
+        if self.options.fail_at == Some(action) {
+            return Err(format!("mock failure injected at {action}"));
+        }
+        match request {
+            Request::Lock { timeout_ms } => self.lock(timeout_ms)?,
+            Request::Other(Action::Checkpoint) => self.checkpoint()?,
+            Request::Other(Action::Restore) => self.restore()?,
+            _ => {
+                self.gate.set_state(CudaState::Running);
+                say("unlocked");
+            }
+        }
+        Ok(self.gate.state())
+    }
+
+    fn lock(&mut self, timeout_ms: u64) -> Result<(), String> {
+        let timeout = (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms));
+        match self.gate.lock(self.options.lock_delay, timeout) {
+            Ok(()) => {
+                say("locked");
+                Ok(())
+            }
+            Err(LockError::TimedOut) => Err(format!("lock timed out after {timeout_ms} ms")),
+            Err(LockError::NotRunning(state)) => {
+                Err(format!("lock needs a running process; state is {state}"))
+            }
+        }
+    }
+
+    /// Copies device memory to the host, then (at the end of the copy) releases the GPU.
+    fn checkpoint(&mut self) -> Result<(), String> {
+        self.copy("to host");
+        self.weights.save_to_host();
+        if let Err(error) = self.with_workload(Workload::release) {
+            self.gate.set_state(CudaState::Failed);
+            return Err(format!("releasing the GPU failed: {error}"));
+        }
+        self.gate.set_state(CudaState::Checkpointed);
+        say("checkpointed");
+        Ok(())
+    }
+
+    /// Re-acquires the GPU, copies device memory back and verifies the weights.
+    fn restore(&mut self) -> Result<(), String> {
+        if let Some(code) = self.options.exit_at_restore {
+            let _ = std::fs::remove_file(&self.socket);
+            say(&format!("exiting with {code} at restore"));
+            std::process::exit(code);
+        }
+        if let Err(error) = self.with_workload(Workload::reacquire) {
+            self.gate.set_state(CudaState::Failed);
+            return Err(format!("re-acquiring the GPU failed: {error}"));
+        }
+        self.copy("back to the device");
+        match self.weights.restore_from_host() {
+            Ok(checksum) => {
+                self.gate.set_state(CudaState::Locked);
+                say(&format!("restored checksum {checksum:#010x} intact"));
+                Ok(())
+            }
+            Err(mismatch) => {
+                self.gate.set_state(CudaState::Failed);
+                say(&mismatch.to_string());
+                Err(mismatch.to_string())
+            }
+        }
+    }
+
+    fn with_workload(
+        &self,
+        act: impl FnOnce(&mut Workload) -> Result<(), super::WorkloadError>,
+    ) -> Result<(), super::WorkloadError> {
+        act(&mut self.workload.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// "Copies" the allocation `direction` at the configured rate, saying when half of it is done
+    /// (`copying to host: 256 of 512 MiB`), so that a test can look at the process mid-copy.
+    fn copy(&self, direction: &str) {
+        let total = self.options.vram_mib;
+        let half =
+            Duration::from_secs_f64(total as f64 / self.options.copy_mib_per_s.max(1) as f64 / 2.0);
+        std::thread::sleep(half);
+        say(&format!(
+            "copying {direction}: {} of {total} MiB",
+            total / 2
+        ));
+        std::thread::sleep(half);
+    }
+}
+
+/// The state `action` starts from.
+fn needed_state(action: Action) -> CudaState {
+    match action {
+        Action::Lock => CudaState::Running,
+        Action::Checkpoint | Action::Unlock => CudaState::Locked,
+        Action::Restore => CudaState::Checkpointed,
+    }
+}
