@@ -1,0 +1,353 @@
+//! `baton-mock-cuda-checkpoint` (the `cuda-checkpoint` stand-in) driving a training `baton-mock-cuda`
+//! against the mock driver through a real FUSE mount: the lock / checkpoint / restore / unlock cycle with
+//! the device files really closed and reopened, the weights verified, wrong-state and injected failures,
+//! a process that exits at restore, a lock that times out, `--toggle`, and pids that are not mock CUDA.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use baton_mock_nvidia::workload::weights::{DEFAULT_SEED, Weights};
+use baton_mock_nvidia::workload::{WorkloadProcess, process};
+use common::{Mock, TIMEOUT, cuda_binary, skip};
+use nix::sys::signal::Signal;
+
+const VERSION: &str = "595.45.04";
+const MIB: u64 = 1024 * 1024;
+
+fn checkpoint_binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_baton-mock-cuda-checkpoint"))
+}
+
+/// Starts a trainer that steps until stopped, with `extra` flags, and waits until it is set up.
+fn start_trainer(mock: &Mock, extra: &[&str]) -> WorkloadProcess {
+    let options = baton_mock_nvidia::workload::WorkloadOptions {
+        steps: 0,
+        step_ms: 5,
+        ..mock.workload(VERSION)
+    };
+    let mut command = Command::new(cuda_binary());
+    command.args(process::args(&options, false)).args(extra);
+    let mut trainer = WorkloadProcess::start_command(&mut command, &cuda_binary())
+        .expect("start baton-mock-cuda");
+    trainer
+        .wait_for_line("phase setup-done", TIMEOUT)
+        .expect("trainer set up");
+    trainer
+}
+
+fn cuda_checkpoint(pid: u32, args: &[&str]) -> Output {
+    Command::new(checkpoint_binary())
+        .args(args)
+        .args(["--pid", &pid.to_string()])
+        .output()
+        .expect("run baton-mock-cuda-checkpoint")
+}
+
+/// Runs the stand-in and asserts that it succeeded quietly.
+fn succeeds(pid: u32, args: &[&str]) {
+    let output = cuda_checkpoint(pid, args);
+    assert!(output.status.success(), "{args:?}: {output:?}");
+    assert!(
+        output.stdout.is_empty() && output.stderr.is_empty(),
+        "{output:?}"
+    );
+}
+
+/// Runs the stand-in, asserts that it failed with one line on stderr, and returns that line.
+fn fails(pid: u32, args: &[&str]) -> String {
+    let output = cuda_checkpoint(pid, args);
+    assert!(!output.status.success(), "{args:?} should fail: {output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(stderr.lines().count(), 1, "{stderr:?}");
+    stderr.trim_end().to_owned()
+}
+
+fn state(pid: u32) -> String {
+    let output = cuda_checkpoint(pid, &["--get-state"]);
+    assert!(output.status.success(), "{output:?}");
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn action(pid: u32, name: &str) {
+    succeeds(pid, &["--action", name]);
+}
+
+/// The process's fds that point into the mock's device folder.
+fn device_fds(pid: u32, dev_dir: &Path) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("read the fd table")
+        .filter_map(|entry| std::fs::read_link(entry.ok()?.path()).ok())
+        .filter(|target| target.starts_with(dev_dir))
+        .count()
+}
+
+fn restored_line() -> String {
+    format!(
+        "restored checksum {:#010x} intact",
+        Weights::new(DEFAULT_SEED).checksum()
+    )
+}
+
+fn stop(trainer: WorkloadProcess) -> baton_mock_nvidia::workload::Finished {
+    trainer
+        .signal(Signal::SIGTERM)
+        .expect("SIGTERM the trainer");
+    trainer.finish(TIMEOUT).expect("trainer exits")
+}
+
+#[test]
+fn full_cycle_releases_the_gpu_and_restores_the_weights() {
+    if skip("full_cycle_releases_the_gpu_and_restores_the_weights") {
+        return;
+    }
+    let mock = Mock::mount(VERSION, 4096);
+    let mut trainer = start_trainer(&mock, &[]);
+    let pid = trainer.pid();
+    assert_eq!(state(pid), "running\n");
+    assert_eq!(
+        device_fds(pid, mock.dir()),
+        4,
+        "nvidiactl, nvidia0, two nvidia-uvm"
+    );
+
+    action(pid, "lock");
+    trainer.wait_for_line("locked", TIMEOUT).unwrap();
+    assert_eq!(state(pid), "locked\n");
+    let controls_at_lock = mock.state().totals.controls;
+
+    // 512 MiB at the default 4096 MiB/s: the copy takes a while, and the stopped trainer makes no call.
+    action(pid, "checkpoint");
+    trainer.wait_for_line("checkpointed", TIMEOUT).unwrap();
+    assert_eq!(state(pid), "checkpointed\n");
+    assert_eq!(device_fds(pid, mock.dir()), 0, "every NVIDIA fd is closed");
+    let released = mock.idle_state();
+    assert!(released.files.is_empty(), "{:#?}", released.files);
+    assert_eq!(released.vram_used_bytes, 0);
+    assert_eq!(
+        released.totals.controls, controls_at_lock,
+        "no step while locked"
+    );
+
+    action(pid, "restore");
+    trainer.wait_for_line(&restored_line(), TIMEOUT).unwrap();
+    assert_eq!(state(pid), "locked\n");
+    assert_eq!(
+        device_fds(pid, mock.dir()),
+        4,
+        "the device files are open again"
+    );
+    let restored = mock.state();
+    assert_eq!(restored.vram_used_bytes, 512 * MIB);
+
+    action(pid, "unlock");
+    trainer.wait_for_line("unlocked", TIMEOUT).unwrap();
+    assert_eq!(state(pid), "running\n");
+    // Training resumes.
+    mock.state_when(|s| s.totals.controls > restored.totals.controls);
+
+    let finished = stop(trainer);
+    assert!(finished.status.success(), "{finished:#?}");
+    let summary = finished.summary.expect("summary");
+    assert_eq!((summary.releases, summary.reacquires), (1, 1));
+    assert!(mock.idle_state().files.is_empty());
+}
+
+#[test]
+fn the_gpu_is_released_at_the_end_of_the_copy() {
+    if skip("the_gpu_is_released_at_the_end_of_the_copy") {
+        return;
+    }
+    let mock = Mock::mount(VERSION, 4096);
+    // 512 MiB at 256 MiB/s: a two-second copy; the test looks halfway, a second before the end.
+    let mut trainer = start_trainer(&mock, &["--copy-mib-per-s", "256"]);
+    let pid = trainer.pid();
+    action(pid, "lock");
+    let mut checkpoint = Command::new(checkpoint_binary())
+        .args(["--action", "checkpoint", "--pid", &pid.to_string()])
+        .spawn()
+        .expect("start the checkpoint");
+    trainer
+        .wait_for_line("copying to host: 256 of 512 MiB", TIMEOUT)
+        .unwrap();
+    assert_eq!(
+        device_fds(pid, mock.dir()),
+        4,
+        "still on the GPU halfway through the copy"
+    );
+    assert_eq!(mock.state().vram_used_bytes, 512 * MIB);
+    assert!(checkpoint.wait().unwrap().success());
+    assert_eq!(device_fds(pid, mock.dir()), 0, "released after the copy");
+    assert_eq!(state(pid), "checkpointed\n");
+    let finished = stop(trainer);
+    assert!(finished.status.success(), "{finished:#?}");
+}
+
+#[test]
+fn actions_in_the_wrong_state_are_refused() {
+    if skip("actions_in_the_wrong_state_are_refused") {
+        return;
+    }
+    let mock = Mock::mount(VERSION, 4096);
+    let trainer = start_trainer(&mock, &[]);
+    let pid = trainer.pid();
+    for (name, needs) in [
+        ("checkpoint", "locked"),
+        ("restore", "checkpointed"),
+        ("unlock", "locked"),
+    ] {
+        assert_eq!(
+            fails(pid, &["--action", name]),
+            format!(
+                "cuda-checkpoint: {name} of pid {pid} failed: {name} needs a {needs} process; state is running"
+            )
+        );
+    }
+    action(pid, "lock");
+    assert_eq!(
+        fails(pid, &["--action", "lock"]),
+        format!(
+            "cuda-checkpoint: lock of pid {pid} failed: lock needs a running process; state is locked"
+        )
+    );
+    assert_eq!(
+        fails(pid, &["--action", "restore"]),
+        format!(
+            "cuda-checkpoint: restore of pid {pid} failed: restore needs a checkpointed process; state is locked"
+        )
+    );
+    assert_eq!(state(pid), "locked\n");
+    assert_eq!(device_fds(pid, mock.dir()), 4);
+    action(pid, "unlock");
+    assert!(stop(trainer).status.success());
+}
+
+#[test]
+fn an_injected_failure_changes_nothing() {
+    if skip("an_injected_failure_changes_nothing") {
+        return;
+    }
+    let mock = Mock::mount(VERSION, 4096);
+    let steps = ["lock", "checkpoint", "restore", "unlock"];
+    for (index, failing) in steps.iter().enumerate() {
+        let trainer = start_trainer(&mock, &["--fail-at", failing]);
+        let pid = trainer.pid();
+        for before in &steps[..index] {
+            action(pid, before);
+        }
+        let state_before = state(pid);
+        let fds_before = device_fds(pid, mock.dir());
+        assert_eq!(
+            fails(pid, &["--action", failing]),
+            format!(
+                "cuda-checkpoint: {failing} of pid {pid} failed: mock failure injected at {failing}"
+            )
+        );
+        assert_eq!(state(pid), state_before, "{failing}");
+        assert_eq!(device_fds(pid, mock.dir()), fds_before, "{failing}");
+        let finished = stop(trainer);
+        assert!(finished.status.success(), "{failing}: {finished:#?}");
+    }
+}
+
+#[test]
+fn a_process_that_exits_at_restore_is_reported_gone() {
+    if skip("a_process_that_exits_at_restore_is_reported_gone") {
+        return;
+    }
+    let mock = Mock::mount(VERSION, 4096);
+    let trainer = start_trainer(&mock, &["--exit-at-restore", "7"]);
+    let pid = trainer.pid();
+    action(pid, "lock");
+    action(pid, "checkpoint");
+    assert_eq!(
+        fails(pid, &["--action", "restore"]),
+        format!("cuda-checkpoint: restore of pid {pid} failed: process {pid} has exited")
+    );
+    // Not reaped yet: a zombie.
+    assert_eq!(
+        fails(pid, &["--get-state"]),
+        format!("cuda-checkpoint: get-state of pid {pid} failed: process {pid} has exited")
+    );
+    let finished = trainer.finish(TIMEOUT).unwrap();
+    assert_eq!(finished.status.code(), Some(7), "{finished:#?}");
+    assert_eq!(
+        fails(pid, &["--get-state"]),
+        format!("cuda-checkpoint: get-state of pid {pid} failed: no process with pid {pid}")
+    );
+}
+
+#[test]
+fn a_slow_lock_times_out_and_training_goes_on() {
+    if skip("a_slow_lock_times_out_and_training_goes_on") {
+        return;
+    }
+    let mock = Mock::mount(VERSION, 4096);
+    let trainer = start_trainer(&mock, &["--lock-delay-ms", "500"]);
+    let pid = trainer.pid();
+    assert_eq!(
+        fails(pid, &["--action", "lock", "--timeout", "20"]),
+        format!("cuda-checkpoint: lock of pid {pid} failed: lock timed out after 20 ms")
+    );
+    assert_eq!(state(pid), "running\n");
+    let controls = mock.state().totals.controls;
+    mock.state_when(|s| s.totals.controls > controls);
+    // Without a limit the same lock waits out the delay and succeeds.
+    succeeds(pid, &["--action", "lock"]);
+    assert_eq!(state(pid), "locked\n");
+    action(pid, "unlock");
+    assert!(stop(trainer).status.success());
+}
+
+#[test]
+fn toggle_checkpoints_and_restores() {
+    if skip("toggle_checkpoints_and_restores") {
+        return;
+    }
+    let mock = Mock::mount(VERSION, 4096);
+    let mut trainer = start_trainer(&mock, &["--copy-mib-per-s", "65536"]);
+    let pid = trainer.pid();
+    succeeds(pid, &["--toggle"]);
+    trainer.wait_for_line("locked", TIMEOUT).unwrap();
+    trainer.wait_for_line("checkpointed", TIMEOUT).unwrap();
+    assert_eq!(state(pid), "checkpointed\n");
+    assert_eq!(device_fds(pid, mock.dir()), 0);
+    succeeds(pid, &["--toggle"]);
+    trainer.wait_for_line(&restored_line(), TIMEOUT).unwrap();
+    trainer.wait_for_line("unlocked", TIMEOUT).unwrap();
+    assert_eq!(state(pid), "running\n");
+    assert_eq!(device_fds(pid, mock.dir()), 4);
+    action(pid, "lock");
+    assert_eq!(
+        fails(pid, &["--toggle"]),
+        format!(
+            "cuda-checkpoint: toggle of pid {pid} failed: it needs a running or checkpointed process; state is locked"
+        )
+    );
+    action(pid, "unlock");
+    assert!(stop(trainer).status.success());
+}
+
+#[test]
+fn pids_that_are_not_mock_cuda_processes_are_refused() {
+    let own = std::process::id();
+    let message = fails(own, &["--get-state"]);
+    assert!(
+        message.starts_with(&format!(
+            "cuda-checkpoint: get-state of pid {own} failed: pid {own} is not a CUDA process"
+        )),
+        "{message}"
+    );
+    let mut gone = Command::new("true").spawn().expect("run true");
+    let gone_pid = gone.id();
+    gone.wait().expect("reap true");
+    assert_eq!(
+        fails(gone_pid, &["--action", "lock"]),
+        format!("cuda-checkpoint: lock of pid {gone_pid} failed: no process with pid {gone_pid}")
+    );
+    assert_eq!(
+        fails(own, &["--action", "checkpoint", "--timeout", "5"]),
+        "cuda-checkpoint: --timeout applies to --action lock only"
+    );
+}
