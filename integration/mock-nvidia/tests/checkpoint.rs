@@ -1,7 +1,8 @@
 //! `baton-mock-cuda-checkpoint` (the `cuda-checkpoint` stand-in) driving a training `baton-mock-cuda`
 //! against the mock driver through a real FUSE mount: the lock / checkpoint / restore / unlock cycle with
 //! the device files really closed and reopened, the weights verified, wrong-state and injected failures,
-//! a process that exits at restore, a lock that times out, `--toggle`, and pids that are not mock CUDA.
+//! a process that exits at restore, a lock that times out, `--toggle`, pids that are not mock CUDA, and a
+//! workload in its own pid and mount namespace (reached through `/proc/PID/root`, as in a container).
 
 mod common;
 
@@ -350,4 +351,77 @@ fn pids_that_are_not_mock_cuda_processes_are_refused() {
         fails(own, &["--action", "checkpoint", "--timeout", "5"]),
         "cuda-checkpoint: --timeout applies to --action lock only"
     );
+}
+
+/// The host pid of the one child of `parent` (unshare's forked child).
+fn only_child(parent: u32) -> u32 {
+    let children = std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
+        .expect("read the children of unshare");
+    children
+        .split_whitespace()
+        .next()
+        .and_then(|pid| pid.parse().ok())
+        .unwrap_or_else(|| panic!("unshare {parent} has no child: {children:?}"))
+}
+
+fn ns_pid(pid: u32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("NSpid:"))
+        .and_then(|pids| pids.split_whitespace().next_back())
+        .expect("an NSpid line")
+        .to_owned()
+}
+
+#[test]
+fn a_process_in_its_own_pid_and_mount_namespace_is_reached_through_proc_root() {
+    if skip("a_process_in_its_own_pid_and_mount_namespace_is_reached_through_proc_root") {
+        return;
+    }
+    let mock = Mock::mount(VERSION, 4096);
+    let options = baton_mock_nvidia::workload::WorkloadOptions {
+        steps: 0,
+        step_ms: 5,
+        ..mock.workload(VERSION)
+    };
+    // Like a container: its own pid namespace, and a socket folder only its mount namespace sees.
+    let mut command = Command::new("unshare");
+    command
+        .args([
+            "--pid",
+            "--kill-child",
+            "--mount",
+            "--propagation",
+            "private",
+        ])
+        .args(["sh", "-c"])
+        .arg(
+            "mkdir -p /tmp/baton-mock-cuda && mount -t tmpfs mock-cuda /tmp/baton-mock-cuda \
+             && exec \"$0\" \"$@\"",
+        )
+        .arg(cuda_binary())
+        .args(process::args(&options, false));
+    let mut trainer =
+        WorkloadProcess::start_command(&mut command, Path::new("unshare")).expect("start unshare");
+    trainer
+        .wait_for_line("phase setup-done", TIMEOUT)
+        .expect("trainer set up");
+    let pid = only_child(trainer.pid());
+    assert_eq!(ns_pid(pid), "1", "pid 1 of its own namespace");
+    assert!(
+        !Path::new("/tmp/baton-mock-cuda/1.sock").exists(),
+        "the socket is not visible from the host's mount namespace"
+    );
+
+    assert_eq!(state(pid), "running\n");
+    action(pid, "lock");
+    action(pid, "checkpoint");
+    assert_eq!(state(pid), "checkpointed\n");
+    assert_eq!(device_fds(pid, mock.dir()), 0);
+    action(pid, "restore");
+    trainer.wait_for_line(&restored_line(), TIMEOUT).unwrap();
+    action(pid, "unlock");
+    assert_eq!(state(pid), "running\n");
+    assert_eq!(device_fds(pid, mock.dir()), 4);
 }
