@@ -16,7 +16,8 @@ use std::{
 };
 
 use baton_agent_api::{
-    Client, ContainerRef, Endpoint, EventBody, Filter, Registration, Reply, Request, WatchSettings,
+    Client, ContainerRef, Endpoint, EventBody, Filter, GateRequest, PreemptState, Registration,
+    Reply, Request, WatchSettings,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -40,6 +41,10 @@ pub struct GpuContainer<'a> {
     pub init_pid: u32,
     /// Baton settings after the TOML / pod / container layering.
     pub settings: &'a BatonSettings,
+    /// This shim's control socket (where the agent sends preempt, resume and start).
+    pub control_socket: Option<&'a Path>,
+    /// The container's persisted preemption state.
+    pub preemption: Option<&'a PreemptState>,
 }
 
 enum LinkMsg {
@@ -159,7 +164,81 @@ fn registration_of(c: &GpuContainer<'_>) -> Option<Registration> {
         settings: WatchSettings {
             trace_prefix: c.settings.trace_prefix.clone(),
         },
+        control_socket: c.control_socket.map(|p| p.display().to_string()),
+        preemption: c.preemption.cloned(),
     })
+}
+
+/// Whether the agent is to watch `c` (it sees NVIDIA devices and eBPF is on).
+pub fn is_watched(c: &GpuContainer<'_>) -> bool {
+    registration_of(c).is_some()
+}
+
+/// The agent's socket for `settings`.
+pub fn agent_socket(settings: &BatonSettings) -> PathBuf {
+    endpoint_of(settings).socket
+}
+
+/// Waits, at most `within`, until the agent says no other container holds the NVIDIA devices `c` sees;
+/// the error says who holds them, or that no agent answered.
+pub async fn wait_gpu_free(c: &GpuContainer<'_>, within: Duration) -> Result<u64, String> {
+    let endpoint = endpoint_of(c.settings);
+    let mut client = baton_agent_api::connect_or_start(&endpoint, REGISTER_TIMEOUT.min(within))
+        .await
+        .map_err(|e| format!("cannot tell whether the GPU is free: {e}"))?;
+    let request = Request::WaitGpuFree(GateRequest {
+        container: ContainerRef {
+            id: c.id.to_owned(),
+            namespace: c.namespace.to_owned(),
+        },
+        timeout_ms: u64::try_from(within.as_millis()).unwrap_or(u64::MAX),
+    });
+    // The agent answers at the deadline itself; the margin only covers an agent that hangs.
+    match tokio::time::timeout(within + REGISTER_TIMEOUT, client.call(request)).await {
+        Ok(Ok(Reply::GpuFree { waited_ns, .. })) => Ok(waited_ns),
+        Ok(Ok(other)) => Err(format!("unexpected reply from the agent: {other:?}")),
+        Ok(Err(baton_agent_api::ClientError::Refused(e))) => Err(e),
+        Ok(Err(e)) => Err(format!("cannot tell whether the GPU is free: {e}")),
+        Err(_) => Err(format!(
+            "the baton agent did not answer within {:?}",
+            within + REGISTER_TIMEOUT
+        )),
+    }
+}
+
+/// The processes of container `c` that hold NVIDIA files, from the agent's ledger (empty without an
+/// agent, or when it does not watch `c`).
+pub async fn cuda_pids(settings: &BatonSettings, id: &str, namespace: &str) -> Vec<u32> {
+    let endpoint = Endpoint {
+        autostart: None,
+        ..endpoint_of(settings)
+    };
+    let status = async {
+        let mut client = baton_agent_api::connect_or_start(&endpoint, REGISTER_TIMEOUT).await?;
+        client
+            .call(Request::Status(Filter {
+                container: Some(id.to_owned()),
+                namespace: Some(namespace.to_owned()),
+                mine: false,
+            }))
+            .await
+    };
+    match tokio::time::timeout(REGISTER_TIMEOUT, status).await {
+        Ok(Ok(Reply::Status(s))) => s
+            .containers
+            .iter()
+            .flat_map(|c| c.processes.iter().map(|p| p.pid))
+            .collect(),
+        Ok(Ok(_)) => Vec::new(),
+        Ok(Err(e)) => {
+            tracing::warn!(id, "gpu: cannot ask the agent for the CUDA processes: {e}");
+            Vec::new()
+        }
+        Err(_) => {
+            tracing::warn!(id, "gpu: the agent did not say which processes use CUDA in time");
+            Vec::new()
+        }
+    }
 }
 
 /// Where the agent is for a container with `settings`, and whether this shim may start it.

@@ -112,6 +112,10 @@ pub struct Container {
     /// Held while a start and its event are published, and while an exit is claimed, so that
     /// TaskExit never overtakes TaskStart / TaskExecStarted.
     pub event_gate: Mutex<()>,
+    /// Held while a preemption or resume runs (a second one is refused, not queued).
+    pub preempt_op: Mutex<()>,
+    /// Parked, or being preempted or resumed (persisted in the bundle, see `preempt/state.rs`).
+    pub preemption: std::sync::Mutex<Option<baton_agent_api::PreemptState>>,
 }
 
 /// Reads the last error runc wrote to its JSON log, for error messages.
@@ -244,6 +248,8 @@ impl Container {
             tasks: std::sync::Mutex::new(Vec::new()),
             oom: std::sync::OnceLock::new(),
             event_gate: Mutex::new(()),
+            preempt_op: Mutex::new(()),
+            preemption: std::sync::Mutex::new(crate::preempt::state::load(&bundle)),
         };
         if !req.checkpoint.is_empty() {
             init.restore = Some(CriuOpts::for_restore(
@@ -319,7 +325,9 @@ impl Container {
             (p.pid, p.name())
         };
         if exec_id.is_empty() {
-            return self.runc_kill(signal, all).await;
+            self.runc_kill(signal, all).await?;
+            self.thaw_if_parked_and_killed(signal).await;
+            return Ok(());
         }
         let sig = nix::sys::signal::Signal::try_from(signal as i32)
             .map_err(|_| ShimError::InvalidArgument(format!("invalid signal {signal}")))?;
@@ -352,6 +360,22 @@ impl Container {
             })
     }
 
+    /// A parked container is frozen: a SIGKILL (or SIGTERM) reaches its processes only once it is thawed,
+    /// so killing it thaws it (the cgroup v1 freezer holds fatal signals, runc#2105). It is no longer
+    /// parked: what exits reaches containerd as a TaskExit with its real status.
+    async fn thaw_if_parked_and_killed(&self, signal: u32) {
+        let fatal = signal == libc::SIGKILL as u32 || signal == libc::SIGTERM as u32;
+        if !fatal || self.preemption().is_none() {
+            return;
+        }
+        if self.procs.lock().await.init.state == State::Paused
+            && let Err(e) = self.set_paused(false).await
+        {
+            tracing::warn!(id = %self.id, "thawing the parked container after a kill: {e}");
+        }
+        self.clear_preemption();
+    }
+
     /// After the init of a container without a pid namespace of its own exited: kills every
     /// process left in it, so that its exec processes exit before the init's TaskExit.
     pub async fn kill_all_after_init_exit(&self) {
@@ -382,11 +406,15 @@ impl Container {
         Ok(())
     }
 
-    /// Checkpoints the container with CRIU (`runc checkpoint`).
-    pub async fn checkpoint(&self, path: &str, options: Option<&Any>) -> Result<()> {
+    /// The CRIU options of a Task Checkpoint request.
+    pub fn criu_opts(&self, path: &str, options: Option<&Any>) -> Result<CriuOpts> {
+        CriuOpts::for_checkpoint(path, options, &self.options)
+    }
+
+    /// `runc checkpoint` with `criu`.
+    pub async fn runc_checkpoint(&self, criu: &CriuOpts) -> Result<()> {
         self.procs.lock().await.init.check(Op::Checkpoint)?;
-        let criu = CriuOpts::for_checkpoint(path, options, &self.options)?;
-        let args = checkpoint::checkpoint_args(&self.global, &self.id, &criu);
+        let args = checkpoint::checkpoint_args(&self.global, &self.id, criu);
         runtime::run_raw(&self.global.binary, &args, "checkpoint", &self.id)
             .await
             .map(|_| ())

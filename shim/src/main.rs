@@ -8,6 +8,7 @@ mod binary_logger;
 mod checkpoint;
 mod console;
 mod container;
+mod control;
 mod errors;
 mod events;
 #[cfg(test)]
@@ -17,6 +18,7 @@ mod io;
 mod logging;
 mod oom;
 mod options;
+mod preempt;
 mod process;
 mod reaper;
 mod runtime;

@@ -52,6 +52,11 @@ pub struct BatonSettings {
     /// Start the agent (the `baton` binary beside the shim, else on PATH) when nothing answers on its
     /// socket (`agent_autostart`, default true; a DaemonSet-run agent makes it unnecessary).
     pub agent_autostart: bool,
+    /// How long cuda-checkpoint's lock of each process may take (`cuda_lock_timeout`, e.g. "10s").
+    pub cuda_lock_timeout: std::time::Duration,
+    /// Start waits until no other container holds the NVIDIA devices this one sees, at most this long
+    /// (`wait-gpu-free`, e.g. "20s"; `baton.io/wait-gpu-free` on a pod or container). `None`: no wait.
+    pub wait_gpu_free: Option<std::time::Duration>,
 }
 
 impl Default for BatonSettings {
@@ -63,18 +68,22 @@ impl Default for BatonSettings {
             trace_prefix: "/dev/nvidia".to_string(),
             agent_socket: None,
             agent_autostart: true,
+            cuda_lock_timeout: std::time::Duration::from_secs(10),
+            wait_gpu_free: None,
         }
     }
 }
 
 /// The keys Baton knows, in TOML and (prefixed with `baton.io/`) in annotations.
-const BATON_KEYS: [&str; 6] = [
+const BATON_KEYS: [&str; 8] = [
     "ebpf",
     "cuda_checkpoint_path",
     "freezer",
     "trace_prefix",
     "agent_socket",
     "agent_autostart",
+    "cuda_lock_timeout",
+    "wait-gpu-free",
 ];
 
 /// The keys only the node's TOML may set: they name programs the shim (root) runs or the agent it
@@ -127,6 +136,16 @@ impl BatonSettings {
                 }
                 self.trace_prefix = value.to_string();
             }
+            "cuda_lock_timeout" => {
+                self.cuda_lock_timeout = parse_duration(value)
+                    .ok_or_else(|| invalid("a duration such as \"500ms\", \"20s\" or \"2m\""))?;
+            }
+            "wait-gpu-free" => {
+                self.wait_gpu_free = Some(
+                    parse_duration(value)
+                        .ok_or_else(|| invalid("a duration such as \"500ms\", \"20s\" or \"2m\""))?,
+                );
+            }
             _ => return Ok(false),
         }
         Ok(true)
@@ -161,6 +180,13 @@ impl BatonSettings {
         }
         Ok((out, unknown))
     }
+}
+
+/// "500ms", "20s", "2m" (humantime's syntax); a zero duration is refused.
+fn parse_duration(value: &str) -> Option<std::time::Duration> {
+    humantime::parse_duration(value.trim())
+        .ok()
+        .filter(|d| !d.is_zero())
 }
 
 /// Everything a Create's `options` field says.

@@ -156,6 +156,24 @@ pub fn runc_client(global: &RuncGlobal) -> Result<Runc> {
     })
 }
 
+/// Runs any program the shim needs (cuda-checkpoint) through [`ShimExecutor`], so the reaper never steals
+/// its exit status: its status, stdout and stderr, or what made it fail to run.
+pub async fn run_program(
+    binary: &Path,
+    args: &[String],
+) -> std::result::Result<(ExitStatus, String, String), String> {
+    let mut cmd = Command::new(binary);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    ShimExecutor
+        .execute(cmd)
+        .await
+        .map(|(status, _pid, stdout, stderr)| (status, stdout, stderr))
+        .map_err(|e| e.to_string())
+}
+
 /// Runs `binary args...` (a runc subcommand the runc crate does not cover) through the
 /// reaper-safe executor. Returns stdout; a non-zero exit is a [`ShimError::Runtime`].
 pub async fn run_raw(

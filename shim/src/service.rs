@@ -3,6 +3,7 @@
 //! Exits are handled in `service/exits.rs`, the id table in `service/registry.rs`.
 
 mod exits;
+mod preempt_ops;
 mod registry;
 
 use std::{
@@ -51,6 +52,8 @@ pub struct Shared {
     pod_settings: Mutex<Option<BatonSettings>>,
     gpu: GpuAgent,
     exit: Arc<ExitSignal>,
+    /// This shim's control socket for the agent, once bound (`None`: binding it failed).
+    control_socket: std::sync::OnceLock<Option<std::path::PathBuf>>,
 }
 
 /// The Task service containerd talks to.
@@ -74,6 +77,7 @@ impl TaskService {
                 containers: Registry::default(),
                 pod_settings: Mutex::new(None),
                 exit,
+                control_socket: std::sync::OnceLock::new(),
             }),
         };
         svc.spawn_exit_loop();
@@ -116,6 +120,8 @@ impl TaskService {
         reservation.fill(c.clone());
         let pid = c.procs.lock().await.init.pid;
         self.watch_oom(&c, pid);
+        let control_socket = self.control_socket(&c.settings);
+        let preemption = c.preemption();
         self.shared
             .gpu
             .container_created(&GpuContainer {
@@ -123,6 +129,8 @@ impl TaskService {
                 namespace: &self.shared.namespace,
                 init_pid: pid,
                 settings: &c.settings,
+                control_socket: control_socket.as_deref(),
+                preemption: preemption.as_ref(),
             })
             .await;
         self.shared
@@ -180,18 +188,35 @@ impl TaskService {
     async fn do_start(&self, req: StartRequest) -> Result<StartResponse> {
         let c = self.container(&req.id)?;
         let exits = ExitSubscription::new();
+        if req.exec_id.is_empty() {
+            self.wait_gpu_free(&c).await?;
+        }
+        let restoring = c.procs.lock().await.init.restore.clone();
         let gate = c.event_gate.lock().await;
         let (pid, early) = if req.exec_id.is_empty() {
             let (pid, early) = c.start_init(&exits).await?;
             self.shared.events.start(&req.id, pid).await;
             // A restored init gets its pid (and so its memory cgroup) only now.
             self.watch_oom(&c, pid);
+            let control_socket = self.control_socket(&c.settings);
             self.shared.gpu.container_started(&GpuContainer {
                 id: &req.id,
                 namespace: &self.shared.namespace,
                 init_pid: pid,
                 settings: &c.settings,
+                control_socket: control_socket.as_deref(),
+                preemption: None,
             });
+            if let Some(criu) = restoring
+                && let Err(e) = crate::preempt::restore_cuda_after_runc_restore(
+                    &c,
+                    Path::new(&criu.image_path),
+                    pid,
+                )
+                .await
+            {
+                tracing::warn!(id = %req.id, "restoring the CUDA processes after runc restore: {e}");
+            }
             (pid, early)
         } else {
             let (pid, early) = c.start_exec(&req.exec_id, &exits).await?;
@@ -327,15 +352,27 @@ impl Task for TaskService {
     }
 
     async fn resume(&self, _: &TtrpcContext, req: ResumeRequest) -> TtrpcResult<Empty> {
-        self.container(&req.id)?.set_paused(false).await?;
+        let c = self.container(&req.id)?;
+        if let Some(p) = c.preemption() {
+            return Err(ShimError::FailedPrecondition {
+                id: req.id.clone(),
+                action: "resume",
+                state: format!(
+                    "{:?} by baton (its CUDA processes are checkpointed): `baton resume {}` gives it \
+                     its GPU state back",
+                    p.state, req.id
+                )
+                .to_lowercase(),
+            }
+            .into());
+        }
+        c.set_paused(false).await?;
         self.shared.events.resumed(&req.id).await;
         Ok(Empty::new())
     }
 
     async fn checkpoint(&self, _: &TtrpcContext, req: CheckpointTaskRequest) -> TtrpcResult<Empty> {
-        self.container(&req.id)?
-            .checkpoint(&req.path, req.options.as_ref())
-            .await?;
+        self.do_checkpoint(&req).await?;
         self.shared.events.checkpointed(&req.id, &req.path).await;
         Ok(Empty::new())
     }

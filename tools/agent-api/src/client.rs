@@ -9,6 +9,7 @@ use tokio::{
     net::UnixStream,
 };
 
+use crate::preempt::{Step, StepLine};
 use crate::protocol::{
     Event, EventLine, Filter, PROTOCOL_VERSION, Reply, ReplyLine, Request, RequestLine, TraceLine,
     TraceRequest,
@@ -101,6 +102,12 @@ impl Client {
 
     /// Sends one request and reads its reply; an error reply becomes [`ClientError::Refused`].
     pub async fn call(&mut self, request: Request) -> Result<Reply, ClientError> {
+        self.send(request).await?;
+        let line = self.read_line().await?;
+        self.reply_of(line)
+    }
+
+    async fn send(&mut self, request: Request) -> Result<(), ClientError> {
         let mut text = serde_json::to_string(&RequestLine {
             v: PROTOCOL_VERSION,
             request,
@@ -111,13 +118,33 @@ impl Client {
             .get_mut()
             .write_all(text.as_bytes())
             .await
-            .map_err(|source| self.io(source))?;
-        let line = self.read_line().await?;
+            .map_err(|source| self.io(source))
+    }
+
+    fn reply_of(&self, line: String) -> Result<Reply, ClientError> {
         let reply: ReplyLine =
             serde_json::from_str(&line).map_err(|e| self.protocol(e.to_string(), line.clone()))?;
         match reply.reply {
             Reply::Error { error } => Err(ClientError::Refused(error)),
             other => Ok(other),
+        }
+    }
+
+    /// Sends a request whose reply comes after step lines (`preempt`, `resume`, `start`, `handoff`);
+    /// `on_step` sees each step as it arrives.
+    pub async fn call_with_steps(
+        &mut self,
+        request: Request,
+        mut on_step: impl FnMut(&Step),
+    ) -> Result<Reply, ClientError> {
+        self.send(request).await?;
+        loop {
+            let line = self.read_line().await?;
+            if let Ok(step) = serde_json::from_str::<StepLine>(&line) {
+                on_step(&step.step);
+                continue;
+            }
+            return self.reply_of(line);
         }
     }
 

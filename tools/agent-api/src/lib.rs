@@ -4,9 +4,11 @@
 //! CLI and the OCI hooks use, including [`client::connect_or_start`], which starts a detached agent when
 //! nothing answers on a plain node.
 pub mod client;
+pub mod preempt;
 pub mod protocol;
 
 pub use client::{Client, ClientError, Endpoint, connect_or_start};
+pub use preempt::*;
 pub use protocol::*;
 
 /// Where the agent listens unless configured otherwise (TOML `agent_socket`, `BATON_AGENT_SOCKET`).
@@ -20,6 +22,13 @@ pub fn default_socket() -> std::path::PathBuf {
     std::env::var_os(SOCKET_ENV)
         .filter(|v| !v.is_empty())
         .map_or_else(|| DEFAULT_SOCKET.into(), Into::into)
+}
+
+/// CLOCK_MONOTONIC now, in ns: the clock of every time in the protocol (the probes' clock).
+pub fn now_monotonic_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).map_or(0, |t| {
+        u64::try_from(t.tv_sec()).unwrap_or(0) * 1_000_000_000 + u64::try_from(t.tv_nsec()).unwrap_or(0)
+    })
 }
 
 /// The device directory of a `trace_prefix`, what the probes follow opens in (`/dev/nvidia` -> `/dev/`).

@@ -6,6 +6,8 @@
 //! event lines (`{"v":1,"event":{...}}`) until the client closes it.
 use serde::{Deserialize, Serialize};
 
+use crate::preempt::{GateRequest, HandoffRequest, Outcome, PreemptRequest, PreemptState, Target};
+
 /// The protocol version every line carries; the agent refuses lines of another version.
 pub const PROTOCOL_VERSION: u32 = 1;
 
@@ -26,6 +28,17 @@ pub enum Request {
     /// Stream `baton trace` output of the agent's probe set after the reply, until the client shuts down
     /// its sending side (the summary, if asked, follows; then the agent closes).
     Trace(TraceRequest),
+    /// Take the GPU away from a container (park or snapshot); step lines stream until the `done` reply.
+    Preempt(PreemptRequest),
+    /// Give a parked container its GPU state back; step lines stream until the `done` reply.
+    Resume(Target),
+    /// Start a created container's program, or resume a parked one (what `handoff` does to its second
+    /// container); step lines stream until the `done` reply.
+    Start(Target),
+    /// Preempt one container and start or resume another; step lines stream until the `done` reply.
+    Handoff(HandoffRequest),
+    /// Answer (`gpu_free`) once no other container holds a file of the NVIDIA devices this one sees.
+    WaitGpuFree(GateRequest),
 }
 
 /// What `baton trace` asks the agent to trace, and how to print it.
@@ -102,6 +115,12 @@ pub struct Registration {
     /// The container's Baton settings that concern the agent.
     #[serde(default)]
     pub settings: WatchSettings,
+    /// The shim's own socket, where the agent sends `preempt`, `resume` and `start` for this container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control_socket: Option<String>,
+    /// The container's preemption state, as its shim persisted it (parked across an agent restart).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preemption: Option<PreemptState>,
 }
 
 /// The settings of a watched container.
@@ -178,6 +197,15 @@ pub enum Reply {
     Tracing {
         /// eBPF programs of the agent's probe set (no other set was loaded).
         programs_attached: usize,
+    },
+    /// A `preempt`, `resume`, `start` or `handoff` completed; its steps came before as step lines.
+    Done(Outcome),
+    /// Answer to `wait_gpu_free`: no other container holds the devices.
+    GpuFree {
+        /// How long the request waited, in ns.
+        waited_ns: u64,
+        /// CLOCK_MONOTONIC ns when the devices were found free.
+        t_free_ns: u64,
     },
     /// The request failed; `error` says why and what to do.
     Error {
@@ -270,6 +298,9 @@ pub struct ContainerStatus {
     pub since_ns: u64,
     /// Part of its state was read from /proc (created while no probe watched), so the ledger is incomplete.
     pub partial: bool,
+    /// Parked, or being preempted or resumed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preemption: Option<PreemptState>,
 }
 
 /// One process's NVIDIA files.

@@ -1,0 +1,437 @@
+//! Preempting a GPU container, which the shim does for the agent (`baton preempt`, `baton handoff`) and for
+//! containerd's Task Checkpoint:
+//! - **park**: lock every CUDA process (all before any checkpoint), checkpoint them concurrently (each lets
+//!   go of the GPU at the end of its copy; the agent's release signal fires when the last one does), then
+//!   freeze the cgroup; **resume**: thaw, restore all, unlock all.
+//! - **snapshot**: as park up to the release, then `runc checkpoint` (CRIU) of the container.
+//!
+//! No cgroup is ever frozen while a lock, checkpoint or restore runs in it (cuda-checkpoint needs the
+//! process's restore thread to run). A failed step undoes what was done (restore what was checkpointed,
+//! unlock what was locked, thaw) and the error names the pid and what cuda-checkpoint printed.
+pub mod cuda;
+mod gpu_checkpoint;
+pub mod state;
+
+use std::time::Duration;
+
+use baton_agent_api::{
+    ContainerRef, Phase, PreemptMode, PreemptPhase, PreemptState, Step, now_monotonic_ns,
+};
+use futures::stream::{FuturesUnordered, StreamExt};
+use tokio::sync::mpsc;
+
+use crate::{
+    checkpoint::CriuOpts,
+    container::Container,
+    errors::{Result, ShimError},
+    process::State,
+};
+use cuda::{Action, CudaCheckpoint, CudaError};
+
+pub use gpu_checkpoint::restore_cuda_after_runc_restore;
+
+/// The timeline of one operation: every step is kept, and sent as it happens to whoever listens.
+pub struct Steps {
+    container: ContainerRef,
+    tx: Option<mpsc::UnboundedSender<Step>>,
+    /// The steps so far.
+    pub all: Vec<Step>,
+}
+
+impl Steps {
+    /// A timeline for `container`, streamed to `tx` when given.
+    pub fn new(container: ContainerRef, tx: Option<mpsc::UnboundedSender<Step>>) -> Self {
+        Self {
+            container,
+            tx,
+            all: Vec::new(),
+        }
+    }
+
+    /// Records (and sends) a step that happens now.
+    pub fn emit(&mut self, phase: Phase, pid: Option<u32>, detail: impl Into<String>) {
+        let step = Step {
+            t_ns: now_monotonic_ns(),
+            container: self.container.clone(),
+            phase,
+            pid,
+            detail: detail.into(),
+        };
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(step.clone());
+        }
+        self.all.push(step);
+    }
+}
+
+/// Runs `action` on every pid at once; returns each pid's result in the order they finish, after `each`
+/// has seen it.
+async fn on_all(
+    cuda: &CudaCheckpoint,
+    action: Action,
+    pids: &[u32],
+    timeout: Option<Duration>,
+    mut each: impl FnMut(u32, &std::result::Result<(), CudaError>),
+) -> Vec<(u32, std::result::Result<(), CudaError>)> {
+    let mut running: FuturesUnordered<_> = pids
+        .iter()
+        .map(|&pid| async move { (pid, cuda.run(action, pid, timeout).await) })
+        .collect();
+    let mut out = Vec::with_capacity(pids.len());
+    while let Some((pid, result)) = running.next().await {
+        each(pid, &result);
+        out.push((pid, result));
+    }
+    out
+}
+
+fn succeeded(results: &[(u32, std::result::Result<(), CudaError>)]) -> Vec<u32> {
+    results
+        .iter()
+        .filter(|(_, r)| r.is_ok())
+        .map(|(p, _)| *p)
+        .collect()
+}
+
+fn first_error(results: &[(u32, std::result::Result<(), CudaError>)]) -> Option<CudaError> {
+    results.iter().find_map(|(_, r)| r.as_ref().err().cloned())
+}
+
+/// Whether `pid` has exited (gone, or a zombie).
+pub fn process_gone(pid: u32) -> bool {
+    match procfs::process::Process::new(pid as i32).and_then(|p| p.stat()) {
+        Ok(stat) => stat.state == 'Z' || stat.state == 'X',
+        Err(_) => true,
+    }
+}
+
+/// Waits up to `within` for `pid` to exit; whether it did.
+async fn exits_within(pid: u32, within: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if process_gone(pid) {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+impl Container {
+    /// The container's preemption state now.
+    pub fn preemption(&self) -> Option<PreemptState> {
+        self.preemption
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Sets and persists the preemption state.
+    fn set_preemption(&self, state: Option<PreemptState>) {
+        if let Err(e) = state::save(&self.bundle, state.as_ref()) {
+            tracing::warn!(id = %self.id, "cannot persist the preemption state: {e}");
+        }
+        *self
+            .preemption
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = state;
+    }
+
+    /// Forgets the preemption state (the container was killed, or exited).
+    pub fn clear_preemption(&self) {
+        self.set_preemption(None);
+    }
+
+    fn cuda_checkpoint(&self) -> Result<CudaCheckpoint> {
+        CudaCheckpoint::find(&self.settings.cuda_checkpoint_path)
+            .map_err(|e| ShimError::FailedPrecondition {
+                id: self.id.clone(),
+                action: "preempt",
+                state: e.to_string(),
+            })
+    }
+
+    fn busy(&self) -> ShimError {
+        ShimError::FailedPrecondition {
+            id: self.id.clone(),
+            action: "preempt or resume",
+            state: "being preempted or resumed already (wait for that to finish)".into(),
+        }
+    }
+
+    /// Preempts the container: locks and checkpoints the CUDA processes `pids`, then freezes it (park) or
+    /// dumps it with CRIU (snapshot, into `image` or `baton-snapshot` in the bundle).
+    pub async fn preempt(
+        &self,
+        pids: &[u32],
+        mode: PreemptMode,
+        image: Option<String>,
+        steps: &mut Steps,
+    ) -> Result<PreemptState> {
+        let _op = self.preempt_op.try_lock().map_err(|_| self.busy())?;
+        self.check_preemptible(pids).await?;
+        let cuda = self.cuda_checkpoint()?;
+        let since_ns = now_monotonic_ns();
+        let mut state = PreemptState {
+            state: PreemptPhase::Preempting,
+            mode,
+            pids: pids.to_vec(),
+            since_ns,
+            image_path: None,
+        };
+        self.set_preemption(Some(state.clone()));
+        if let Err(e) = self.release_gpu(&cuda, pids, steps).await {
+            self.set_preemption(None);
+            return Err(e);
+        }
+        let done = match mode {
+            PreemptMode::Park => self.freeze_parked(&cuda, pids, steps).await,
+            PreemptMode::Snapshot => {
+                let image = image.unwrap_or_else(|| {
+                    self.bundle.join("baton-snapshot").display().to_string()
+                });
+                state.image_path = Some(image.clone());
+                self.dump(&cuda, pids, &image, steps).await
+            }
+        };
+        if let Err(e) = done {
+            self.set_preemption(None);
+            return Err(e);
+        }
+        state.state = match mode {
+            PreemptMode::Park => PreemptPhase::Parked,
+            PreemptMode::Snapshot => PreemptPhase::Snapshotted,
+        };
+        state.since_ns = now_monotonic_ns();
+        self.set_preemption(Some(state.clone()));
+        steps.emit(Phase::Done, None, mode.label());
+        Ok(state)
+    }
+
+    async fn check_preemptible(&self, pids: &[u32]) -> Result<()> {
+        if let Some(s) = self.preemption() {
+            return Err(ShimError::FailedPrecondition {
+                id: self.id.clone(),
+                action: "preempt",
+                state: format!(
+                    "{:?} already (baton resume {} gives it its GPU back)",
+                    s.state, self.id
+                )
+                .to_lowercase(),
+            });
+        }
+        let init_state = self.procs.lock().await.init.state;
+        if init_state != State::Running {
+            return Err(ShimError::FailedPrecondition {
+                id: self.id.clone(),
+                action: "preempt",
+                state: format!("{init_state:?} (only a running container is preempted)")
+                    .to_lowercase(),
+            });
+        }
+        if pids.is_empty() {
+            return Err(ShimError::FailedPrecondition {
+                id: self.id.clone(),
+                action: "preempt",
+                state: "holding no GPU (no process of it has an NVIDIA file open): nothing to preempt"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Locks every process, then checkpoints them all concurrently. On failure, undoes it all.
+    async fn release_gpu(&self, cuda: &CudaCheckpoint, pids: &[u32], steps: &mut Steps) -> Result<()> {
+        let timeout = Some(self.settings.cuda_lock_timeout);
+        let locks = on_all(cuda, Action::Lock, pids, timeout, |_, _| {}).await;
+        let locked = succeeded(&locks);
+        if let Some(e) = first_error(&locks) {
+            steps.emit(Phase::RollingBack, e.pid(), e.to_string());
+            self.undo(cuda, &[], &locked).await;
+            return Err(self.failed("lock", &e));
+        }
+        steps.emit(Phase::Locked, None, format!("{} process(es)", pids.len()));
+        steps.emit(Phase::CheckpointStarted, None, "");
+        let checkpoints = on_all(cuda, Action::Checkpoint, pids, None, |pid, r| {
+            if r.is_ok() {
+                steps.emit(Phase::Checkpointed, Some(pid), "");
+            }
+        })
+        .await;
+        if let Some(e) = first_error(&checkpoints) {
+            steps.emit(Phase::RollingBack, e.pid(), e.to_string());
+            self.undo(cuda, &succeeded(&checkpoints), pids).await;
+            return Err(self.failed("checkpoint", &e));
+        }
+        Ok(())
+    }
+
+    async fn freeze_parked(
+        &self,
+        cuda: &CudaCheckpoint,
+        pids: &[u32],
+        steps: &mut Steps,
+    ) -> Result<()> {
+        if let Err(e) = self.set_paused(true).await {
+            steps.emit(Phase::RollingBack, None, e.to_string());
+            self.undo(cuda, pids, pids).await;
+            return Err(e);
+        }
+        steps.emit(Phase::Frozen, None, "");
+        Ok(())
+    }
+
+    async fn dump(
+        &self,
+        cuda: &CudaCheckpoint,
+        pids: &[u32],
+        image: &str,
+        steps: &mut Steps,
+    ) -> Result<()> {
+        let criu = CriuOpts {
+            image_path: image.to_owned(),
+            work_path: self.options.criu_work_path.clone(),
+            exit: true,
+            ..Default::default()
+        };
+        let dumped = async {
+            std::fs::create_dir_all(image)
+                .map_err(|e| ShimError::io(format!("create {image}"), e))?;
+            gpu_checkpoint::write_cuda_pids(std::path::Path::new(image), pids)?;
+            self.runc_checkpoint(&criu).await
+        }
+        .await;
+        if let Err(e) = dumped {
+            steps.emit(Phase::RollingBack, None, e.to_string());
+            self.undo(cuda, pids, pids).await;
+            return Err(e);
+        }
+        steps.emit(Phase::Dumped, None, image);
+        Ok(())
+    }
+
+    /// Restores `checkpointed` and unlocks `locked`, logging what fails (the error being reported is the
+    /// one that caused the undo).
+    async fn undo(&self, cuda: &CudaCheckpoint, checkpointed: &[u32], locked: &[u32]) {
+        for (pid, r) in on_all(cuda, Action::Restore, checkpointed, None, |_, _| {}).await {
+            if let Err(e) = r {
+                tracing::error!(id = %self.id, pid, "rollback: restore failed: {e}");
+            }
+        }
+        for (pid, r) in on_all(cuda, Action::Unlock, locked, None, |_, _| {}).await {
+            if let Err(e) = r {
+                tracing::error!(id = %self.id, pid, "rollback: unlock failed: {e}");
+            }
+        }
+    }
+
+    fn failed(&self, what: &str, e: &CudaError) -> ShimError {
+        ShimError::Other(format!(
+            "preempt {}: {what} failed: {e}; rolled back: the container runs as before",
+            self.id
+        ))
+    }
+
+    /// Gives a parked container its GPU back: thaw, restore every CUDA process, unlock them. A process that
+    /// exits meanwhile (a job that finished) is reported as finished, not as a failed restore; its exit
+    /// reaches containerd as a TaskExit with its real status.
+    pub async fn resume_parked(&self, steps: &mut Steps) -> Result<()> {
+        let _op = self.preempt_op.try_lock().map_err(|_| self.busy())?;
+        let parked = match self.preemption() {
+            Some(s) if s.state == PreemptPhase::Parked => s,
+            other => {
+                return Err(ShimError::FailedPrecondition {
+                    id: self.id.clone(),
+                    action: "resume",
+                    state: match other {
+                        None => "not parked (it runs: nothing to resume)".into(),
+                        Some(s) => format!("{:?}, not parked", s.state).to_lowercase(),
+                    },
+                });
+            }
+        };
+        let cuda = self.cuda_checkpoint()?;
+        self.set_preemption(Some(PreemptState {
+            state: PreemptPhase::Resuming,
+            since_ns: now_monotonic_ns(),
+            ..parked.clone()
+        }));
+        if let Err(e) = self.set_paused(false).await {
+            self.set_preemption(Some(parked));
+            return Err(e);
+        }
+        steps.emit(Phase::Thawed, None, "");
+        let outcome = self.restore_and_unlock(&cuda, &parked.pids, steps).await;
+        self.set_preemption(None);
+        outcome?;
+        steps.emit(Phase::Done, None, "resumed");
+        Ok(())
+    }
+
+    /// Restores and unlocks `pids`; returns an error naming those that failed and are still alive.
+    pub(crate) async fn restore_and_unlock(
+        &self,
+        cuda: &CudaCheckpoint,
+        pids: &[u32],
+        steps: &mut Steps,
+    ) -> Result<()> {
+        let restores = on_all(cuda, Action::Restore, pids, None, |pid, r| {
+            if r.is_ok() {
+                steps.emit(Phase::Restored, Some(pid), "");
+            }
+        })
+        .await;
+        let mut failures = Vec::new();
+        for (pid, r) in &restores {
+            if let Err(e) = r {
+                if exits_within(*pid, Duration::from_secs(1)).await {
+                    let detail = self.exit_detail(*pid).await;
+                    steps.emit(Phase::Finished, Some(*pid), detail);
+                } else {
+                    failures.push(e.to_string());
+                }
+            }
+        }
+        let restored = succeeded(&restores);
+        let unlocks = on_all(cuda, Action::Unlock, &restored, None, |_, _| {}).await;
+        for (pid, r) in &unlocks {
+            if let Err(e) = r
+                && !process_gone(*pid)
+            {
+                failures.push(e.to_string());
+            }
+        }
+        if !restored.is_empty() {
+            steps.emit(Phase::Unlocked, None, format!("{} process(es)", restored.len()));
+        }
+        if failures.is_empty() {
+            return Ok(());
+        }
+        Err(ShimError::Other(format!(
+            "resume {}: {}",
+            self.id,
+            failures.join("; ")
+        )))
+    }
+
+    /// "exited with status N" for the init (its exit is the shim's), "exited" for another process.
+    async fn exit_detail(&self, pid: u32) -> String {
+        let init = self.procs.lock().await.init.pid;
+        if pid != init {
+            return "exited".into();
+        }
+        let Ok(mut rx) = self.exit_receiver("").await else {
+            return "exited".into();
+        };
+        let waited = tokio::time::timeout(Duration::from_secs(2), rx.wait_for(Option::is_some)).await;
+        match waited {
+            Ok(Ok(exit)) => match exit.as_ref() {
+                Some(e) => format!("exited with status {}", e.status),
+                None => "exited".into(),
+            },
+            _ => "exited".into(),
+        }
+    }
+}

@@ -1,0 +1,211 @@
+//! The service's GPU preemption operations: what the agent asks on the shim's control socket (`preempt`,
+//! `resume`, `start`), the GPU-free gate of Start (`baton.io/wait-gpu-free`), and Task Checkpoint of a
+//! container with CUDA processes. Thin, as the ttrpc handlers: look up, delegate to `preempt/`, publish.
+use std::{path::PathBuf, sync::Arc, time::Duration};
+
+use baton_agent_api::{
+    ContainerRef, Outcome, Phase, PreemptRequest, Reply, Request, Step, Target,
+};
+use containerd_shim::api::StartRequest;
+use containerd_shim_protos::api::CheckpointTaskRequest;
+use tokio::sync::mpsc;
+
+use super::TaskService;
+use crate::{
+    agent::{self, GpuContainer},
+    container::Container,
+    errors::{Result, ShimError},
+    options::BatonSettings,
+    preempt::Steps,
+    process::State,
+};
+
+/// containerd topic: a container was parked (its CUDA state is in host memory, its cgroup frozen).
+pub const PARKED_TOPIC: &str = "/baton/preempt/parked";
+/// containerd topic: a snapshot preemption dumped a container.
+pub const SNAPSHOTTED_TOPIC: &str = "/baton/preempt/snapshotted";
+/// containerd topic: a parked container got its GPU state back.
+pub const RESUMED_TOPIC: &str = "/baton/preempt/resumed";
+
+impl TaskService {
+    /// Answers a request of the control socket; steps go to `tx` as they happen.
+    pub async fn control(&self, request: Request, tx: mpsc::UnboundedSender<Step>) -> Reply {
+        let result = match request {
+            Request::Preempt(r) => self.preempt(r, tx).await,
+            Request::Resume(t) => self.resume_parked(&t, tx).await,
+            Request::Start(t) => self.start_or_resume(&t, tx).await,
+            other => Err(ShimError::InvalidArgument(format!(
+                "a shim's control socket does not answer {other:?}: ask the agent"
+            ))),
+        };
+        match result {
+            Ok(outcome) => Reply::Done(outcome),
+            Err(error) => Reply::Error {
+                error: error.to_string(),
+            },
+        }
+    }
+
+    fn target(&self, t: &Target) -> Result<Arc<Container>> {
+        if let Some(ns) = &t.namespace
+            && *ns != self.shared.namespace
+        {
+            return Err(ShimError::ContainerNotFound {
+                id: format!("{ns}/{}", t.id),
+            });
+        }
+        self.container(&t.id)
+    }
+
+    fn container_ref(&self, id: &str) -> ContainerRef {
+        ContainerRef {
+            id: id.to_owned(),
+            namespace: self.shared.namespace.clone(),
+        }
+    }
+
+    async fn preempt(
+        &self,
+        r: PreemptRequest,
+        tx: mpsc::UnboundedSender<Step>,
+    ) -> Result<Outcome> {
+        let c = self.target(&r.target)?;
+        let mut steps = Steps::new(self.container_ref(&c.id), Some(tx));
+        let state = c.preempt(&r.pids, r.mode, r.image_path, &mut steps).await?;
+        let topic = match r.mode {
+            baton_agent_api::PreemptMode::Park => PARKED_TOPIC,
+            baton_agent_api::PreemptMode::Snapshot => SNAPSHOTTED_TOPIC,
+        };
+        self.publish_steps(topic, &c.id, &steps).await;
+        Ok(Outcome {
+            container: self.container_ref(&c.id),
+            preemption: Some(state),
+            steps: steps.all,
+        })
+    }
+
+    async fn resume_parked(&self, t: &Target, tx: mpsc::UnboundedSender<Step>) -> Result<Outcome> {
+        let c = self.target(t)?;
+        let mut steps = Steps::new(self.container_ref(&c.id), Some(tx));
+        c.resume_parked(&mut steps).await?;
+        self.publish_steps(RESUMED_TOPIC, &c.id, &steps).await;
+        Ok(Outcome {
+            container: self.container_ref(&c.id),
+            preemption: c.preemption(),
+            steps: steps.all,
+        })
+    }
+
+    /// Starts a created container (as Start does, through its gate) or resumes a parked one.
+    async fn start_or_resume(&self, t: &Target, tx: mpsc::UnboundedSender<Step>) -> Result<Outcome> {
+        let c = self.target(t)?;
+        if c.preemption().is_some() {
+            return self.resume_parked(t, tx).await;
+        }
+        let state = c.procs.lock().await.init.state;
+        if !matches!(state, State::Created | State::CreatedCheckpoint) {
+            return Err(ShimError::FailedPrecondition {
+                id: c.id.clone(),
+                action: "start",
+                state: format!("{state:?} (neither created nor parked)").to_lowercase(),
+            });
+        }
+        let mut steps = Steps::new(self.container_ref(&c.id), Some(tx));
+        let started = self
+            .do_start(StartRequest {
+                id: c.id.clone(),
+                ..Default::default()
+            })
+            .await?;
+        steps.emit(Phase::Started, Some(started.pid), "");
+        Ok(Outcome {
+            container: self.container_ref(&c.id),
+            preemption: None,
+            steps: steps.all,
+        })
+    }
+
+    async fn publish_steps(&self, topic: &str, id: &str, steps: &Steps) {
+        let payload = serde_json::json!({
+            "container_id": id,
+            "namespace": self.shared.namespace,
+            "steps": steps.all.iter().map(|s| serde_json::json!({
+                "phase": s.phase,
+                "t_ns": s.t_ns.to_string(),
+                "pid": s.pid,
+                "detail": s.detail,
+            })).collect::<Vec<_>>(),
+        });
+        self.shared.events.gpu(topic, &payload).await;
+    }
+
+    /// This shim's control socket (bound on first use, beside the agent's socket of `settings`).
+    pub(super) fn control_socket(&self, settings: &BatonSettings) -> Option<PathBuf> {
+        self.shared
+            .control_socket
+            .get_or_init(|| {
+                let path = crate::control::socket_path(&agent::agent_socket(settings));
+                match crate::control::serve(&path, self.clone()) {
+                    Ok(()) => Some(path),
+                    Err(e) => {
+                        tracing::warn!(
+                            socket = %path.display(),
+                            "no control socket ({e}): the agent cannot preempt this pod's containers"
+                        );
+                        None
+                    }
+                }
+            })
+            .clone()
+    }
+
+    /// `baton.io/wait-gpu-free`: holds Start until no other container holds the GPU this one sees.
+    pub(super) async fn wait_gpu_free(&self, c: &Container) -> Result<()> {
+        let Some(within) = c.settings.wait_gpu_free else {
+            return Ok(());
+        };
+        let pid = c.procs.lock().await.init.pid;
+        let gpu = GpuContainer {
+            id: &c.id,
+            namespace: &self.shared.namespace,
+            init_pid: pid,
+            settings: &c.settings,
+            control_socket: None,
+            preemption: None,
+        };
+        if !agent::is_watched(&gpu) {
+            tracing::warn!(id = %c.id, "wait-gpu-free: the container sees no NVIDIA device: nothing to wait for");
+            return Ok(());
+        }
+        match agent::wait_gpu_free(&gpu, within).await {
+            Ok(waited_ns) => {
+                tracing::info!(
+                    id = %c.id,
+                    waited = ?Duration::from_nanos(waited_ns),
+                    "wait-gpu-free: the GPU is free: starting"
+                );
+                Ok(())
+            }
+            Err(e) => Err(ShimError::FailedPrecondition {
+                id: c.id.clone(),
+                action: "start",
+                state: format!("waiting for a free GPU (baton.io/wait-gpu-free): {e}"),
+            }),
+        }
+    }
+
+    /// Task Checkpoint: CRIU alone for a container without CUDA processes; cuda-checkpoint first otherwise.
+    pub(super) async fn do_checkpoint(&self, req: &CheckpointTaskRequest) -> Result<()> {
+        let c = self.container(&req.id)?;
+        let criu = c.criu_opts(&req.path, req.options.as_ref())?;
+        let pids = agent::cuda_pids(&c.settings, &c.id, &self.shared.namespace).await;
+        if pids.is_empty() {
+            return c.runc_checkpoint(&criu).await;
+        }
+        tracing::info!(id = %c.id, pids = ?pids, "checkpoint: cuda-checkpoint first for the CUDA processes");
+        let mut steps = Steps::new(self.container_ref(&c.id), None);
+        let result = c.checkpoint_gpu(&criu, &pids, &mut steps).await;
+        self.publish_steps(SNAPSHOTTED_TOPIC, &c.id, &steps).await;
+        result
+    }
+}
