@@ -5,6 +5,7 @@ mod agent;
 mod bench;
 mod demo;
 mod node;
+mod preempt_cli;
 mod render;
 mod summary;
 mod trace;
@@ -27,6 +28,13 @@ enum Cmd {
     Status(node::StatusArgs),
     /// Stream the agent's events (registered, acquired, released, unregistered).
     Events(node::EventsArgs),
+    /// Take the GPU from a container: checkpoint its CUDA processes to host memory and freeze it (park),
+    /// or dump it with CRIU (snapshot). Prints the timeline.
+    Preempt(preempt_cli::PreemptArgs),
+    /// Give a parked container its GPU state back (thaw, restore, unlock).
+    Resume(preempt_cli::ResumeArgs),
+    /// Preempt one container and start (a created task) or resume (a parked one) another.
+    Handoff(preempt_cli::HandoffArgs),
     /// Trace calls into the NVIDIA kernel driver, per container, like strace.
     Trace(trace::TraceArgs),
     /// Start the mock NVIDIA driver, run a mock CUDA workload, and trace it live (real devices if present).
@@ -78,6 +86,9 @@ fn main() -> std::process::ExitCode {
             Cmd::Agent(a) => agent::run(a).await,
             Cmd::Status(a) => node::status(a).await,
             Cmd::Events(a) => node::events(a).await,
+            Cmd::Preempt(a) => preempt_cli::preempt(a).await,
+            Cmd::Resume(a) => preempt_cli::resume(a).await,
+            Cmd::Handoff(a) => preempt_cli::handoff(a).await,
             Cmd::Trace(a) => trace::run(a).await,
             Cmd::Demo(a) => demo::run(a).await,
             Cmd::Bench(a) => bench::run(a).await,

@@ -15,7 +15,8 @@ pub struct AgentSocket {
 }
 
 impl AgentSocket {
-    async fn connect(&self) -> anyhow::Result<Client> {
+    /// Connects to the agent's socket.
+    pub async fn connect(&self) -> anyhow::Result<Client> {
         let path = self
             .socket
             .clone()
@@ -138,7 +139,10 @@ fn render_container(c: &ContainerStatus, now_ns: u64) -> String {
         "{:<16} {:<10} {:<9} {:>7.1}s {:>4} {:>5} {:>7} {:>12}  {}{}{}\n",
         c.container.id,
         c.container.namespace,
-        gpu_word(c.gpu),
+        c.preemption.as_ref().map_or_else(
+            || gpu_word(c.gpu).to_owned(),
+            |p| format!("{:?}", p.state).to_lowercase()
+        ),
         since,
         c.nvidia_fds,
         c.mappings,

@@ -6,8 +6,8 @@
 use std::collections::{BTreeMap, HashMap};
 
 use baton_agent_api::{
-    ContainerRef, ContainerStatus, Event, EventBody, Filter, NodeStatus, Pong, Registration, Reply,
-    TraceRequest,
+    ContainerRef, ContainerStatus, Event, EventBody, Filter, GateRequest, NodeStatus, Pong,
+    PreemptState, Registration, Reply, Target, TraceRequest,
 };
 use baton_tracer::{
     Tracer, TracerConfig,
@@ -15,7 +15,11 @@ use baton_tracer::{
 };
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-use super::{trace_session::TraceSession, watched::Watched};
+use super::{
+    gate::{self, Waiter},
+    trace_session::TraceSession,
+    watched::Watched,
+};
 use crate::trace::now_monotonic_ns;
 
 /// An event on its way to the watchers, with the pid of the process that registered its container.
@@ -44,6 +48,33 @@ pub enum What {
     EndTrace(u64),
     /// A connection of process `pid` ended (a shim that exited, or was killed, ends both of its own).
     PeerGone(u32),
+    /// A Start waits for a free GPU: the reply comes when the devices are free, or at the deadline.
+    Gate(GateRequest),
+    /// Which watched container a user means, its shim's socket and its CUDA processes.
+    Resolve {
+        /// As the user named it.
+        target: Target,
+        /// The answer.
+        answer: oneshot::Sender<Result<Resolved, String>>,
+    },
+    /// A preemption changed a container's state.
+    SetPreemption {
+        /// Which container.
+        container: ContainerRef,
+        /// Its state now.
+        state: Option<PreemptState>,
+    },
+}
+
+/// A watched container as a preemption needs it.
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    /// Which container.
+    pub container: ContainerRef,
+    /// Its shim's control socket.
+    pub control_socket: Option<String>,
+    /// Its processes that hold NVIDIA files (its CUDA processes).
+    pub pids: Vec<u32>,
 }
 
 /// A request from a connection.
@@ -64,6 +95,7 @@ pub struct Core {
     events: broadcast::Sender<Published>,
     seq: u64,
     traces: BTreeMap<u64, TraceSession>,
+    waiters: Vec<Waiter>,
 }
 
 impl Core {
@@ -76,6 +108,7 @@ impl Core {
             events,
             seq: 0,
             traces: BTreeMap::new(),
+            waiters: Vec::new(),
         }
     }
 
@@ -86,6 +119,18 @@ impl Core {
                 cmd = commands.recv() => match cmd {
                     Some(c) => {
                         let reply = match c.what {
+                            What::Gate(request) => {
+                                self.add_waiter(request, c.reply);
+                                continue;
+                            }
+                            What::Resolve { target, answer } => {
+                                let _ = answer.send(self.resolve(&target));
+                                Reply::Unregistered { found: true }
+                            }
+                            What::SetPreemption { container, state } => {
+                                let found = self.set_preemption(&container, state);
+                                Reply::Unregistered { found }
+                            }
                             What::Request(r) => self.handle(r, c.peer_pid),
                             What::Trace { session, request, lines } => {
                                 self.start_trace(session, &request, lines)
@@ -97,7 +142,13 @@ impl Core {
                     }
                     None => return,
                 },
-                batch = next_batch(self.tracer.as_mut()) => self.on_batch(batch),
+                batch = next_batch(self.tracer.as_mut()) => {
+                    self.on_batch(batch);
+                    self.check_gates();
+                }
+                () = gate_deadline(self.waiters.iter().map(|w| w.deadline).min()) => {
+                    self.expire_gates();
+                }
                 _ = rescan_tick(self.traces.values().any(TraceSession::has_names)) => {
                     if let Some(t) = self.tracer.as_mut() {
                         for s in self.traces.values_mut() {
@@ -128,8 +179,14 @@ impl Core {
                 self.prune_orphans();
                 Reply::Status(self.status(&filter, peer))
             }
-            R::Watch(_) | R::Trace(_) => Reply::Error {
-                error: "watch and trace are answered by the connection, not the core".to_owned(),
+            R::Watch(_)
+            | R::Trace(_)
+            | R::Preempt(_)
+            | R::Resume(_)
+            | R::Start(_)
+            | R::Handoff(_)
+            | R::WaitGpuFree(_) => Reply::Error {
+                error: "this request is answered by the connection, not the core".to_owned(),
             },
         }
     }
@@ -150,6 +207,7 @@ impl Core {
         if let Some(w) = self.watched.get_mut(&key) {
             // A shim re-registering (after a reconnect) or giving a restored container's new pid.
             w.registration.init_pid = reg.init_pid;
+            w.registration.control_socket = reg.control_socket;
             w.owner = owner;
             let tracer = self.tracer.as_ref().ok_or("the probes are not loaded")?;
             return Ok(w.status(tracer));
@@ -254,7 +312,161 @@ impl Core {
         }
         self.publish(c, w.owner, body);
         self.drop_tracer_if_unused();
+        self.check_gates();
         true
+    }
+
+    fn resolve(&self, target: &Target) -> Result<Resolved, String> {
+        let matching: Vec<(&ContainerRef, &Watched)> = self
+            .watched
+            .iter()
+            .filter(|(c, _)| {
+                c.id == target.id && target.namespace.as_ref().is_none_or(|n| *n == c.namespace)
+            })
+            .collect();
+        let (c, w) = match matching.as_slice() {
+            [] => {
+                return Err(format!(
+                    "no watched container {}{}: `baton status` lists the containers the agent watches \
+                     (a container is watched when it sees NVIDIA devices and runs under the baton runtime)",
+                    target.id,
+                    target
+                        .namespace
+                        .as_ref()
+                        .map_or_else(String::new, |n| format!(" in namespace {n}"))
+                ));
+            }
+            [one] => *one,
+            many => {
+                let namespaces: Vec<&str> = many.iter().map(|(c, _)| c.namespace.as_str()).collect();
+                return Err(format!(
+                    "container id {} is in several namespaces ({}): add -n NAMESPACE",
+                    target.id,
+                    namespaces.join(", ")
+                ));
+            }
+        };
+        let mut pids: Vec<u32> = self
+            .tracer
+            .as_ref()
+            .map(|t| {
+                t.fd_table()
+                    .iter()
+                    .filter(|(_, p)| p.cgroup_id == w.cgroup_id && p.pins_driver())
+                    .map(|(pid, _)| pid)
+                    .collect()
+            })
+            .unwrap_or_default();
+        pids.sort_unstable();
+        Ok(Resolved {
+            container: c.clone(),
+            control_socket: w.registration.control_socket.clone(),
+            pids,
+        })
+    }
+
+    fn set_preemption(&mut self, c: &ContainerRef, state: Option<PreemptState>) -> bool {
+        match self.watched.get_mut(c) {
+            Some(w) => {
+                w.preemption = state;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn add_waiter(&mut self, request: GateRequest, reply: oneshot::Sender<Reply>) {
+        let Some(w) = self.watched.get(&request.container) else {
+            let _ = reply.send(Reply::Error {
+                error: format!(
+                    "container {} is not watched by the agent: nothing tells whether its GPU is free",
+                    request.container.id
+                ),
+            });
+            return;
+        };
+        let devices = gate::devices_seen(w.registration.init_pid, &w.registration.devices);
+        let timeout = std::time::Duration::from_millis(request.timeout_ms);
+        self.waiters.push(Waiter {
+            container: request.container,
+            devices,
+            asked_ns: now_monotonic_ns(),
+            deadline: tokio::time::Instant::now() + timeout,
+            reply,
+        });
+        self.check_gates();
+    }
+
+    /// The other containers holding a file of a device in `devices` (any GPU device when empty).
+    fn holders(&self, me: &ContainerRef, devices: &std::collections::BTreeSet<gate::DeviceKey>) -> Vec<&Watched> {
+        let Some(tracer) = self.tracer.as_ref() else {
+            return Vec::new();
+        };
+        self.watched
+            .iter()
+            .filter(|(c, _)| *c != me)
+            .filter(|(_, w)| {
+                let held = gate::devices_held(tracer, w.cgroup_id);
+                if devices.is_empty() {
+                    !held.is_empty()
+                } else {
+                    held.iter().any(|d| devices.contains(d))
+                }
+            })
+            .map(|(_, w)| w)
+            .collect()
+    }
+
+    /// Answers every waiter whose devices nobody else holds now.
+    fn check_gates(&mut self) {
+        if self.waiters.is_empty() {
+            return;
+        }
+        let waiters = std::mem::take(&mut self.waiters);
+        for w in waiters {
+            if self.holders(&w.container, &w.devices).is_empty() {
+                let now = now_monotonic_ns();
+                tracing::info!(id = w.container.id, "agent: the GPU is free: the gate opens");
+                let _ = w.reply.send(Reply::GpuFree {
+                    waited_ns: now.saturating_sub(w.asked_ns),
+                    t_free_ns: now,
+                });
+            } else {
+                self.waiters.push(w);
+            }
+        }
+    }
+
+    /// Fails the waiters past their deadline, naming who still holds the GPU.
+    fn expire_gates(&mut self) {
+        let now = tokio::time::Instant::now();
+        let waiters = std::mem::take(&mut self.waiters);
+        for w in waiters {
+            if w.deadline > now {
+                self.waiters.push(w);
+                continue;
+            }
+            let holders: Vec<String> = self
+                .holders(&w.container, &w.devices)
+                .iter()
+                .map(|h| {
+                    format!(
+                        "{} (namespace {})",
+                        h.registration.container.id, h.registration.container.namespace
+                    )
+                })
+                .collect();
+            let waited = std::time::Duration::from_nanos(now_monotonic_ns().saturating_sub(w.asked_ns));
+            let error = if holders.is_empty() {
+                format!("the GPU was not free within {waited:?}")
+            } else {
+                format!(
+                    "the GPU is still held by container {} after {waited:?}",
+                    holders.join(", ")
+                )
+            };
+            let _ = w.reply.send(Reply::Error { error });
+        }
     }
 
     /// Process `pid`'s connection ended: when it is gone, its orphans go (see [`Core::prune_orphans`]).
@@ -451,6 +663,14 @@ fn process_gone(pid: u32) -> bool {
     }
 }
 
+/// Resolves at `deadline`, or never without one.
+async fn gate_deadline(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Every 500 ms while `active` (a trace names containers, which may start later), else never.
 async fn rescan_tick(active: bool) {
     if active {
@@ -525,6 +745,8 @@ mod tests {
             init_pid,
             devices: vec![],
             settings: Default::default(),
+            control_socket: None,
+            preemption: None,
         }
     }
 

@@ -6,7 +6,9 @@
 //! the socket (`--daemon`: detached, one instance guaranteed by the lock next to the socket).
 mod core;
 mod daemon;
+mod gate;
 mod nvml;
+mod preempt;
 mod server;
 mod trace_session;
 mod watched;

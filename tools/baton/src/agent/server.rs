@@ -13,6 +13,7 @@ use tokio::{
 
 use super::{
     core::{Command, Published, What},
+    preempt,
     trace_session::LINE_BUFFER,
 };
 
@@ -89,6 +90,22 @@ async fn connection(
                 if tracing {
                     return stream_trace(session, rx, &commands, peer_pid, write, lines).await;
                 }
+            }
+            Request::Preempt(r) => {
+                let ctx = preempt::Ctx { commands: &commands, events: &events, peer: peer_pid };
+                preempt::preempt(&ctx, r, &mut write).await?;
+            }
+            Request::Handoff(h) => {
+                let ctx = preempt::Ctx { commands: &commands, events: &events, peer: peer_pid };
+                preempt::handoff(&ctx, h, &mut write).await?;
+            }
+            request @ (Request::Resume(_) | Request::Start(_)) => {
+                let ctx = preempt::Ctx { commands: &commands, events: &events, peer: peer_pid };
+                preempt::forward(&ctx, request, &mut write).await?;
+            }
+            Request::WaitGpuFree(g) => {
+                let reply = ask(&commands, What::Gate(g), peer_pid).await;
+                send_reply(&mut write, reply).await?;
             }
             request => {
                 let reply = ask(&commands, What::Request(request), peer_pid).await;
@@ -175,7 +192,7 @@ fn parse(line: &str) -> Result<Request, String> {
         .map_err(|e| format!("not a request ({e}): {line}"))
 }
 
-async fn send_reply(write: &mut OwnedWriteHalf, reply: Reply) -> std::io::Result<()> {
+pub async fn send_reply(write: &mut OwnedWriteHalf, reply: Reply) -> std::io::Result<()> {
     let ok = !matches!(reply, Reply::Error { .. });
     let line = ReplyLine {
         v: PROTOCOL_VERSION,
@@ -185,7 +202,7 @@ async fn send_reply(write: &mut OwnedWriteHalf, reply: Reply) -> std::io::Result
     send_line(write, &line).await
 }
 
-async fn send_line(
+pub async fn send_line(
     write: &mut OwnedWriteHalf,
     line: &impl serde::Serialize,
 ) -> std::io::Result<()> {

@@ -30,6 +30,8 @@ pub struct Watched {
     /// Its ledger while it last held the GPU: what a release frees.
     held_objects: usize,
     held_vram: u64,
+    /// Parked, or being preempted or resumed (from the shim's registration and the agent's preemptions).
+    pub preemption: Option<baton_agent_api::PreemptState>,
 }
 
 impl Watched {
@@ -41,7 +43,9 @@ impl Watched {
         tracer: &Tracer,
         now_ns: u64,
     ) -> Self {
+        let preemption = registration.preemption.clone();
         let mut w = Self {
+            preemption,
             registration,
             owner,
             cgroup_id,
@@ -156,6 +160,7 @@ impl Watched {
             gpu: self.gpu,
             since_ns: self.since_ns,
             partial: self.partial || ledger.is_some_and(|l| l.partial),
+            preemption: self.preemption.clone(),
         }
     }
 

@@ -1,0 +1,110 @@
+//! The GPU-free gate (`wait_gpu_free`): a container's Start waits until no other watched container holds a
+//! file of the NVIDIA GPU device(s) it sees. Devices are told apart by device number where the files are
+//! character devices (the real driver), and by name where they are not (the FUSE mock).
+use std::{collections::BTreeSet, os::unix::fs::FileTypeExt, path::Path};
+
+use baton_nvidia::fdkind::{FdKind, classify_name};
+use baton_tracer::Tracer;
+use tokio::{sync::oneshot, time::Instant};
+
+use baton_agent_api::{ContainerRef, Reply};
+
+/// One GPU device, as the gate compares them.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum DeviceKey {
+    /// A character device: its major and minor.
+    Number(u64, u64),
+    /// Not a character device: its file name (`nvidia0`).
+    Name(String),
+}
+
+impl DeviceKey {
+    /// The key of the file at `path` (through /proc links too), or `None` when it is not a GPU device
+    /// file (`nvidiactl` and `nvidia-uvm` are shared by every CUDA process: holding them is not holding a
+    /// GPU).
+    pub fn of(path: &Path, name: &str) -> Option<Self> {
+        let base = name.rsplit('/').next().unwrap_or(name);
+        let (kind, _) = classify_name(base.as_bytes())?;
+        if kind != FdKind::Device {
+            return None;
+        }
+        match std::fs::metadata(path) {
+            Ok(m) if m.file_type().is_char_device() => {
+                use std::os::unix::fs::MetadataExt;
+                let dev = m.rdev();
+                Some(Self::Number(
+                    nix::sys::stat::major(dev),
+                    nix::sys::stat::minor(dev),
+                ))
+            }
+            _ => Some(Self::Name(base.to_owned())),
+        }
+    }
+}
+
+/// The GPU devices container `init` sees among `devices` (paths inside it).
+pub fn devices_seen(init: u32, devices: &[String]) -> BTreeSet<DeviceKey> {
+    devices
+        .iter()
+        .filter_map(|d| DeviceKey::of(Path::new(&format!("/proc/{init}/root{d}")), d))
+        .collect()
+}
+
+/// The GPU devices of the open NVIDIA fds of the processes of cgroup `cgroup_id`.
+pub fn devices_held(tracer: &Tracer, cgroup_id: u64) -> BTreeSet<DeviceKey> {
+    let mut out = BTreeSet::new();
+    for (pid, p) in tracer.fd_table().iter() {
+        if p.cgroup_id != cgroup_id {
+            continue;
+        }
+        for (fd, nv) in &p.fds {
+            if nv.kind != FdKind::Device {
+                continue;
+            }
+            let link = format!("/proc/{pid}/fd/{fd}");
+            let name = std::fs::read_link(&link)
+                .map(|t| t.display().to_string())
+                .unwrap_or_else(|_| format!("nvidia{}", nv.minor));
+            if let Some(key) = DeviceKey::of(Path::new(&link), &name) {
+                out.insert(key);
+            }
+        }
+    }
+    out
+}
+
+/// A Start waiting for its GPU.
+pub struct Waiter {
+    /// The container about to start.
+    pub container: ContainerRef,
+    /// The devices it sees.
+    pub devices: BTreeSet<DeviceKey>,
+    /// When it asked (monotonic ns).
+    pub asked_ns: u64,
+    /// When it gives up.
+    pub deadline: Instant,
+    /// Where the answer goes.
+    pub reply: oneshot::Sender<Reply>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_gpu_device_files_count_and_plain_files_go_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in ["nvidia0", "nvidiactl", "nvidia-uvm"] {
+            std::fs::write(dir.path().join(name), b"").unwrap();
+        }
+        let key = |n: &str| DeviceKey::of(&dir.path().join(n), n);
+        assert_eq!(key("nvidia0"), Some(DeviceKey::Name("nvidia0".into())));
+        assert_eq!(key("nvidiactl"), None);
+        assert_eq!(key("nvidia-uvm"), None);
+        // A character device goes by its number, whatever its name.
+        assert_eq!(
+            DeviceKey::of(Path::new("/dev/null"), "/dev/nvidia3"),
+            Some(DeviceKey::Number(1, 3))
+        );
+    }
+}

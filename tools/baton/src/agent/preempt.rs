@@ -1,0 +1,517 @@
+//! `preempt`, `resume`, `start` and `handoff` on the agent's socket: the agent resolves the container and
+//! its CUDA processes (from its ledger), asks the container's shim to act (on the shim's control socket),
+//! and streams one timeline: the shim's steps, merged with the agent's own signal (GPU released, GPU
+//! acquired). `handoff` starts the second container on the first one's release (overlapped) or once its
+//! preemption completed (sequential).
+use std::time::Duration;
+
+use baton_agent_api::{
+    Client, ContainerRef, EventBody, HandoffOrder, HandoffRequest, Outcome, PROTOCOL_VERSION,
+    Phase, PreemptRequest, Reply, Request, Step, StepLine, Target,
+};
+use tokio::{
+    net::unix::OwnedWriteHalf,
+    sync::{broadcast, mpsc, oneshot},
+    task::JoinHandle,
+};
+
+use super::{
+    core::{Command, Published, Resolved, What},
+    server::{send_line, send_reply},
+};
+use crate::trace::now_monotonic_ns;
+
+/// How long after a preemption completed the agent waits for the release signal it has not seen yet.
+const RELEASE_GRACE: Duration = Duration::from_secs(2);
+/// How long a handoff waits for the second container to open the GPU once started.
+const ACQUIRE_WAIT: Duration = Duration::from_secs(10);
+
+/// What a connection needs to run one of these requests.
+pub struct Ctx<'a> {
+    /// The core's inbox.
+    pub commands: &'a mpsc::Sender<Command>,
+    /// The event stream.
+    pub events: &'a broadcast::Sender<Published>,
+    /// The asking process.
+    pub peer: u32,
+}
+
+/// The steps sent so far, written to the client as they come.
+struct Timeline<'w> {
+    write: &'w mut OwnedWriteHalf,
+    steps: Vec<Step>,
+}
+
+impl Timeline<'_> {
+    async fn push(&mut self, step: Step) -> std::io::Result<()> {
+        let line = StepLine {
+            v: PROTOCOL_VERSION,
+            step: step.clone(),
+        };
+        self.steps.push(step);
+        send_line(self.write, &line).await
+    }
+
+    async fn agent_step(
+        &mut self,
+        c: &ContainerRef,
+        phase: Phase,
+        t_ns: u64,
+        pid: Option<u32>,
+        detail: String,
+    ) -> std::io::Result<()> {
+        let step = Step {
+            t_ns,
+            container: c.clone(),
+            phase,
+            pid,
+            detail,
+        };
+        self.push(step).await
+    }
+}
+
+impl Ctx<'_> {
+    async fn resolve(&self, target: &Target) -> Result<Resolved, String> {
+        let (answer, rx) = oneshot::channel();
+        let (reply, _) = oneshot::channel();
+        let cmd = Command {
+            what: What::Resolve {
+                target: target.clone(),
+                answer,
+            },
+            peer_pid: self.peer,
+            reply,
+        };
+        self.commands
+            .send(cmd)
+            .await
+            .map_err(|_| "the agent is stopping".to_owned())?;
+        rx.await
+            .map_err(|_| "the agent is stopping".to_owned())?
+    }
+
+    async fn set_preemption(&self, outcome: &Outcome) {
+        let (reply, _) = oneshot::channel();
+        let cmd = Command {
+            what: What::SetPreemption {
+                container: outcome.container.clone(),
+                state: outcome.preemption.clone(),
+            },
+            peer_pid: self.peer,
+            reply,
+        };
+        let _ = self.commands.send(cmd).await;
+    }
+}
+
+/// A request to a shim, run in its own task: its steps come on the receiver, its reply from the handle.
+struct ShimCall {
+    steps: Option<mpsc::UnboundedReceiver<Step>>,
+    done: JoinHandle<Result<Reply, String>>,
+}
+
+impl ShimCall {
+    fn start(r: &Resolved, request: Request) -> Result<Self, String> {
+        let socket = r.control_socket.clone().ok_or_else(|| {
+            format!(
+                "the shim of container {} has no control socket (it is older than this agent, or \
+                 could not bind it: see its log)",
+                r.container.id
+            )
+        })?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let done = tokio::spawn(async move {
+            let mut client = Client::connect(std::path::Path::new(&socket))
+                .await
+                .map_err(|e| format!("cannot reach the container's shim: {e}"))?;
+            client
+                .call_with_steps(request, |s| {
+                    let _ = tx.send(s.clone());
+                })
+                .await
+                .map_err(|e| match e {
+                    baton_agent_api::ClientError::Refused(e) => e,
+                    other => other.to_string(),
+                })
+        });
+        Ok(Self {
+            steps: Some(rx),
+            done,
+        })
+    }
+
+    /// The shim's outcome, once its steps ended.
+    async fn outcome(&mut self) -> Result<Outcome, String> {
+        match (&mut self.done).await {
+            Ok(Ok(Reply::Done(o))) => Ok(o),
+            Ok(Ok(other)) => Err(format!("unexpected reply from the shim: {other:?}")),
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(format!("the request to the shim failed: {e}")),
+        }
+    }
+}
+
+/// The next step of an optional call, or never.
+async fn next_step(call: Option<&mut ShimCall>) -> Option<Step> {
+    match call.and_then(|c| c.steps.as_mut()) {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Waits until `done` or the deadline.
+async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn asked_step(c: &ContainerRef, t_ns: u64, detail: String) -> Step {
+    Step {
+        t_ns,
+        container: c.clone(),
+        phase: Phase::Asked,
+        pid: None,
+        detail,
+    }
+}
+
+/// Resolves the target of a preempt request and checks it can be preempted.
+async fn preemptible(ctx: &Ctx<'_>, target: &Target) -> Result<Resolved, String> {
+    let a = ctx.resolve(target).await?;
+    if a.pids.is_empty() {
+        return Err(format!(
+            "container {} holds no GPU (none of its processes has an NVIDIA file open): nothing to preempt",
+            a.container.id
+        ));
+    }
+    Ok(a)
+}
+
+/// `preempt`: forwards to the shim with the CUDA processes, adds the release signal to its timeline.
+pub async fn preempt(
+    ctx: &Ctx<'_>,
+    r: PreemptRequest,
+    write: &mut OwnedWriteHalf,
+) -> std::io::Result<()> {
+    let asked = now_monotonic_ns();
+    let mut events = ctx.events.subscribe();
+    let a = match preemptible(ctx, &r.target).await {
+        Ok(a) => a,
+        Err(error) => return send_reply(write, Reply::Error { error }).await,
+    };
+    let request = Request::Preempt(PreemptRequest {
+        target: Target::exact(&a.container),
+        pids: a.pids.clone(),
+        ..r.clone()
+    });
+    let mut call = match ShimCall::start(&a, request) {
+        Ok(c) => c,
+        Err(error) => return send_reply(write, Reply::Error { error }).await,
+    };
+    let mut timeline = Timeline {
+        write,
+        steps: Vec::new(),
+    };
+    timeline
+        .push(asked_step(&a.container, asked, r.mode.label().to_owned()))
+        .await?;
+    let mut released = false;
+    let mut grace: Option<tokio::time::Instant> = None;
+    let mut outcome = None;
+    loop {
+        tokio::select! {
+            step = next_step(Some(&mut call)), if outcome.is_none() => match step {
+                Some(s) => timeline.push(s).await?,
+                None => {
+                    let o = call.outcome().await;
+                    grace = Some(tokio::time::Instant::now() + RELEASE_GRACE);
+                    outcome = Some(o);
+                }
+            },
+            e = events.recv() => {
+                if matches!(e, Err(broadcast::error::RecvError::Closed)) {
+                    outcome = Some(Err("the agent is stopping".into()));
+                    break;
+                }
+                if let Some((t, detail)) = released_event(&e, &a.container)
+                    && !released
+                {
+                    released = true;
+                    timeline.agent_step(&a.container, Phase::GpuReleased, t, None, detail).await?;
+                }
+            }
+            () = sleep_until_opt(grace) => break,
+        }
+        if released && outcome.is_some() {
+            break;
+        }
+    }
+    finish(ctx, timeline, outcome).await
+}
+
+async fn finish(
+    ctx: &Ctx<'_>,
+    timeline: Timeline<'_>,
+    outcome: Option<Result<Outcome, String>>,
+) -> std::io::Result<()> {
+    let Timeline { write, mut steps } = timeline;
+    steps.sort_by_key(|s| s.t_ns);
+    let sorted = steps;
+    match outcome {
+        Some(Ok(mut o)) => {
+            ctx.set_preemption(&o).await;
+            o.steps = sorted;
+            send_reply(write, Reply::Done(o)).await
+        }
+        Some(Err(error)) => send_reply(write, Reply::Error { error }).await,
+        None => {
+            send_reply(
+                write,
+                Reply::Error {
+                    error: "the shim did not answer".into(),
+                },
+            )
+            .await
+        }
+    }
+}
+
+/// The release time and what confirmed it, when `e` is the release of `c`.
+fn released_event(
+    e: &Result<Published, broadcast::error::RecvError>,
+    c: &ContainerRef,
+) -> Option<(u64, String)> {
+    match e {
+        Ok(p) if p.event.container == *c => match &p.event.body {
+            EventBody::Released(r) => Some((r.t_released_ns, r.confirmed_by.clone())),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// The acquire time and pid, when `e` is `c` opening the GPU.
+fn acquired_event(
+    e: &Result<Published, broadcast::error::RecvError>,
+    c: &ContainerRef,
+) -> Option<(u64, u32)> {
+    match e {
+        Ok(p) if p.event.container == *c => match &p.event.body {
+            EventBody::Acquired(a) => Some((a.t_acquired_ns, a.pid)),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// `resume` and `start`: forwarded to the container's shim.
+pub async fn forward(ctx: &Ctx<'_>, request: Request, write: &mut OwnedWriteHalf) -> std::io::Result<()> {
+    let target = match &request {
+        Request::Resume(t) | Request::Start(t) => t.clone(),
+        _ => {
+            let error = "only resume and start are forwarded".to_owned();
+            return send_reply(write, Reply::Error { error }).await;
+        }
+    };
+    let asked = now_monotonic_ns();
+    let r = match ctx.resolve(&target).await {
+        Ok(r) => r,
+        Err(error) => return send_reply(write, Reply::Error { error }).await,
+    };
+    let exact = Target::exact(&r.container);
+    let request = match request {
+        Request::Resume(_) => Request::Resume(exact),
+        _ => Request::Start(exact),
+    };
+    let mut call = match ShimCall::start(&r, request) {
+        Ok(c) => c,
+        Err(error) => return send_reply(write, Reply::Error { error }).await,
+    };
+    let mut timeline = Timeline {
+        write,
+        steps: Vec::new(),
+    };
+    timeline
+        .push(asked_step(&r.container, asked, String::new()))
+        .await?;
+    while let Some(s) = next_step(Some(&mut call)).await {
+        timeline.push(s).await?;
+    }
+    let outcome = call.outcome().await;
+    finish(ctx, timeline, Some(outcome)).await
+}
+
+/// Where a handoff is.
+struct Handoff {
+    a: Resolved,
+    b: Resolved,
+    order: HandoffOrder,
+    a_call: ShimCall,
+    a_outcome: Option<Result<Outcome, String>>,
+    b_call: Option<ShimCall>,
+    b_outcome: Option<Result<Outcome, String>>,
+    released: bool,
+    acquired: bool,
+    acquire_deadline: Option<tokio::time::Instant>,
+    release_deadline: Option<tokio::time::Instant>,
+}
+
+impl Handoff {
+    fn start_b(&mut self) -> Result<(), String> {
+        if self.b_call.is_none() {
+            let request = Request::Start(Target::exact(&self.b.container));
+            self.b_call = Some(ShimCall::start(&self.b, request)?);
+        }
+        Ok(())
+    }
+
+    fn finished(&self) -> bool {
+        let a_failed = matches!(self.a_outcome, Some(Err(_)));
+        let b_failed = matches!(self.b_outcome, Some(Err(_)));
+        let a_done = self.a_outcome.is_some() && self.released;
+        a_failed || b_failed || (a_done && self.b_outcome.is_some() && self.acquired)
+    }
+}
+
+/// `handoff`: preempts `from`, starts or resumes `to` on the release (overlapped) or after the preemption
+/// (sequential), and waits for `to` to open the GPU.
+pub async fn handoff(
+    ctx: &Ctx<'_>,
+    h: HandoffRequest,
+    write: &mut OwnedWriteHalf,
+) -> std::io::Result<()> {
+    let asked = now_monotonic_ns();
+    let mut events = ctx.events.subscribe();
+    let prepared = async {
+        let a = preemptible(ctx, &h.from).await?;
+        let b = ctx.resolve(&h.to).await?;
+        if a.container == b.container {
+            return Err("handoff needs two different containers".to_owned());
+        }
+        if b.control_socket.is_none() {
+            return Err(format!("container {} has no shim control socket", b.container.id));
+        }
+        let request = Request::Preempt(PreemptRequest {
+            target: Target::exact(&a.container),
+            mode: h.mode,
+            pids: a.pids.clone(),
+            image_path: None,
+        });
+        let a_call = ShimCall::start(&a, request)?;
+        Ok(Handoff {
+            a,
+            b,
+            order: h.order,
+            a_call,
+            a_outcome: None,
+            b_call: None,
+            b_outcome: None,
+            released: false,
+            acquired: false,
+            acquire_deadline: None,
+            release_deadline: None,
+        })
+    }
+    .await;
+    let mut run = match prepared {
+        Ok(r) => r,
+        Err(error) => return send_reply(write, Reply::Error { error }).await,
+    };
+    let mut timeline = Timeline {
+        write,
+        steps: Vec::new(),
+    };
+    let detail = format!(
+        "{} {} -> {}",
+        h.order.label(),
+        h.mode.label(),
+        run.b.container.id
+    );
+    timeline
+        .push(asked_step(&run.a.container, asked, detail))
+        .await?;
+    while !run.finished() {
+        tokio::select! {
+            step = next_step(Some(&mut run.a_call)), if run.a_outcome.is_none() => match step {
+                Some(s) => timeline.push(s).await?,
+                None => {
+                    let o = run.a_call.outcome().await;
+                    let ok = o.is_ok();
+                    run.a_outcome = Some(o);
+                    if ok && !run.released {
+                        run.release_deadline = Some(tokio::time::Instant::now() + RELEASE_GRACE);
+                    }
+                    if ok && run.order == HandoffOrder::Sequential
+                        && let Err(e) = run.start_b()
+                    {
+                        run.b_outcome = Some(Err(e));
+                    }
+                }
+            },
+            step = next_step(run.b_call.as_mut()), if run.b_outcome.is_none() => match step {
+                Some(s) => timeline.push(s).await?,
+                None => {
+                    if let Some(call) = run.b_call.as_mut() {
+                        run.b_outcome = Some(call.outcome().await);
+                        run.acquire_deadline = Some(tokio::time::Instant::now() + ACQUIRE_WAIT);
+                    }
+                }
+            },
+            e = events.recv() => {
+                if matches!(e, Err(broadcast::error::RecvError::Closed)) {
+                    run.a_outcome = Some(Err("the agent is stopping".into()));
+                    break;
+                }
+                if let Some((t, detail)) = released_event(&e, &run.a.container)
+                    && !run.released
+                {
+                    run.released = true;
+                    if run.order == HandoffOrder::Overlapped
+                        && let Err(e) = run.start_b()
+                    {
+                        run.b_outcome = Some(Err(e));
+                    }
+                    timeline.agent_step(&run.a.container, Phase::GpuReleased, t, None, detail).await?;
+                }
+                if let Some((t, pid)) = acquired_event(&e, &run.b.container)
+                    && !run.acquired
+                {
+                    run.acquired = true;
+                    timeline
+                        .agent_step(&run.b.container, Phase::GpuAcquired, t, Some(pid), String::new())
+                        .await?;
+                }
+            }
+            () = sleep_until_opt(run.release_deadline.filter(|_| !run.released)) => {
+                // The shim checkpointed every CUDA process, yet no release was seen: go on, and say so.
+                run.released = true;
+                let detail = format!("no release signal within {RELEASE_GRACE:?} of the preemption");
+                let now = now_monotonic_ns();
+                timeline.agent_step(&run.a.container, Phase::GpuReleased, now, None, detail).await?;
+                if run.order == HandoffOrder::Overlapped
+                    && let Err(e) = run.start_b()
+                {
+                    run.b_outcome = Some(Err(e));
+                }
+            }
+            () = sleep_until_opt(run.acquire_deadline) => {
+                run.acquired = true;
+                let detail = format!("it has not opened the GPU within {ACQUIRE_WAIT:?}");
+                let now = now_monotonic_ns();
+                timeline.agent_step(&run.b.container, Phase::Done, now, None, detail).await?;
+            }
+        }
+    }
+    let outcome = match (run.a_outcome.take(), run.b_outcome.take()) {
+        (Some(Err(e)), _) => Some(Err(format!("preempting {}: {e}", run.a.container.id))),
+        (_, Some(Err(e))) => Some(Err(format!(
+            "{} was preempted, but starting {} failed: {e}",
+            run.a.container.id, run.b.container.id
+        ))),
+        (a, _) => a,
+    };
+    finish(ctx, timeline, outcome).await
+}
