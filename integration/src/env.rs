@@ -107,6 +107,11 @@ impl TestEnv {
         })
     }
 
+    /// The folder first on containerd's (and so the shim's) PATH.
+    pub fn shim_dir(&self) -> PathBuf {
+        self.dir.path().join("bin")
+    }
+
     /// The containerd instance.
     pub fn containerd(&self) -> &Containerd {
         &self.containerd

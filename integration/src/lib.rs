@@ -11,6 +11,7 @@ pub mod agent;
 pub mod api;
 pub mod cleanup;
 pub mod containerd;
+pub mod cuda;
 pub mod env;
 pub mod fifo;
 pub mod holder;

@@ -75,6 +75,8 @@ pub struct Resolved {
     pub control_socket: Option<String>,
     /// Its processes that hold NVIDIA files (its CUDA processes).
     pub pids: Vec<u32>,
+    /// Its preemption state.
+    pub preemption: Option<PreemptState>,
 }
 
 /// A request from a connection.
@@ -362,6 +364,7 @@ impl Core {
             container: c.clone(),
             control_socket: w.registration.control_socket.clone(),
             pids,
+            preemption: w.preemption.clone(),
         })
     }
 

@@ -181,6 +181,13 @@ fn asked_step(c: &ContainerRef, t_ns: u64, detail: String) -> Step {
 /// Resolves the target of a preempt request and checks it can be preempted.
 async fn preemptible(ctx: &Ctx<'_>, target: &Target) -> Result<Resolved, String> {
     let a = ctx.resolve(target).await?;
+    if let Some(p) = &a.preemption {
+        let state = format!("{:?}", p.state).to_lowercase();
+        return Err(format!(
+            "container {} is {state} already: `baton resume {}` gives it its GPU back",
+            a.container.id, a.container.id
+        ));
+    }
     if a.pids.is_empty() {
         return Err(format!(
             "container {} holds no GPU (none of its processes has an NVIDIA file open): nothing to preempt",
@@ -322,6 +329,7 @@ pub async fn forward(ctx: &Ctx<'_>, request: Request, write: &mut OwnedWriteHalf
         Err(error) => return send_reply(write, Reply::Error { error }).await,
     };
     let exact = Target::exact(&r.container);
+    let is_resume = matches!(request, Request::Resume(_));
     let request = match request {
         Request::Resume(_) => Request::Resume(exact),
         _ => Request::Start(exact),
@@ -341,6 +349,16 @@ pub async fn forward(ctx: &Ctx<'_>, request: Request, write: &mut OwnedWriteHalf
         timeline.push(s).await?;
     }
     let outcome = call.outcome().await;
+    if outcome.is_err() && is_resume {
+        // A failed resume leaves the container thawed and no longer parked (the shim says which pids
+        // failed), except when the thaw itself failed, which the next attempt reports again.
+        ctx.set_preemption(&Outcome {
+            container: r.container.clone(),
+            preemption: None,
+            steps: Vec::new(),
+        })
+        .await;
+    }
     finish(ctx, timeline, Some(outcome)).await
 }
 

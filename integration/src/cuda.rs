@@ -1,0 +1,295 @@
+//! Preemption test rig: containers running the mock CUDA workload (`baton-mock-cuda`, with its restore
+//! thread) under the Baton shim, the cuda-checkpoint stand-in (`baton-mock-cuda-checkpoint`) linked as
+//! `cuda-checkpoint` first on the shim's PATH (how a node without `cuda_checkpoint_path` finds it), and the
+//! `baton` CLI against the test's agent.
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+use oci_spec::runtime::MountBuilder;
+use serde_json::Value;
+
+use crate::{
+    agent::{device_mounts_at, install_mock_binary, read_lines},
+    api,
+    holder::GpuRig,
+    rootfs,
+    trace_env::workspace_binary,
+};
+
+/// How long a test waits for a line, a step or a state (a loaded CI machine included).
+pub const WITHIN: Duration = Duration::from_secs(60);
+
+/// A [`GpuRig`] whose shim finds the cuda-checkpoint stand-in on its PATH.
+pub struct CudaRig {
+    /// containerd, the shim, the agent, the mock driver.
+    pub gpu: GpuRig,
+    workload: String,
+}
+
+/// How the mock trainer runs.
+#[derive(Clone, Debug)]
+pub struct Trainer {
+    /// Video memory it allocates (MiB).
+    pub vram_mib: u64,
+    /// How fast its checkpoint and restore copy (MiB/s).
+    pub copy_mib_per_s: u64,
+    /// More flags (`--fail-at checkpoint`, `--exit-at-restore 7`, ...).
+    pub extra: Vec<String>,
+    /// How many workload processes run in the container (the first is the init's child when 2).
+    pub processes: usize,
+}
+
+impl Default for Trainer {
+    fn default() -> Self {
+        Self {
+            vram_mib: 256,
+            copy_mib_per_s: 2048,
+            extra: Vec::new(),
+            processes: 1,
+        }
+    }
+}
+
+impl CudaRig {
+    /// Starts the rig, or `None` after reporting a skip.
+    pub fn start(name: &str) -> Option<Self> {
+        let gpu = GpuRig::start(name)?;
+        let standin = workspace_binary("baton-mock-nvidia", "baton-mock-cuda-checkpoint")
+            .unwrap_or_else(|e| panic!("the cuda-checkpoint stand-in: {e}"));
+        let link = gpu.env.shim_dir().join("cuda-checkpoint");
+        std::os::unix::fs::symlink(&standin, &link)
+            .unwrap_or_else(|e| panic!("linking {}: {e}", link.display()));
+        let workload = install_mock_binary(gpu.env.rootfs(), "baton-mock-cuda")
+            .unwrap_or_else(|e| panic!("installing the workload: {e}"));
+        Some(Self { gpu, workload })
+    }
+
+    /// The workload's command line for `t`.
+    pub fn command(&self, t: &Trainer) -> Vec<String> {
+        let one = format!(
+            "{} --dev-dir /dev --steps 0 --step-ms 5 --vram-mib {} --copy-mib-per-s {} {}",
+            self.workload,
+            t.vram_mib,
+            t.copy_mib_per_s,
+            t.extra.join(" ")
+        );
+        let script = match t.processes {
+            1 => format!("exec {one}"),
+            n => {
+                let mut s = String::new();
+                for _ in 1..n {
+                    s.push_str(&format!("{one} & "));
+                }
+                format!("{s}exec {one}")
+            }
+        };
+        vec!["/bin/sh".into(), "-c".into(), script]
+    }
+
+    /// Runs `t` in container `id` with `ctr run` (its stdout comes back through ctr), with the mock devices
+    /// and a private /tmp (where the workload's control socket goes).
+    pub fn run(&self, id: &str, t: &Trainer, annotations: &[(&str, &str)]) -> Running {
+        let mut flags = device_mounts_at(self.gpu.mock_dir.path(), "/dev");
+        flags.push("--mount".into());
+        flags.push("type=tmpfs,src=tmpfs,dst=/tmp,options=rw".into());
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let command = self.command(t);
+        let command: Vec<&str> = command.iter().map(String::as_str).collect();
+        let args = self.gpu.env.run_args(id, annotations, &flags, &command);
+        let mut child = self
+            .gpu
+            .env
+            .containerd()
+            .ctr_command()
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("ctr run {id}: {e}"));
+        let out = child.stdout.take().unwrap_or_else(|| panic!("no stdout"));
+        let mut r = Running {
+            id: id.to_owned(),
+            child: Some(child),
+            lines: Some(read_lines(out)),
+            file: None,
+        };
+        r.wait_line("phase setup-done");
+        r
+    }
+
+    /// Creates (not starts) container `id` running `t` through containerd's API, its stdout in a file.
+    pub fn create(&self, id: &str, t: &Trainer, annotations: &[(&str, &str)]) -> Running {
+        let env = &self.gpu.env;
+        let api = env.api().unwrap_or_else(|e| panic!("api: {e}"));
+        let annotations = annotations
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let command = self.command(t);
+        let command: Vec<&str> = command.iter().map(String::as_str).collect();
+        let mut spec = rootfs::spec(env.namespace(), id, &command, None, &annotations)
+            .unwrap_or_else(|e| panic!("spec: {e}"));
+        let mut mounts = spec.mounts().clone().unwrap_or_default();
+        for name in ["nvidiactl", "nvidia0", "nvidia-uvm", "nvidia-uvm-tools"] {
+            mounts.push(mount(
+                "bind",
+                &self.gpu.mock_dir.path().join(name),
+                &format!("/dev/{name}"),
+                &["rbind", "rw"],
+            ));
+        }
+        mounts.push(mount("tmpfs", Path::new("tmpfs"), "/tmp", &["rw"]));
+        spec.set_mounts(Some(mounts));
+        let json = serde_json::to_vec(&spec).unwrap_or_else(|e| panic!("spec: {e}"));
+        api.create_container(id, env.runtime(), json, None, Default::default())
+            .unwrap_or_else(|e| panic!("create container {id}: {e}"));
+        let file = env.scratch().join(format!("{id}.out"));
+        let stdio = api::StdioPaths {
+            stdout: format!("file://{}", file.display()),
+            ..Default::default()
+        };
+        api.create_task(id, &stdio, vec![api::bind_rootfs(env.rootfs())])
+            .unwrap_or_else(|e| panic!("create task {id}: {e}"));
+        Running {
+            id: id.to_owned(),
+            child: None,
+            lines: None,
+            file: Some(file),
+        }
+    }
+
+    /// Runs `baton ARGS --socket <agent>`; its stdout, stderr and whether it succeeded.
+    pub fn baton(&self, args: &[&str]) -> (String, String, bool) {
+        let socket = self.gpu.env.containerd().agent_socket();
+        let out = Command::new(workspace_binary("baton", "baton").unwrap_or_else(|e| panic!("{e}")))
+            .args(args)
+            .arg("--socket")
+            .arg(&socket)
+            .output()
+            .unwrap_or_else(|e| panic!("baton {args:?}: {e}"));
+        (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+            out.status.success(),
+        )
+    }
+
+    /// Runs `baton ARGS --json`, which must succeed; its steps and its outcome.
+    pub fn baton_json(&self, args: &[&str]) -> (Vec<Value>, Value) {
+        let mut all: Vec<&str> = args.to_vec();
+        all.push("--json");
+        let (out, err, ok) = self.baton(&all);
+        assert!(ok, "baton {args:?} failed: {err}\n{out}");
+        let mut values: Vec<Value> = out
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect();
+        let outcome = values.pop().unwrap_or_else(|| panic!("no outcome: {out}"));
+        (values, outcome)
+    }
+
+    /// The task's status as containerd shows it (`RUNNING`, `PAUSED`, ...).
+    pub fn task_status(&self, id: &str) -> Option<String> {
+        self.gpu.env.task_status(id)
+    }
+
+    /// Polls the task's status until it is `want`; whether it got there.
+    pub fn wait_status(&self, id: &str, want: &str) -> bool {
+        crate::agent::wait_until(WITHIN, || self.task_status(id).as_deref() == Some(want))
+    }
+
+    /// The cuda-checkpoint stand-in's `--get-state` of `pid`.
+    pub fn cuda_state(pid: u32) -> String {
+        let standin = workspace_binary("baton-mock-nvidia", "baton-mock-cuda-checkpoint")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let out = Command::new(standin)
+            .args(["--get-state", "--pid", &pid.to_string()])
+            .output()
+            .unwrap_or_else(|e| panic!("{e}"));
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+}
+
+fn mount(typ: &str, source: &Path, destination: &str, options: &[&str]) -> oci_spec::runtime::Mount {
+    MountBuilder::default()
+        .typ(typ)
+        .source(source)
+        .destination(PathBuf::from(destination))
+        .options(options.iter().map(|o| o.to_string()).collect::<Vec<_>>())
+        .build()
+        .unwrap_or_else(|e| panic!("mount: {e}"))
+}
+
+/// A workload container: its output lines (through `ctr run`, or from its stdout file).
+pub struct Running {
+    id: String,
+    child: Option<Child>,
+    lines: Option<mpsc::Receiver<String>>,
+    file: Option<PathBuf>,
+    }
+
+impl Running {
+    /// Its id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Waits for a line starting with `prefix`; returns it.
+    pub fn wait_line(&mut self, prefix: &str) -> String {
+        self.try_wait_line(prefix, WITHIN)
+            .unwrap_or_else(|| panic!("{}: no line starting with {prefix:?} within {WITHIN:?}", self.id))
+    }
+
+    /// [`Running::wait_line`] that gives up after `within`.
+    pub fn try_wait_line(&mut self, prefix: &str, within: Duration) -> Option<String> {
+        let deadline = Instant::now() + within;
+        if let Some(file) = &self.file {
+            while Instant::now() < deadline {
+                let text = std::fs::read_to_string(file).unwrap_or_default();
+                if let Some(l) = text.lines().find(|l| l.starts_with(prefix)) {
+                    return Some(l.to_owned());
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            return None;
+        }
+        let lines = self.lines.as_ref()?;
+        loop {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            match lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => return Some(l),
+                Ok(_) => {}
+                Err(_) => return None,
+            }
+        }
+    }
+
+    /// Waits for `ctr run` to return; its exit code.
+    pub fn exit_code(&mut self) -> Option<i32> {
+        let child = self.child.as_mut()?;
+        let deadline = Instant::now() + WITHIN;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = child.try_wait() {
+                return status.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            if matches!(c.try_wait(), Ok(None)) {
+                let _ = c.kill();
+            }
+            let _ = c.wait();
+        }
+    }
+}

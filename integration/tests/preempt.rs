@@ -1,0 +1,222 @@
+//! Preemption end to end: the mock CUDA workload (with a restore thread) in containers under real
+//! containerd, runc, the Baton shim and its agent, the FUSE mock driver, and the cuda-checkpoint stand-in
+//! on the shim's PATH. `baton preempt` parks a trainer (lock, checkpoint, GPU released, frozen), `baton
+//! resume` gives its state back with its weights' checksum intact; failures at each step roll back.
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers fail the test by panicking"
+)]
+use baton_integration::cuda::{CudaRig, Trainer, WITHIN};
+use serde_json::{Value, json};
+
+/// The phases of `steps`, in order.
+fn phases(steps: &[Value]) -> Vec<String> {
+    steps
+        .iter()
+        .map(|s| s["phase"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// The time of the first step of `phase` (of container `id` when given).
+fn t_of(steps: &[Value], phase: &str, id: Option<&str>) -> u64 {
+    steps
+        .iter()
+        .find(|s| s["phase"] == json!(phase) && id.is_none_or(|i| s["id"] == json!(i)))
+        .and_then(|s| s["t_ns"].as_u64())
+        .unwrap_or_else(|| panic!("no {phase} step in {steps:?}"))
+}
+
+fn pids_of(rig: &CudaRig, id: &str) -> Vec<u32> {
+    rig.gpu.status(id)["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["pid"].as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn wait_held(rig: &CudaRig, id: &str, processes: usize) {
+    assert!(
+        baton_integration::agent::wait_until(WITHIN, || {
+            let s = rig.gpu.status(id);
+            s["gpu"] == json!("held") && s["processes"].as_array().unwrap().len() == processes
+        }),
+        "{id} holds the GPU with {processes} process(es): {}",
+        rig.gpu.status(id)
+    );
+}
+
+#[test]
+fn park_releases_the_gpu_before_the_freeze_and_resume_restores_the_weights() {
+    let Some(rig) = CudaRig::start("preempt-park") else {
+        return;
+    };
+    let mut trainer = rig.run("trainer", &Trainer::default(), &[]);
+    wait_held(&rig, "trainer", 1);
+    let pid = pids_of(&rig, "trainer")[0];
+    let mut w = rig.gpu.watch("trainer");
+
+    let (steps, outcome) = rig.baton_json(&["preempt", "trainer"]);
+    let mut order = phases(&steps);
+    // The release signal comes from inside the checkpoint call: it may reach the agent before the shim
+    // sees cuda-checkpoint return, never before the checkpoint started nor after the freeze.
+    let released_at = order.iter().position(|p| p == "gpu_released").unwrap();
+    order.remove(released_at);
+    assert_eq!(
+        order,
+        ["asked", "locked", "checkpoint_started", "checkpointed", "frozen", "done"],
+        "{steps:?}"
+    );
+    assert!(
+        t_of(&steps, "checkpoint_started", None) < t_of(&steps, "gpu_released", None),
+        "{steps:?}"
+    );
+    assert_eq!(outcome["preemption"]["state"], json!("parked"), "{outcome}");
+    assert!(t_of(&steps, "gpu_released", None) < t_of(&steps, "frozen", None));
+    let released = w.next_transition("trainer", WITHIN).unwrap();
+    assert_eq!(released["kind"], json!("released"), "{released}");
+    assert_eq!(released["pids"], json!([pid]), "{released}");
+    // (A frozen process cannot answer cuda-checkpoint --get-state: its restore thread is frozen too.)
+    assert_eq!(rig.task_status("trainer").as_deref(), Some("PAUSED"));
+    let status = rig.gpu.status("trainer");
+    assert_eq!(status["preemption"]["state"], json!("parked"), "{status}");
+    assert_eq!(status["nvidia_fds"], json!(0), "{status}");
+    let (out, _, _) = rig.baton(&["status"]);
+    assert!(out.contains("parked"), "baton status shows it parked:\n{out}");
+
+    // A second preemption, and Task Resume of a parked container, are refused with what to do.
+    let (_, err, ok) = rig.baton(&["preempt", "trainer"]);
+    assert!(!ok && err.contains("parked already"), "{err}");
+    let resume = rig.gpu.env.ctr(&["task", "resume", "trainer"]);
+    assert!(!resume.success(), "ctr task resume of a parked container is refused");
+    assert!(resume.stderr.contains("baton resume"), "{}", resume.stderr);
+
+    let (steps, outcome) = rig.baton_json(&["resume", "trainer"]);
+    assert_eq!(
+        phases(&steps),
+        ["asked", "thawed", "restored", "unlocked", "done"],
+        "{steps:?}"
+    );
+    assert_eq!(outcome["preemption"], Value::Null, "{outcome}");
+    trainer.wait_line("checkpointed");
+    let line = trainer.wait_line("restored checksum");
+    assert!(line.ends_with("intact"), "{line}");
+    assert_eq!(w.next_transition("trainer", WITHIN).unwrap()["kind"], json!("acquired"));
+    assert_eq!(rig.task_status("trainer").as_deref(), Some("RUNNING"));
+    assert_eq!(CudaRig::cuda_state(pid), "running");
+
+    // Resuming a running container is refused.
+    let (_, err, ok) = rig.baton(&["resume", "trainer"]);
+    assert!(!ok && err.contains("not parked"), "{err}");
+}
+
+#[test]
+fn two_processes_are_both_locked_before_either_checkpoints_and_release_once_both_let_go() {
+    let Some(rig) = CudaRig::start("preempt-two") else {
+        return;
+    };
+    let t = Trainer {
+        processes: 2,
+        ..Trainer::default()
+    };
+    let _trainer = rig.run("pair", &t, &[]);
+    wait_held(&rig, "pair", 2);
+    let mut w = rig.gpu.watch("pair");
+    let (steps, _) = rig.baton_json(&["preempt", "pair"]);
+    let checkpointed: Vec<u64> = steps
+        .iter()
+        .filter(|s| s["phase"] == json!("checkpointed"))
+        .map(|s| s["t_ns"].as_u64().unwrap())
+        .collect();
+    assert_eq!(checkpointed.len(), 2, "{steps:?}");
+    let locked = t_of(&steps, "locked", None);
+    let released = t_of(&steps, "gpu_released", None);
+    assert!(checkpointed.iter().all(|&t| t > locked), "{steps:?}");
+    assert!(released < t_of(&steps, "frozen", None), "{steps:?}");
+    let e = w.next_transition("pair", WITHIN).unwrap();
+    assert_eq!(e["kind"], json!("released"), "{e}");
+    assert_eq!(
+        e["pids"].as_array().unwrap().len(),
+        2,
+        "one release, once both processes let go: {e}"
+    );
+    let (steps, _) = rig.baton_json(&["resume", "pair"]);
+    assert_eq!(
+        steps.iter().filter(|s| s["phase"] == json!("restored")).count(),
+        2,
+        "{steps:?}"
+    );
+    wait_held(&rig, "pair", 2);
+}
+
+#[test]
+fn a_failure_at_each_step_leaves_the_container_running_and_says_which_pid_and_why() {
+    let Some(rig) = CudaRig::start("preempt-fail") else {
+        return;
+    };
+    for action in ["lock", "checkpoint"] {
+        let id = format!("fail-{action}");
+        let t = Trainer {
+            extra: vec!["--fail-at".into(), action.into()],
+            ..Trainer::default()
+        };
+        let trainer = rig.run(&id, &t, &[]);
+        wait_held(&rig, &id, 1);
+        let pid = pids_of(&rig, &id)[0];
+        let (_, err, ok) = rig.baton(&["preempt", &id]);
+        assert!(!ok, "preempting {id} fails");
+        assert!(
+            err.contains(&format!("pid {pid}")) && err.contains(&format!("injected at {action}")),
+            "the error names the pid and what cuda-checkpoint printed: {err}"
+        );
+        assert!(err.contains("rolled back"), "{err}");
+        assert_eq!(rig.task_status(&id).as_deref(), Some("RUNNING"));
+        assert_eq!(CudaRig::cuda_state(pid), "running", "{id} was unlocked again");
+        assert_eq!(rig.gpu.status(&id)["gpu"], json!("held"));
+        assert_eq!(rig.gpu.status(&id)["preemption"], Value::Null);
+        // It trains on: a second preemption attempt meets the same clear error, not a stuck state.
+        let (_, err, _) = rig.baton(&["preempt", &id]);
+        assert!(err.contains("injected"), "{err}");
+        drop(trainer);
+    }
+
+    // A failing restore: resume says which pid, the container is thawed and not parked any more.
+    let t = Trainer {
+        extra: vec!["--fail-at".into(), "restore".into()],
+        ..Trainer::default()
+    };
+    let _trainer = rig.run("fail-restore", &t, &[]);
+    wait_held(&rig, "fail-restore", 1);
+    let pid = pids_of(&rig, "fail-restore")[0];
+    rig.baton_json(&["preempt", "fail-restore"]);
+    let (_, err, ok) = rig.baton(&["resume", "fail-restore"]);
+    assert!(!ok && err.contains(&format!("pid {pid}")), "{err}");
+    assert!(err.contains("injected at restore"), "{err}");
+    assert_eq!(rig.task_status("fail-restore").as_deref(), Some("RUNNING"));
+
+    // No GPU, nothing to preempt.
+    let (_, err, ok) = rig.baton(&["preempt", "no-such-container"]);
+    assert!(!ok && err.contains("no watched container"), "{err}");
+}
+
+#[test]
+fn a_job_that_exits_during_resume_is_reported_finished_with_its_real_status() {
+    let Some(rig) = CudaRig::start("preempt-exit") else {
+        return;
+    };
+    let t = Trainer {
+        extra: vec!["--exit-at-restore".into(), "7".into()],
+        ..Trainer::default()
+    };
+    let mut trainer = rig.run("finisher", &t, &[]);
+    wait_held(&rig, "finisher", 1);
+    rig.baton_json(&["preempt", "finisher"]);
+    let (steps, outcome) = rig.baton_json(&["resume", "finisher"]);
+    let finished = steps
+        .iter()
+        .find(|s| s["phase"] == json!("finished"))
+        .unwrap_or_else(|| panic!("a finished step: {steps:?}"));
+    assert_eq!(finished["detail"], json!("exited with status 7"), "{steps:?}");
+    assert_eq!(outcome["preemption"], Value::Null);
+    assert_eq!(trainer.exit_code(), Some(7), "TaskExit carries the real status");
+}
