@@ -50,8 +50,13 @@ impl Steps {
 
     /// Records (and sends) a step that happens now.
     pub fn emit(&mut self, phase: Phase, pid: Option<u32>, detail: impl Into<String>) {
+        self.emit_at(now_monotonic_ns(), phase, pid, detail);
+    }
+
+    /// Records (and sends) a step that happened at `t_ns`.
+    pub fn emit_at(&mut self, t_ns: u64, phase: Phase, pid: Option<u32>, detail: impl Into<String>) {
         let step = Step {
-            t_ns: now_monotonic_ns(),
+            t_ns,
             container: self.container.clone(),
             phase,
             pid,

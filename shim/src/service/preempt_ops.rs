@@ -111,13 +111,22 @@ impl TaskService {
             });
         }
         let mut steps = Steps::new(self.container_ref(&c.id), Some(tx));
+        // The step is stamped when the start begins (the moment the handoff let it go); its detail says
+        // how long runc took to have its program running.
+        let begun = baton_agent_api::now_monotonic_ns();
         let started = self
             .do_start(StartRequest {
                 id: c.id.clone(),
                 ..Default::default()
             })
             .await?;
-        steps.emit(Phase::Started, Some(started.pid), "");
+        let took = baton_agent_api::now_monotonic_ns().saturating_sub(begun);
+        steps.emit_at(
+            begun,
+            Phase::Started,
+            Some(started.pid),
+            format!("running after {:.1} ms", took as f64 / 1e6),
+        );
         Ok(Outcome {
             container: self.container_ref(&c.id),
             preemption: None,

@@ -1,0 +1,107 @@
+//! The GPU-free gate and `baton handoff`, end to end (real containerd, runc, the Baton shim and agent, the
+//! FUSE mock driver, the mock CUDA workload and the cuda-checkpoint stand-in): a server created behind
+//! `baton.io/wait-gpu-free` starts on the trainer's release, or fails past its timeout naming the holder;
+//! `handoff` starts the second container on the release (overlapped: before the first is even frozen) or
+//! after the preemption (sequential), and resumes a parked one.
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers fail the test by panicking"
+)]
+use baton_integration::{
+    agent::wait_until,
+    cuda::{CudaRig, Trainer, WITHIN},
+};
+use serde_json::{Value, json};
+
+fn t_of(steps: &[Value], phase: &str, id: &str) -> u64 {
+    steps
+        .iter()
+        .find(|s| s["phase"] == json!(phase) && s["id"] == json!(id))
+        .and_then(|s| s["t_ns"].as_u64())
+        .unwrap_or_else(|| panic!("no {phase} step of {id} in {steps:?}"))
+}
+
+fn wait_held(rig: &CudaRig, id: &str) {
+    assert!(
+        wait_until(WITHIN, || rig.gpu.status(id)["gpu"] == json!("held")),
+        "{id} holds the GPU: {}",
+        rig.gpu.status(id)
+    );
+}
+
+#[test]
+fn the_gate_holds_a_start_until_the_release_and_fails_past_its_timeout_naming_the_holder() {
+    let Some(rig) = CudaRig::start("gate") else {
+        return;
+    };
+    let _trainer = rig.run("trainer", &Trainer::default(), &[]);
+    wait_held(&rig, "trainer");
+    let gate = [("baton.io/wait-gpu-free", "1m")];
+    let _server = rig.create("server", &Trainer::default(), &gate);
+    let api = rig.gpu.env.api().unwrap();
+    let socket = rig.gpu.env.containerd().socket();
+    let namespace = rig.gpu.env.namespace().to_owned();
+    let start = std::thread::spawn(move || {
+        let api = baton_integration::api::Api::connect(&socket, &namespace).unwrap();
+        let result = api.start("server", "");
+        (result, baton_agent_api::now_monotonic_ns())
+    });
+    // The gate holds: the server stays created while the trainer holds the GPU.
+    assert!(
+        !wait_until(std::time::Duration::from_millis(500), || start.is_finished()),
+        "Start returned while the trainer held the GPU"
+    );
+    assert_eq!(rig.task_status("server").as_deref(), Some("CREATED"));
+    let (steps, _) = rig.baton_json(&["preempt", "trainer"]);
+    let (result, returned_ns) = start.join().unwrap();
+    result.unwrap();
+    assert!(
+        returned_ns > t_of(&steps, "gpu_released", "trainer"),
+        "the server started after the release"
+    );
+    wait_held(&rig, "server");
+
+    // Past its timeout the gate fails the Start, naming the container that holds the GPU.
+    let short = [("baton.io/wait-gpu-free", "300ms")];
+    let _late = rig.create("late", &Trainer::default(), &short);
+    let err = api.start("late", "").unwrap_err().to_string();
+    assert!(
+        err.contains("still held by container server"),
+        "the error names the holder: {err}"
+    );
+    assert_eq!(rig.task_status("late").as_deref(), Some("CREATED"));
+    drop(api);
+}
+
+#[test]
+fn overlapped_handoff_starts_the_server_on_the_release_sequential_after_the_freeze() {
+    let Some(rig) = CudaRig::start("handoff") else {
+        return;
+    };
+    let _trainer = rig.run("trainer", &Trainer::default(), &[]);
+    wait_held(&rig, "trainer");
+    let _server = rig.create("server", &Trainer::default(), &[]);
+    let (steps, outcome) = rig.baton_json(&["handoff", "--from", "trainer", "--to", "server"]);
+    let released = t_of(&steps, "gpu_released", "trainer");
+    let started = t_of(&steps, "started", "server");
+    let frozen = t_of(&steps, "frozen", "trainer");
+    assert!(started >= released, "overlapped: on the release: {steps:?}");
+    assert!(started < frozen, "overlapped: before the trainer is frozen: {steps:?}");
+    assert!(t_of(&steps, "gpu_acquired", "server") > started, "{steps:?}");
+    assert_eq!(outcome["preemption"]["state"], json!("parked"), "{outcome}");
+    let (out, _, _) = rig.baton(&["status"]);
+    assert!(out.contains("parked"), "{out}");
+
+    // The other way round, sequentially: the server is parked, the trainer (parked) is resumed after.
+    let (steps, _) = rig.baton_json(&[
+        "handoff", "--from", "server", "--to", "trainer", "--order", "sequential",
+    ]);
+    let done = t_of(&steps, "done", "server");
+    let resumed_from = t_of(&steps, "thawed", "trainer");
+    assert!(resumed_from > done, "sequential: after the preemption: {steps:?}");
+    assert!(t_of(&steps, "gpu_acquired", "trainer") > resumed_from, "{steps:?}");
+
+    // A handoff from a parked container is refused, and says what to do.
+    let (_, err, ok) = rig.baton(&["handoff", "--from", "server", "--to", "trainer"]);
+    assert!(!ok && err.contains("parked already"), "{err}");
+}
