@@ -220,3 +220,44 @@ fn a_job_that_exits_during_resume_is_reported_finished_with_its_real_status() {
     assert_eq!(outcome["preemption"], Value::Null);
     assert_eq!(trainer.exit_code(), Some(7), "TaskExit carries the real status");
 }
+
+#[test]
+fn a_parked_container_survives_a_containerd_restart_and_a_killed_shim_leaves_nothing_frozen() {
+    let Some(mut rig) = CudaRig::start("preempt-restart") else {
+        return;
+    };
+    let mut parked = rig.create("parked", &Trainer::default(), &[]);
+    rig.gpu.env.api().unwrap().start("parked", "").unwrap();
+    wait_held(&rig, "parked", 1);
+    rig.baton_json(&["preempt", "parked"]);
+    rig.gpu.env.containerd_mut().restart().unwrap();
+    assert!(rig.wait_status("parked", "PAUSED"), "still paused after the restart");
+    let (out, _, _) = rig.baton(&["status", "parked"]);
+    assert!(out.contains("parked"), "still parked after the restart:\n{out}");
+    rig.baton_json(&["resume", "parked"]);
+    let line = parked.wait_line("restored checksum");
+    assert!(line.ends_with("intact"), "{line}");
+    wait_held(&rig, "parked", 1);
+
+    // The shim dies while the container is parked: containerd's clean-up (the shim's delete, runc delete
+    // --force, which thaws a frozen container to kill it) leaves nothing frozen with nobody to resume it.
+    // The job is lost (its GPU state was in its own, now killed, memory), as with plain runc.
+    let pid = pids_of(&rig, "parked")[0];
+    rig.baton_json(&["preempt", "parked"]);
+    let shims = rig.gpu.env.shims();
+    assert_eq!(shims.len(), 1, "{shims:?}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(shims[0].pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    assert!(
+        baton_integration::agent::wait_until(WITHIN, || !std::path::Path::new(&format!(
+            "/proc/{pid}"
+        ))
+        .exists()),
+        "the parked process is gone after its shim died"
+    );
+    let left = rig.gpu.env.leftovers("parked");
+    assert!(left.processes.is_empty(), "{left:?}");
+}
