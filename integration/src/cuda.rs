@@ -124,6 +124,17 @@ impl CudaRig {
 
     /// Creates (not starts) container `id` running `t` through containerd's API, its stdout in a file.
     pub fn create(&self, id: &str, t: &Trainer, annotations: &[(&str, &str)]) -> Running {
+        self.create_with(id, t, annotations, None)
+    }
+
+    /// [`CudaRig::create`] with runtime `options` (a TOML through [`api::runtime_options_toml`]).
+    pub fn create_with(
+        &self,
+        id: &str,
+        t: &Trainer,
+        annotations: &[(&str, &str)],
+        options: Option<prost_types::Any>,
+    ) -> Running {
         let env = &self.gpu.env;
         let api = env.api().unwrap_or_else(|e| panic!("api: {e}"));
         let annotations = annotations
@@ -146,7 +157,7 @@ impl CudaRig {
         mounts.push(mount("tmpfs", Path::new("tmpfs"), "/tmp", &["rw"]));
         spec.set_mounts(Some(mounts));
         let json = serde_json::to_vec(&spec).unwrap_or_else(|e| panic!("spec: {e}"));
-        api.create_container(id, env.runtime(), json, None, Default::default())
+        api.create_container(id, env.runtime(), json, options, Default::default())
             .unwrap_or_else(|e| panic!("create container {id}: {e}"));
         let file = env.scratch().join(format!("{id}.out"));
         let stdio = api::StdioPaths {

@@ -261,3 +261,103 @@ fn a_parked_container_survives_a_containerd_restart_and_a_killed_shim_leaves_not
     let left = rig.gpu.env.leftovers("parked");
     assert!(left.processes.is_empty(), "{left:?}");
 }
+
+/// A runc for the snapshot test: CRIU cannot run on this kernel (../shared/reference/machine.md), so
+/// `checkpoint` is played. It records its arguments and how many NVIDIA fds the container's processes
+/// hold at the dump, writes an image file, and stops the container unless `--leave-running`. Every other
+/// subcommand is the real runc.
+fn runc_without_criu(dir: &std::path::Path) -> std::path::PathBuf {
+    let script = r#"#!/bin/sh
+D='@DIR@'
+root=""; img=""; prev=""
+for a in "$@"; do
+  [ "$prev" = "--root" ] && root=$a
+  [ "$prev" = "--image-path" ] && img=$a
+  prev=$a
+done
+case " $* " in
+  *" checkpoint "*)
+    id=$prev
+    echo "$*" > "$D/checkpoint-args"
+    n=0
+    for p in $(runc --root "$root" ps --format json "$id" | tr -d '[]' | tr ',' ' '); do
+      n=$((n + $(ls -l /proc/$p/fd 2>/dev/null | grep -c nvidia)))
+    done
+    echo $n > "$D/nvidia-fds-at-dump"
+    ls "$img" > "$D/image-at-dump"
+    mkdir -p "$img" && echo image > "$img/dump.img"
+    case " $* " in
+      *" --leave-running "*) ;;
+      *) runc --root "$root" kill "$id" KILL ;;
+    esac
+    exit 0 ;;
+esac
+exec runc "$@"
+"#;
+    let path = dir.join("runc-without-criu");
+    std::fs::write(&path, script.replace("@DIR@", &dir.display().to_string())).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    path
+}
+
+#[test]
+fn snapshot_and_task_checkpoint_release_the_gpu_before_criu_dumps() {
+    let Some(rig) = CudaRig::start("preempt-snapshot") else {
+        return;
+    };
+    let dir = rig.gpu.env.scratch();
+    std::fs::create_dir_all(&dir).unwrap();
+    let runc = runc_without_criu(&dir);
+    let options = baton_integration::api::runtime_options_toml(&format!(
+        "BinaryName = \"{}\"\n",
+        runc.display()
+    ));
+    let mut snap = rig.create_with("snap", &Trainer::default(), &[], Some(options));
+    rig.gpu.env.api().unwrap().start("snap", "").unwrap();
+    wait_held(&rig, "snap", 1);
+
+    // containerd's Task Checkpoint (ctr pauses the task first): the CUDA processes are checkpointed
+    // before CRIU runs, then restored, as the container is left running.
+    let image_arg = dir.join("task-image").display().to_string();
+    let out = rig
+        .gpu
+        .env
+        .ctr(&["task", "checkpoint", "--image-path", &image_arg, "snap"]);
+    assert!(out.success(), "ctr task checkpoint: {}", out.stderr);
+    let args = std::fs::read_to_string(dir.join("checkpoint-args")).unwrap();
+    assert!(args.contains("--leave-running"), "{args}");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("nvidia-fds-at-dump")).unwrap().trim(),
+        "0",
+        "no NVIDIA file is open when CRIU dumps"
+    );
+    // (containerd hands the shim a directory of its own and packs it after: look at it at the dump.)
+    let listing = std::fs::read_to_string(dir.join("image-at-dump")).unwrap();
+    assert!(
+        listing.contains("baton-cuda.json"),
+        "the image lists its CUDA processes: {listing}"
+    );
+    let line = snap.wait_line("restored checksum");
+    assert!(line.ends_with("intact"), "{line}");
+    assert!(rig.wait_status("snap", "RUNNING"));
+    wait_held(&rig, "snap", 1);
+
+    // baton preempt --mode snapshot: released, dumped, stopped.
+    let image = dir.join("snapshot-image");
+    let image_arg = image.display().to_string();
+    let (steps, outcome) = rig.baton_json(&[
+        "preempt", "snap", "--mode", "snapshot", "--image-path", &image_arg,
+    ]);
+    assert!(
+        t_of(&steps, "gpu_released", None) < t_of(&steps, "dumped", None),
+        "{steps:?}"
+    );
+    assert_eq!(outcome["preemption"]["state"], json!("snapshotted"), "{outcome}");
+    let args = std::fs::read_to_string(dir.join("checkpoint-args")).unwrap();
+    assert!(!args.contains("--leave-running") && args.contains(&image_arg), "{args}");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("nvidia-fds-at-dump")).unwrap().trim(),
+        "0"
+    );
+    assert!(rig.wait_status("snap", "STOPPED"), "the dump stopped it");
+}
