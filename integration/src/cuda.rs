@@ -41,6 +41,10 @@ pub struct Trainer {
     pub extra: Vec<String>,
     /// How many workload processes run in the container (the first is the init's child when 2).
     pub processes: usize,
+    /// Training steps (0: until stopped).
+    pub steps: u64,
+    /// Milliseconds per step.
+    pub step_ms: u64,
 }
 
 impl Default for Trainer {
@@ -50,6 +54,8 @@ impl Default for Trainer {
             copy_mib_per_s: 2048,
             extra: Vec::new(),
             processes: 1,
+            steps: 0,
+            step_ms: 5,
         }
     }
 }
@@ -71,8 +77,10 @@ impl CudaRig {
     /// The workload's command line for `t`.
     pub fn command(&self, t: &Trainer) -> Vec<String> {
         let one = format!(
-            "{} --dev-dir /dev --steps 0 --step-ms 5 --vram-mib {} --copy-mib-per-s {} {}",
+            "{} --dev-dir /dev --steps {} --step-ms {} --vram-mib {} --copy-mib-per-s {} {}",
             self.workload,
+            t.steps,
+            t.step_ms,
             t.vram_mib,
             t.copy_mib_per_s,
             t.extra.join(" ")
@@ -177,12 +185,13 @@ impl CudaRig {
     /// Runs `baton ARGS --socket <agent>`; its stdout, stderr and whether it succeeded.
     pub fn baton(&self, args: &[&str]) -> (String, String, bool) {
         let socket = self.gpu.env.containerd().agent_socket();
-        let out = Command::new(workspace_binary("baton", "baton").unwrap_or_else(|e| panic!("{e}")))
-            .args(args)
-            .arg("--socket")
-            .arg(&socket)
-            .output()
-            .unwrap_or_else(|e| panic!("baton {args:?}: {e}"));
+        let out =
+            Command::new(workspace_binary("baton", "baton").unwrap_or_else(|e| panic!("{e}")))
+                .args(args)
+                .arg("--socket")
+                .arg(&socket)
+                .output()
+                .unwrap_or_else(|e| panic!("baton {args:?}: {e}"));
         (
             String::from_utf8_lossy(&out.stdout).into_owned(),
             String::from_utf8_lossy(&out.stderr).into_owned(),
@@ -226,7 +235,12 @@ impl CudaRig {
     }
 }
 
-fn mount(typ: &str, source: &Path, destination: &str, options: &[&str]) -> oci_spec::runtime::Mount {
+fn mount(
+    typ: &str,
+    source: &Path,
+    destination: &str,
+    options: &[&str],
+) -> oci_spec::runtime::Mount {
     MountBuilder::default()
         .typ(typ)
         .source(source)
@@ -242,7 +256,7 @@ pub struct Running {
     child: Option<Child>,
     lines: Option<mpsc::Receiver<String>>,
     file: Option<PathBuf>,
-    }
+}
 
 impl Running {
     /// Its id.
@@ -252,8 +266,12 @@ impl Running {
 
     /// Waits for a line starting with `prefix`; returns it.
     pub fn wait_line(&mut self, prefix: &str) -> String {
-        self.try_wait_line(prefix, WITHIN)
-            .unwrap_or_else(|| panic!("{}: no line starting with {prefix:?} within {WITHIN:?}", self.id))
+        self.try_wait_line(prefix, WITHIN).unwrap_or_else(|| {
+            panic!(
+                "{}: no line starting with {prefix:?} within {WITHIN:?}",
+                self.id
+            )
+        })
     }
 
     /// [`Running::wait_line`] that gives up after `within`.

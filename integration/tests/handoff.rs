@@ -48,7 +48,8 @@ fn the_gate_holds_a_start_until_the_release_and_fails_past_its_timeout_naming_th
     });
     // The gate holds: the server stays created while the trainer holds the GPU.
     assert!(
-        !wait_until(std::time::Duration::from_millis(500), || start.is_finished()),
+        !wait_until(std::time::Duration::from_millis(500), || start
+            .is_finished()),
         "Start returned while the trainer held the GPU"
     );
     assert_eq!(rig.task_status("server").as_deref(), Some("CREATED"));
@@ -86,20 +87,38 @@ fn overlapped_handoff_starts_the_server_on_the_release_sequential_after_the_free
     let started = t_of(&steps, "started", "server");
     let frozen = t_of(&steps, "frozen", "trainer");
     assert!(started >= released, "overlapped: on the release: {steps:?}");
-    assert!(started < frozen, "overlapped: before the trainer is frozen: {steps:?}");
-    assert!(t_of(&steps, "gpu_acquired", "server") > started, "{steps:?}");
+    assert!(
+        started < frozen,
+        "overlapped: before the trainer is frozen: {steps:?}"
+    );
+    assert!(
+        t_of(&steps, "gpu_acquired", "server") > started,
+        "{steps:?}"
+    );
     assert_eq!(outcome["preemption"]["state"], json!("parked"), "{outcome}");
     let (out, _, _) = rig.baton(&["status"]);
     assert!(out.contains("parked"), "{out}");
 
     // The other way round, sequentially: the server is parked, the trainer (parked) is resumed after.
     let (steps, _) = rig.baton_json(&[
-        "handoff", "--from", "server", "--to", "trainer", "--order", "sequential",
+        "handoff",
+        "--from",
+        "server",
+        "--to",
+        "trainer",
+        "--order",
+        "sequential",
     ]);
     let done = t_of(&steps, "done", "server");
     let resumed_from = t_of(&steps, "thawed", "trainer");
-    assert!(resumed_from > done, "sequential: after the preemption: {steps:?}");
-    assert!(t_of(&steps, "gpu_acquired", "trainer") > resumed_from, "{steps:?}");
+    assert!(
+        resumed_from > done,
+        "sequential: after the preemption: {steps:?}"
+    );
+    assert!(
+        t_of(&steps, "gpu_acquired", "trainer") > resumed_from,
+        "{steps:?}"
+    );
 
     // A handoff from a parked container is refused, and says what to do.
     let (_, err, ok) = rig.baton(&["handoff", "--from", "server", "--to", "trainer"]);

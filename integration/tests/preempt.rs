@@ -64,7 +64,14 @@ fn park_releases_the_gpu_before_the_freeze_and_resume_restores_the_weights() {
     order.remove(released_at);
     assert_eq!(
         order,
-        ["asked", "locked", "checkpoint_started", "checkpointed", "frozen", "done"],
+        [
+            "asked",
+            "locked",
+            "checkpoint_started",
+            "checkpointed",
+            "frozen",
+            "done"
+        ],
         "{steps:?}"
     );
     assert!(
@@ -82,13 +89,19 @@ fn park_releases_the_gpu_before_the_freeze_and_resume_restores_the_weights() {
     assert_eq!(status["preemption"]["state"], json!("parked"), "{status}");
     assert_eq!(status["nvidia_fds"], json!(0), "{status}");
     let (out, _, _) = rig.baton(&["status"]);
-    assert!(out.contains("parked"), "baton status shows it parked:\n{out}");
+    assert!(
+        out.contains("parked"),
+        "baton status shows it parked:\n{out}"
+    );
 
     // A second preemption, and Task Resume of a parked container, are refused with what to do.
     let (_, err, ok) = rig.baton(&["preempt", "trainer"]);
     assert!(!ok && err.contains("parked already"), "{err}");
     let resume = rig.gpu.env.ctr(&["task", "resume", "trainer"]);
-    assert!(!resume.success(), "ctr task resume of a parked container is refused");
+    assert!(
+        !resume.success(),
+        "ctr task resume of a parked container is refused"
+    );
     assert!(resume.stderr.contains("baton resume"), "{}", resume.stderr);
 
     let (steps, outcome) = rig.baton_json(&["resume", "trainer"]);
@@ -101,7 +114,10 @@ fn park_releases_the_gpu_before_the_freeze_and_resume_restores_the_weights() {
     trainer.wait_line("checkpointed");
     let line = trainer.wait_line("restored checksum");
     assert!(line.ends_with("intact"), "{line}");
-    assert_eq!(w.next_transition("trainer", WITHIN).unwrap()["kind"], json!("acquired"));
+    assert_eq!(
+        w.next_transition("trainer", WITHIN).unwrap()["kind"],
+        json!("acquired")
+    );
     assert_eq!(rig.task_status("trainer").as_deref(), Some("RUNNING"));
     assert_eq!(CudaRig::cuda_state(pid), "running");
 
@@ -142,7 +158,10 @@ fn two_processes_are_both_locked_before_either_checkpoints_and_release_once_both
     );
     let (steps, _) = rig.baton_json(&["resume", "pair"]);
     assert_eq!(
-        steps.iter().filter(|s| s["phase"] == json!("restored")).count(),
+        steps
+            .iter()
+            .filter(|s| s["phase"] == json!("restored"))
+            .count(),
         2,
         "{steps:?}"
     );
@@ -171,7 +190,11 @@ fn a_failure_at_each_step_leaves_the_container_running_and_says_which_pid_and_wh
         );
         assert!(err.contains("rolled back"), "{err}");
         assert_eq!(rig.task_status(&id).as_deref(), Some("RUNNING"));
-        assert_eq!(CudaRig::cuda_state(pid), "running", "{id} was unlocked again");
+        assert_eq!(
+            CudaRig::cuda_state(pid),
+            "running",
+            "{id} was unlocked again"
+        );
         assert_eq!(rig.gpu.status(&id)["gpu"], json!("held"));
         assert_eq!(rig.gpu.status(&id)["preemption"], Value::Null);
         // It trains on: a second preemption attempt meets the same clear error, not a stuck state.
@@ -216,9 +239,17 @@ fn a_job_that_exits_during_resume_is_reported_finished_with_its_real_status() {
         .iter()
         .find(|s| s["phase"] == json!("finished"))
         .unwrap_or_else(|| panic!("a finished step: {steps:?}"));
-    assert_eq!(finished["detail"], json!("exited with status 7"), "{steps:?}");
+    assert_eq!(
+        finished["detail"],
+        json!("exited with status 7"),
+        "{steps:?}"
+    );
     assert_eq!(outcome["preemption"], Value::Null);
-    assert_eq!(trainer.exit_code(), Some(7), "TaskExit carries the real status");
+    assert_eq!(
+        trainer.exit_code(),
+        Some(7),
+        "TaskExit carries the real status"
+    );
 }
 
 #[test]
@@ -231,9 +262,15 @@ fn a_parked_container_survives_a_containerd_restart_and_a_killed_shim_leaves_not
     wait_held(&rig, "parked", 1);
     rig.baton_json(&["preempt", "parked"]);
     rig.gpu.env.containerd_mut().restart().unwrap();
-    assert!(rig.wait_status("parked", "PAUSED"), "still paused after the restart");
+    assert!(
+        rig.wait_status("parked", "PAUSED"),
+        "still paused after the restart"
+    );
     let (out, _, _) = rig.baton(&["status", "parked"]);
-    assert!(out.contains("parked"), "still parked after the restart:\n{out}");
+    assert!(
+        out.contains("parked"),
+        "still parked after the restart:\n{out}"
+    );
     rig.baton_json(&["resume", "parked"]);
     let line = parked.wait_line("restored checksum");
     assert!(line.ends_with("intact"), "{line}");
@@ -327,7 +364,9 @@ fn snapshot_and_task_checkpoint_release_the_gpu_before_criu_dumps() {
     let args = std::fs::read_to_string(dir.join("checkpoint-args")).unwrap();
     assert!(args.contains("--leave-running"), "{args}");
     assert_eq!(
-        std::fs::read_to_string(dir.join("nvidia-fds-at-dump")).unwrap().trim(),
+        std::fs::read_to_string(dir.join("nvidia-fds-at-dump"))
+            .unwrap()
+            .trim(),
         "0",
         "no NVIDIA file is open when CRIU dumps"
     );
@@ -346,17 +385,31 @@ fn snapshot_and_task_checkpoint_release_the_gpu_before_criu_dumps() {
     let image = dir.join("snapshot-image");
     let image_arg = image.display().to_string();
     let (steps, outcome) = rig.baton_json(&[
-        "preempt", "snap", "--mode", "snapshot", "--image-path", &image_arg,
+        "preempt",
+        "snap",
+        "--mode",
+        "snapshot",
+        "--image-path",
+        &image_arg,
     ]);
     assert!(
         t_of(&steps, "gpu_released", None) < t_of(&steps, "dumped", None),
         "{steps:?}"
     );
-    assert_eq!(outcome["preemption"]["state"], json!("snapshotted"), "{outcome}");
-    let args = std::fs::read_to_string(dir.join("checkpoint-args")).unwrap();
-    assert!(!args.contains("--leave-running") && args.contains(&image_arg), "{args}");
     assert_eq!(
-        std::fs::read_to_string(dir.join("nvidia-fds-at-dump")).unwrap().trim(),
+        outcome["preemption"]["state"],
+        json!("snapshotted"),
+        "{outcome}"
+    );
+    let args = std::fs::read_to_string(dir.join("checkpoint-args")).unwrap();
+    assert!(
+        !args.contains("--leave-running") && args.contains(&image_arg),
+        "{args}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("nvidia-fds-at-dump"))
+            .unwrap()
+            .trim(),
         "0"
     );
     assert!(rig.wait_status("snap", "STOPPED"), "the dump stopped it");

@@ -49,7 +49,7 @@ pub struct GpuContainer<'a> {
 
 enum LinkMsg {
     Register {
-        registration: Registration,
+        registration: Box<Registration>,
         endpoint: Endpoint,
         done: Option<oneshot::Sender<Result<(), String>>>,
     },
@@ -78,7 +78,7 @@ impl GpuAgent {
         };
         let (done, ack) = oneshot::channel();
         self.send(LinkMsg::Register {
-            registration,
+            registration: Box::new(registration),
             endpoint: endpoint_of(c.settings),
             done: Some(done),
         });
@@ -102,7 +102,7 @@ impl GpuAgent {
     pub fn container_started(&self, c: &GpuContainer<'_>) {
         if let Some(registration) = registration_of(c) {
             self.send(LinkMsg::Register {
-                registration,
+                registration: Box::new(registration),
                 endpoint: endpoint_of(c.settings),
                 done: None,
             });
@@ -235,7 +235,10 @@ pub async fn cuda_pids(settings: &BatonSettings, id: &str, namespace: &str) -> V
             Vec::new()
         }
         Err(_) => {
-            tracing::warn!(id, "gpu: the agent did not say which processes use CUDA in time");
+            tracing::warn!(
+                id,
+                "gpu: the agent did not say which processes use CUDA in time"
+            );
             Vec::new()
         }
     }
@@ -337,6 +340,7 @@ impl Link {
                 endpoint,
                 done,
             } => {
+                let registration = *registration;
                 // Start re-registers for the pid a restored container gets: nothing to do when it is the same.
                 if done.is_none()
                     && self.registered.get(&registration.container) == Some(&registration)

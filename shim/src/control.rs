@@ -7,9 +7,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use baton_agent_api::{
-    PROTOCOL_VERSION, Reply, ReplyLine, RequestLine, Step, StepLine,
-};
+use baton_agent_api::{PROTOCOL_VERSION, Reply, ReplyLine, RequestLine, Step, StepLine};
 use tokio::{
     io::{AsyncBufReadExt, AsyncWriteExt, BufReader},
     net::{UnixListener, UnixStream, unix::OwnedWriteHalf},

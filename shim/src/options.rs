@@ -141,10 +141,10 @@ impl BatonSettings {
                     .ok_or_else(|| invalid("a duration such as \"500ms\", \"20s\" or \"2m\""))?;
             }
             "wait-gpu-free" => {
-                self.wait_gpu_free = Some(
-                    parse_duration(value)
-                        .ok_or_else(|| invalid("a duration such as \"500ms\", \"20s\" or \"2m\""))?,
-                );
+                self.wait_gpu_free =
+                    Some(parse_duration(value).ok_or_else(|| {
+                        invalid("a duration such as \"500ms\", \"20s\" or \"2m\"")
+                    })?);
             }
             _ => return Ok(false),
         }

@@ -23,7 +23,10 @@ fn ns_pid(pid: u32) -> Option<u32> {
     let status = procfs::process::Process::new(pid as i32)
         .and_then(|p| p.status())
         .ok()?;
-    status.nspid.and_then(|v| v.last().copied()).map(|p| p as u32)
+    status
+        .nspid
+        .and_then(|v| v.last().copied())
+        .map(|p| p as u32)
 }
 
 /// Writes the CUDA processes (in-namespace pids) into the image directory.
@@ -98,13 +101,22 @@ impl Container {
     /// Task Checkpoint of a container whose CUDA processes are `pids` (see the module comment). A container
     /// that containerd paused first (its Go client does) is thawed while cuda-checkpoint runs and frozen
     /// again before CRIU.
-    pub async fn checkpoint_gpu(&self, criu: &CriuOpts, pids: &[u32], steps: &mut Steps) -> Result<()> {
+    pub async fn checkpoint_gpu(
+        &self,
+        criu: &CriuOpts,
+        pids: &[u32],
+        steps: &mut Steps,
+    ) -> Result<()> {
         let _op = self.preempt_op.try_lock().map_err(|_| self.busy())?;
         let cuda = self.cuda_checkpoint()?;
         let was_paused = self.procs.lock().await.init.state == State::Paused;
         if was_paused {
             self.set_paused(false).await?;
-            steps.emit(Phase::Thawed, None, "cuda-checkpoint needs the process running");
+            steps.emit(
+                Phase::Thawed,
+                None,
+                "cuda-checkpoint needs the process running",
+            );
         }
         let dumped = async {
             self.release_gpu(&cuda, pids, steps).await?;

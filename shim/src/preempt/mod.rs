@@ -54,7 +54,13 @@ impl Steps {
     }
 
     /// Records (and sends) a step that happened at `t_ns`.
-    pub fn emit_at(&mut self, t_ns: u64, phase: Phase, pid: Option<u32>, detail: impl Into<String>) {
+    pub fn emit_at(
+        &mut self,
+        t_ns: u64,
+        phase: Phase,
+        pid: Option<u32>,
+        detail: impl Into<String>,
+    ) {
         let step = Step {
             t_ns,
             container: self.container.clone(),
@@ -150,12 +156,13 @@ impl Container {
     }
 
     fn cuda_checkpoint(&self) -> Result<CudaCheckpoint> {
-        CudaCheckpoint::find(&self.settings.cuda_checkpoint_path)
-            .map_err(|e| ShimError::FailedPrecondition {
+        CudaCheckpoint::find(&self.settings.cuda_checkpoint_path).map_err(|e| {
+            ShimError::FailedPrecondition {
                 id: self.id.clone(),
                 action: "preempt",
                 state: e.to_string(),
-            })
+            }
+        })
     }
 
     fn busy(&self) -> ShimError {
@@ -194,9 +201,8 @@ impl Container {
         let done = match mode {
             PreemptMode::Park => self.freeze_parked(&cuda, pids, steps).await,
             PreemptMode::Snapshot => {
-                let image = image.unwrap_or_else(|| {
-                    self.bundle.join("baton-snapshot").display().to_string()
-                });
+                let image = image
+                    .unwrap_or_else(|| self.bundle.join("baton-snapshot").display().to_string());
                 state.image_path = Some(image.clone());
                 self.dump(&cuda, pids, &image, steps).await
             }
@@ -240,15 +246,21 @@ impl Container {
             return Err(ShimError::FailedPrecondition {
                 id: self.id.clone(),
                 action: "preempt",
-                state: "holding no GPU (no process of it has an NVIDIA file open): nothing to preempt"
-                    .into(),
+                state:
+                    "holding no GPU (no process of it has an NVIDIA file open): nothing to preempt"
+                        .into(),
             });
         }
         Ok(())
     }
 
     /// Locks every process, then checkpoints them all concurrently. On failure, undoes it all.
-    async fn release_gpu(&self, cuda: &CudaCheckpoint, pids: &[u32], steps: &mut Steps) -> Result<()> {
+    async fn release_gpu(
+        &self,
+        cuda: &CudaCheckpoint,
+        pids: &[u32],
+        steps: &mut Steps,
+    ) -> Result<()> {
         let timeout = Some(self.settings.cuda_lock_timeout);
         let locks = on_all(cuda, Action::Lock, pids, timeout, |_, _| {}).await;
         let locked = succeeded(&locks);
@@ -409,7 +421,11 @@ impl Container {
             }
         }
         if !restored.is_empty() {
-            steps.emit(Phase::Unlocked, None, format!("{} process(es)", restored.len()));
+            steps.emit(
+                Phase::Unlocked,
+                None,
+                format!("{} process(es)", restored.len()),
+            );
         }
         if failures.is_empty() {
             return Ok(());
@@ -430,7 +446,8 @@ impl Container {
         let Ok(mut rx) = self.exit_receiver("").await else {
             return "exited".into();
         };
-        let waited = tokio::time::timeout(Duration::from_secs(2), rx.wait_for(Option::is_some)).await;
+        let waited =
+            tokio::time::timeout(Duration::from_secs(2), rx.wait_for(Option::is_some)).await;
         match waited {
             Ok(Ok(exit)) => match exit.as_ref() {
                 Some(e) => format!("exited with status {}", e.status),

@@ -42,8 +42,7 @@ pub fn save(bundle: &Path, state: Option<&PreemptState>) -> Result<()> {
         .map_err(|e| ShimError::Other(format!("preemption state: {e}")))?;
     let tmp = path.with_extension("json.tmp");
     std::fs::write(&tmp, text).map_err(|e| ShimError::io(format!("write {}", tmp.display()), e))?;
-    std::fs::rename(&tmp, &path)
-        .map_err(|e| ShimError::io(format!("rename {}", path.display()), e))
+    std::fs::rename(&tmp, &path).map_err(|e| ShimError::io(format!("rename {}", path.display()), e))
 }
 
 #[cfg(test)]

@@ -3,9 +3,7 @@
 //! container with CUDA processes. Thin, as the ttrpc handlers: look up, delegate to `preempt/`, publish.
 use std::{path::PathBuf, sync::Arc, time::Duration};
 
-use baton_agent_api::{
-    ContainerRef, Outcome, Phase, PreemptRequest, Reply, Request, Step, Target,
-};
+use baton_agent_api::{ContainerRef, Outcome, Phase, PreemptRequest, Reply, Request, Step, Target};
 use containerd_shim::api::StartRequest;
 use containerd_shim_protos::api::CheckpointTaskRequest;
 use tokio::sync::mpsc;
@@ -64,11 +62,7 @@ impl TaskService {
         }
     }
 
-    async fn preempt(
-        &self,
-        r: PreemptRequest,
-        tx: mpsc::UnboundedSender<Step>,
-    ) -> Result<Outcome> {
+    async fn preempt(&self, r: PreemptRequest, tx: mpsc::UnboundedSender<Step>) -> Result<Outcome> {
         let c = self.target(&r.target)?;
         let mut steps = Steps::new(self.container_ref(&c.id), Some(tx));
         let state = c.preempt(&r.pids, r.mode, r.image_path, &mut steps).await?;
@@ -97,7 +91,11 @@ impl TaskService {
     }
 
     /// Starts a created container (as Start does, through its gate) or resumes a parked one.
-    async fn start_or_resume(&self, t: &Target, tx: mpsc::UnboundedSender<Step>) -> Result<Outcome> {
+    async fn start_or_resume(
+        &self,
+        t: &Target,
+        tx: mpsc::UnboundedSender<Step>,
+    ) -> Result<Outcome> {
         let c = self.target(t)?;
         if c.preemption().is_some() {
             return self.resume_parked(t, tx).await;

@@ -27,7 +27,8 @@ pub fn default_socket() -> std::path::PathBuf {
 /// CLOCK_MONOTONIC now, in ns: the clock of every time in the protocol (the probes' clock).
 pub fn now_monotonic_ns() -> u64 {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).map_or(0, |t| {
-        u64::try_from(t.tv_sec()).unwrap_or(0) * 1_000_000_000 + u64::try_from(t.tv_nsec()).unwrap_or(0)
+        u64::try_from(t.tv_sec()).unwrap_or(0) * 1_000_000_000
+            + u64::try_from(t.tv_nsec()).unwrap_or(0)
     })
 }
 

@@ -115,7 +115,12 @@ pub async fn preempt(a: PreemptArgs) -> anyhow::Result<()> {
 
 /// `baton resume`.
 pub async fn resume(a: ResumeArgs) -> anyhow::Result<()> {
-    run(&a.agent, Request::Resume(target(&a.id, &a.namespace)), a.json).await
+    run(
+        &a.agent,
+        Request::Resume(target(&a.id, &a.namespace)),
+        a.json,
+    )
+    .await
 }
 
 /// `baton handoff`.
@@ -174,10 +179,9 @@ pub fn render_step(s: &Step, t0: u64) -> String {
 
 fn render_outcome(o: &Outcome, t0: u64) -> String {
     let total = o.steps.last().map_or(0, |s| s.t_ns.saturating_sub(t0));
-    let state = o
-        .preemption
-        .as_ref()
-        .map_or("running".to_owned(), |p| format!("{:?}", p.state).to_lowercase());
+    let state = o.preemption.as_ref().map_or("running".to_owned(), |p| {
+        format!("{:?}", p.state).to_lowercase()
+    });
     format!(
         "{}: {state} after {:.3} ms",
         o.container.id,
@@ -205,6 +209,9 @@ mod tests {
         };
         let line = render_step(&s, 1_000_000);
         assert!(line.contains("1.500 ms"), "{line}");
-        assert!(line.contains("trainer") && line.contains("checkpointed  pid 42"), "{line}");
+        assert!(
+            line.contains("trainer") && line.contains("checkpointed  pid 42"),
+            "{line}"
+        );
     }
 }

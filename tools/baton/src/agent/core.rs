@@ -340,7 +340,8 @@ impl Core {
             }
             [one] => *one,
             many => {
-                let namespaces: Vec<&str> = many.iter().map(|(c, _)| c.namespace.as_str()).collect();
+                let namespaces: Vec<&str> =
+                    many.iter().map(|(c, _)| c.namespace.as_str()).collect();
                 return Err(format!(
                     "container id {} is in several namespaces ({}): add -n NAMESPACE",
                     target.id,
@@ -401,7 +402,11 @@ impl Core {
     }
 
     /// The other containers holding a file of a device in `devices` (any GPU device when empty).
-    fn holders(&self, me: &ContainerRef, devices: &std::collections::BTreeSet<gate::DeviceKey>) -> Vec<&Watched> {
+    fn holders(
+        &self,
+        me: &ContainerRef,
+        devices: &std::collections::BTreeSet<gate::DeviceKey>,
+    ) -> Vec<&Watched> {
         let Some(tracer) = self.tracer.as_ref() else {
             return Vec::new();
         };
@@ -429,7 +434,10 @@ impl Core {
         for w in waiters {
             if self.holders(&w.container, &w.devices).is_empty() {
                 let now = now_monotonic_ns();
-                tracing::info!(id = w.container.id, "agent: the GPU is free: the gate opens");
+                tracing::info!(
+                    id = w.container.id,
+                    "agent: the GPU is free: the gate opens"
+                );
                 let _ = w.reply.send(Reply::GpuFree {
                     waited_ns: now.saturating_sub(w.asked_ns),
                     t_free_ns: now,
@@ -459,7 +467,8 @@ impl Core {
                     )
                 })
                 .collect();
-            let waited = std::time::Duration::from_nanos(now_monotonic_ns().saturating_sub(w.asked_ns));
+            let waited =
+                std::time::Duration::from_nanos(now_monotonic_ns().saturating_sub(w.asked_ns));
             let error = if holders.is_empty() {
                 format!("the GPU was not free within {waited:?}")
             } else {

@@ -87,8 +87,7 @@ impl Ctx<'_> {
             .send(cmd)
             .await
             .map_err(|_| "the agent is stopping".to_owned())?;
-        rx.await
-            .map_err(|_| "the agent is stopping".to_owned())?
+        rx.await.map_err(|_| "the agent is stopping".to_owned())?
     }
 
     async fn set_preemption(&self, outcome: &Outcome) {
@@ -315,7 +314,11 @@ fn acquired_event(
 }
 
 /// `resume` and `start`: forwarded to the container's shim.
-pub async fn forward(ctx: &Ctx<'_>, request: Request, write: &mut OwnedWriteHalf) -> std::io::Result<()> {
+pub async fn forward(
+    ctx: &Ctx<'_>,
+    request: Request,
+    write: &mut OwnedWriteHalf,
+) -> std::io::Result<()> {
     let target = match &request {
         Request::Resume(t) | Request::Start(t) => t.clone(),
         _ => {
@@ -410,7 +413,10 @@ pub async fn handoff(
             return Err("handoff needs two different containers".to_owned());
         }
         if b.control_socket.is_none() {
-            return Err(format!("container {} has no shim control socket", b.container.id));
+            return Err(format!(
+                "container {} has no shim control socket",
+                b.container.id
+            ));
         }
         let request = Request::Preempt(PreemptRequest {
             target: Target::exact(&a.container),

@@ -92,15 +92,27 @@ async fn connection(
                 }
             }
             Request::Preempt(r) => {
-                let ctx = preempt::Ctx { commands: &commands, events: &events, peer: peer_pid };
+                let ctx = preempt::Ctx {
+                    commands: &commands,
+                    events: &events,
+                    peer: peer_pid,
+                };
                 preempt::preempt(&ctx, r, &mut write).await?;
             }
             Request::Handoff(h) => {
-                let ctx = preempt::Ctx { commands: &commands, events: &events, peer: peer_pid };
+                let ctx = preempt::Ctx {
+                    commands: &commands,
+                    events: &events,
+                    peer: peer_pid,
+                };
                 preempt::handoff(&ctx, h, &mut write).await?;
             }
             request @ (Request::Resume(_) | Request::Start(_)) => {
-                let ctx = preempt::Ctx { commands: &commands, events: &events, peer: peer_pid };
+                let ctx = preempt::Ctx {
+                    commands: &commands,
+                    events: &events,
+                    peer: peer_pid,
+                };
                 preempt::forward(&ctx, request, &mut write).await?;
             }
             Request::WaitGpuFree(g) => {
