@@ -35,6 +35,14 @@ fn pids_of(rig: &CudaRig, id: &str) -> Vec<u32> {
         .collect()
 }
 
+/// The preemption state `baton status --json` shows for `id` (null when none, or no agent answers).
+fn preemption_state(rig: &CudaRig, id: &str) -> Value {
+    let (out, _, _) = rig.baton(&["status", id, "--json"]);
+    serde_json::from_str::<Value>(&out).map_or(Value::Null, |v| {
+        v["containers"][0]["preemption"]["state"].clone()
+    })
+}
+
 fn wait_held(rig: &CudaRig, id: &str, processes: usize) {
     assert!(
         baton_integration::agent::wait_until(WITHIN, || {
@@ -266,14 +274,23 @@ fn a_parked_container_survives_a_containerd_restart_and_a_killed_shim_leaves_not
         rig.wait_status("parked", "PAUSED"),
         "still paused after the restart"
     );
-    let (out, _, _) = rig.baton(&["status", "parked"]);
-    assert!(
-        out.contains("parked"),
-        "still parked after the restart:\n{out}"
-    );
+    assert_eq!(preemption_state(&rig, "parked"), json!("parked"));
     rig.baton_json(&["resume", "parked"]);
     let line = parked.wait_line("restored checksum");
     assert!(line.ends_with("intact"), "{line}");
+    wait_held(&rig, "parked", 1);
+
+    // The agent dies while the container is parked: the shim starts another and registers the container
+    // again with its persisted state, so it is still parked there and can be resumed.
+    rig.baton_json(&["preempt", "parked"]);
+    rig.gpu.env.containerd().kill_agent();
+    assert!(
+        baton_integration::agent::wait_until(WITHIN, || preemption_state(&rig, "parked")
+            == json!("parked")),
+        "parked after an agent restart: {:?}",
+        rig.baton(&["status", "parked"])
+    );
+    rig.baton_json(&["resume", "parked"]);
     wait_held(&rig, "parked", 1);
 
     // The shim dies while the container is parked: containerd's clean-up (the shim's delete, runc delete

@@ -54,6 +54,8 @@ enum LinkMsg {
         done: Option<oneshot::Sender<Result<(), String>>>,
     },
     Unregister(ContainerRef),
+    /// The container's preemption state changed: a re-registration (after an agent restart) carries it.
+    Preemption(ContainerRef, Option<PreemptState>),
 }
 
 /// The shim's side of the agent (one per shim, shared by its containers).
@@ -106,6 +108,18 @@ impl GpuAgent {
                 endpoint: endpoint_of(c.settings),
                 done: None,
             });
+        }
+    }
+
+    /// The container's preemption state is now `state` (kept for the next registration).
+    pub fn preemption_changed(&self, id: &str, namespace: &str, state: Option<PreemptState>) {
+        let guard = self.link.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(tx) = guard.as_ref() {
+            let c = ContainerRef {
+                id: id.to_owned(),
+                namespace: namespace.to_owned(),
+            };
+            let _ = tx.send(LinkMsg::Preemption(c, state));
         }
     }
 
@@ -353,6 +367,11 @@ impl Link {
                     .insert(registration.container.clone(), registration);
                 if let Some(done) = done {
                     let _ = done.send(result);
+                }
+            }
+            LinkMsg::Preemption(c, state) => {
+                if let Some(r) = self.registered.get_mut(&c) {
+                    r.preemption = state;
                 }
             }
             LinkMsg::Unregister(c) => {

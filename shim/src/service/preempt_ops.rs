@@ -28,6 +28,21 @@ pub const RESUMED_TOPIC: &str = "/baton/preempt/resumed";
 impl TaskService {
     /// Answers a request of the control socket; steps go to `tx` as they happen.
     pub async fn control(&self, request: Request, tx: mpsc::UnboundedSender<Step>) -> Reply {
+        let target = match &request {
+            Request::Preempt(r) => Some(r.target.id.clone()),
+            Request::Resume(t) | Request::Start(t) => Some(t.id.clone()),
+            _ => None,
+        };
+        let reply = self.control_op(request, tx).await;
+        if let Some(c) = target.and_then(|id| self.container(&id).ok()) {
+            self.shared
+                .gpu
+                .preemption_changed(&c.id, &self.shared.namespace, c.preemption());
+        }
+        reply
+    }
+
+    async fn control_op(&self, request: Request, tx: mpsc::UnboundedSender<Step>) -> Reply {
         let result = match request {
             Request::Preempt(r) => self.preempt(r, tx).await,
             Request::Resume(t) => self.resume_parked(&t, tx).await,
