@@ -225,7 +225,40 @@ fn a_failure_at_each_step_leaves_the_container_running_and_says_which_pid_and_wh
     assert!(err.contains("injected at restore"), "{err}");
     assert_eq!(rig.task_status("fail-restore").as_deref(), Some("RUNNING"));
 
-    // No GPU, nothing to preempt.
+    // A failing unlock after the restore: resume says so, naming the pid.
+    let t = Trainer {
+        extra: vec!["--fail-at".into(), "unlock".into()],
+        ..Trainer::default()
+    };
+    let _trainer = rig.run("fail-unlock", &t, &[]);
+    wait_held(&rig, "fail-unlock", 1);
+    let pid = pids_of(&rig, "fail-unlock")[0];
+    rig.baton_json(&["preempt", "fail-unlock"]);
+    let (_, err, ok) = rig.baton(&["resume", "fail-unlock"]);
+    assert!(!ok && err.contains(&format!("pid {pid}")), "{err}");
+    assert!(err.contains("injected at unlock"), "{err}");
+
+    // A second preemption while one runs is refused (a slow copy keeps the first one busy).
+    let slow = Trainer {
+        vram_mib: 1024,
+        copy_mib_per_s: 256,
+        ..Trainer::default()
+    };
+    let mut busy = rig.run("busy", &slow, &[]);
+    wait_held(&rig, "busy", 1);
+    std::thread::scope(|scope| {
+        let first = scope.spawn(|| rig.baton(&["preempt", "busy"]));
+        busy.wait_line("locked");
+        let (_, err, ok) = rig.baton(&["preempt", "busy"]);
+        assert!(!ok && err.contains("already"), "{err}");
+        let (_, err, ok) = first.join().unwrap();
+        assert!(ok, "the first preemption completes: {err}");
+    });
+
+    // A container that sees the GPU but holds none, and one that does not exist.
+    let _idle = rig.gpu.holder("idle");
+    let (_, err, ok) = rig.baton(&["preempt", "idle"]);
+    assert!(!ok && err.contains("holds no GPU"), "{err}");
     let (_, err, ok) = rig.baton(&["preempt", "no-such-container"]);
     assert!(!ok && err.contains("no watched container"), "{err}");
 }
