@@ -464,3 +464,26 @@ fn snapshot_and_task_checkpoint_release_the_gpu_before_criu_dumps() {
     );
     assert!(rig.wait_status("snap", "STOPPED"), "the dump stopped it");
 }
+
+#[test]
+fn a_parked_container_that_is_killed_exits_with_its_real_status_and_is_parked_no_more() {
+    let Some(rig) = CudaRig::start("preempt-kill") else {
+        return;
+    };
+    let mut trainer = rig.run("victim", &Trainer::default(), &[]);
+    wait_held(&rig, "victim", 1);
+    rig.baton_json(&["preempt", "victim"]);
+    assert_eq!(rig.task_status("victim").as_deref(), Some("PAUSED"));
+    let kill = rig
+        .gpu
+        .env
+        .ctr(&["task", "kill", "--signal", "SIGKILL", "victim"]);
+    assert!(kill.success(), "{}", kill.stderr);
+    assert_eq!(
+        trainer.exit_code(),
+        Some(137),
+        "TaskExit carries the kill's status"
+    );
+    let (_, err, ok) = rig.baton(&["resume", "victim"]);
+    assert!(!ok, "nothing to resume once it was killed: {err}");
+}
