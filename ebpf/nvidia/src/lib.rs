@@ -9,6 +9,7 @@
 
 pub mod class;
 pub mod ctrl;
+pub mod cuda_checkpoint;
 pub mod escape;
 pub mod fdkind;
 pub mod ioc;

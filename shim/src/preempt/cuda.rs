@@ -8,30 +8,7 @@ use std::{
 
 use crate::runtime;
 
-/// One `--action` of cuda-checkpoint.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Action {
-    /// Block new CUDA calls and wait for those running (with a timeout).
-    Lock,
-    /// Copy device memory to host memory and release the GPU (the process holds no NVIDIA file after).
-    Checkpoint,
-    /// Re-acquire the GPU and copy the memory back.
-    Restore,
-    /// Let CUDA calls run again.
-    Unlock,
-}
-
-impl Action {
-    /// Its name on cuda-checkpoint's command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Action::Lock => "lock",
-            Action::Checkpoint => "checkpoint",
-            Action::Restore => "restore",
-            Action::Unlock => "unlock",
-        }
-    }
-}
+pub use baton_nvidia::cuda_checkpoint::Action;
 
 /// What went wrong running cuda-checkpoint.
 #[derive(Debug, Clone, thiserror::Error)]

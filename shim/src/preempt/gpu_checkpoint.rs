@@ -6,6 +6,7 @@
 use std::path::Path;
 
 use baton_agent_api::Phase;
+use baton_nvidia::cuda_checkpoint::CudaState;
 
 use super::Steps;
 use crate::{
@@ -79,9 +80,9 @@ pub async fn restore_cuda_after_runc_restore(c: &Container, image: &Path, init: 
     let mut checkpointed = Vec::new();
     let mut locked = Vec::new();
     for &pid in &pids {
-        match cuda.state(pid).await.as_deref() {
-            Ok("checkpointed") => checkpointed.push(pid),
-            Ok("locked") => locked.push(pid),
+        match cuda.state(pid).await.map(|s| CudaState::parse(&s)) {
+            Ok(Some(CudaState::Checkpointed)) => checkpointed.push(pid),
+            Ok(Some(CudaState::Locked)) => locked.push(pid),
             Ok(_) => {}
             Err(e) => tracing::warn!(id = %c.id, pid, "after restore: {e}"),
         }
