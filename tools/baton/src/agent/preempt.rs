@@ -112,6 +112,17 @@ struct ShimCall {
 
 impl ShimCall {
     fn start(r: &Resolved, request: Request) -> Result<Self, String> {
+        Self::start_when(r, request, None)
+    }
+
+    /// [`ShimCall::start`] that connects at once but sends the request only when `go` fires (a handoff's
+    /// second container: the connection is ready before the release, which saves its set-up on the
+    /// critical path). Dropping `go` unsent cancels the call.
+    fn start_when(
+        r: &Resolved,
+        request: Request,
+        go: Option<oneshot::Receiver<()>>,
+    ) -> Result<Self, String> {
         let socket = r.control_socket.clone().ok_or_else(|| {
             format!(
                 "the shim of container {} has no control socket (it is older than this agent, or \
@@ -124,6 +135,9 @@ impl ShimCall {
             let mut client = Client::connect(std::path::Path::new(&socket))
                 .await
                 .map_err(|e| format!("cannot reach the container's shim: {e}"))?;
+            if let Some(go) = go {
+                go.await.map_err(|_| "cancelled".to_owned())?;
+            }
             client
                 .call_with_steps(request, |s| {
                     let _ = tx.send(s.clone());
@@ -373,6 +387,9 @@ struct Handoff {
     a_call: ShimCall,
     a_outcome: Option<Result<Outcome, String>>,
     b_call: Option<ShimCall>,
+    /// Sends the prepared start of `b` (its connection is open already).
+    b_go: Option<oneshot::Sender<()>>,
+    b_prepared: Option<ShimCall>,
     b_outcome: Option<Result<Outcome, String>>,
     released: bool,
     acquired: bool,
@@ -383,8 +400,16 @@ struct Handoff {
 impl Handoff {
     fn start_b(&mut self) -> Result<(), String> {
         if self.b_call.is_none() {
-            let request = Request::Start(Target::exact(&self.b.container));
-            self.b_call = Some(ShimCall::start(&self.b, request)?);
+            match (self.b_go.take(), self.b_prepared.take()) {
+                (Some(go), Some(call)) => {
+                    let _ = go.send(());
+                    self.b_call = Some(call);
+                }
+                _ => {
+                    let request = Request::Start(Target::exact(&self.b.container));
+                    self.b_call = Some(ShimCall::start(&self.b, request)?);
+                }
+            }
         }
         Ok(())
     }
@@ -424,8 +449,13 @@ pub async fn handoff(
             pids: a.pids.clone(),
             image_path: None,
         });
+        let (b_go, go) = oneshot::channel();
+        let b_prepared =
+            ShimCall::start_when(&b, Request::Start(Target::exact(&b.container)), Some(go))?;
         let a_call = ShimCall::start(&a, request)?;
         Ok(Handoff {
+            b_go: Some(b_go),
+            b_prepared: Some(b_prepared),
             a,
             b,
             order: h.order,
