@@ -230,7 +230,21 @@ impl Api {
         rootfs: Vec<Mount>,
         options: Option<Any>,
     ) -> Result<u32, Error> {
+        self.create_task_from(id, stdio, rootfs, options, None)
+    }
+
+    /// Creates the task of container `id` from `checkpoint` (a CRIU checkpoint blob in the content store;
+    /// the shim restores it at Start) when given; returns its pid.
+    pub fn create_task_from(
+        &self,
+        id: &str,
+        stdio: &StdioPaths,
+        rootfs: Vec<Mount>,
+        options: Option<Any>,
+        checkpoint: Option<containerd_client::types::Descriptor>,
+    ) -> Result<u32, Error> {
         let request = self.request(CreateTaskRequest {
+            checkpoint,
             container_id: id.to_string(),
             rootfs,
             stdin: stdio.stdin.clone(),

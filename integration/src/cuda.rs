@@ -143,6 +143,18 @@ impl CudaRig {
         annotations: &[(&str, &str)],
         options: Option<prost_types::Any>,
     ) -> Running {
+        self.create_from(id, t, annotations, options, None)
+    }
+
+    /// [`CudaRig::create_with`] of a task restored (at Start) from CRIU checkpoint blob `checkpoint`.
+    pub fn create_from(
+        &self,
+        id: &str,
+        t: &Trainer,
+        annotations: &[(&str, &str)],
+        options: Option<prost_types::Any>,
+        checkpoint: Option<containerd_client::types::Descriptor>,
+    ) -> Running {
         let env = &self.gpu.env;
         let api = env.api().unwrap_or_else(|e| panic!("api: {e}"));
         let annotations = annotations
@@ -172,8 +184,14 @@ impl CudaRig {
             stdout: format!("file://{}", file.display()),
             ..Default::default()
         };
-        api.create_task(id, &stdio, vec![api::bind_rootfs(env.rootfs())])
-            .unwrap_or_else(|e| panic!("create task {id}: {e}"));
+        api.create_task_from(
+            id,
+            &stdio,
+            vec![api::bind_rootfs(env.rootfs())],
+            None,
+            checkpoint,
+        )
+        .unwrap_or_else(|e| panic!("create task {id}: {e}"));
         Running {
             id: id.to_owned(),
             child: None,

@@ -356,10 +356,12 @@ fn a_parked_container_survives_a_containerd_restart_and_a_killed_shim_leaves_not
 fn runc_without_criu(dir: &std::path::Path) -> std::path::PathBuf {
     let script = r#"#!/bin/sh
 D='@DIR@'
-root=""; img=""; prev=""
+root=""; img=""; bundle=""; pidfile=""; prev=""
 for a in "$@"; do
   [ "$prev" = "--root" ] && root=$a
   [ "$prev" = "--image-path" ] && img=$a
+  [ "$prev" = "--bundle" ] && bundle=$a
+  [ "$prev" = "--pid-file" ] && pidfile=$a
   prev=$a
 done
 case " $* " in
@@ -377,6 +379,18 @@ case " $* " in
       *" --leave-running "*) ;;
       *) runc --root "$root" kill "$id" KILL ;;
     esac
+    exit 0 ;;
+  *" restore "*)
+    # Played as a fresh start of the bundle whose program starts as CRIU would leave a CUDA process
+    # (--restored-checkpointed); like runc restore, it returns once the process is back (its socket).
+    id=$prev
+    ls "$img" > "$D/image-at-restore"
+    runc --root "$root" create --bundle "$bundle" --pid-file "$pidfile" "$id" || exit 1
+    runc --root "$root" start "$id" || exit 1
+    pid=$(cat "$pidfile"); i=0
+    while [ ! -S "/proc/$pid/root/tmp/baton-mock-cuda/1.sock" ] && [ $i -lt 3000 ]; do
+      sleep 0.01; i=$((i + 1))
+    done
     exit 0 ;;
 esac
 exec runc "$@"
@@ -486,4 +500,66 @@ fn a_parked_container_that_is_killed_exits_with_its_real_status_and_is_parked_no
     );
     let (_, err, ok) = rig.baton(&["resume", "victim"]);
     assert!(!ok, "nothing to resume once it was killed: {err}");
+}
+
+#[test]
+fn a_task_created_from_a_checkpoint_gets_its_cuda_processes_restored_and_unlocked() {
+    let Some(rig) = CudaRig::start("preempt-restore") else {
+        return;
+    };
+    let dir = rig.gpu.env.scratch();
+    std::fs::create_dir_all(&dir).unwrap();
+    let runc = runc_without_criu(&dir);
+    let options = || {
+        Some(baton_integration::api::runtime_options_toml(&format!(
+            "BinaryName = \"{}\"\n",
+            runc.display()
+        )))
+    };
+    let _snap = rig.create_with("source", &Trainer::default(), &[], options());
+    rig.gpu.env.api().unwrap().start("source", "").unwrap();
+    wait_held(&rig, "source", 1);
+    // A checkpoint image in containerd's content store (the dump is played; the image carries the list of
+    // CUDA processes the shim wrote).
+    let out = rig.gpu.env.ctr(&["task", "checkpoint", "source"]);
+    assert!(out.success(), "ctr task checkpoint: {}", out.stderr);
+    let images = rig.gpu.env.ctr(&["images", "ls"]).stdout;
+    let index = images
+        .lines()
+        .find(|l| l.contains("checkpoint"))
+        .and_then(|l| l.split_whitespace().nth(2))
+        .unwrap_or_else(|| panic!("no checkpoint image: {images}"))
+        .to_owned();
+    let index: Value =
+        serde_json::from_str(&rig.gpu.env.ctr(&["content", "get", &index]).stdout).unwrap();
+    let criu = index["manifests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| {
+            m["mediaType"]
+                .as_str()
+                .unwrap()
+                .ends_with("checkpoint.criu.tar")
+        })
+        .unwrap_or_else(|| panic!("no CRIU blob in {index}"));
+    let checkpoint = containerd_client::types::Descriptor {
+        media_type: criu["mediaType"].as_str().unwrap().to_owned(),
+        digest: criu["digest"].as_str().unwrap().to_owned(),
+        size: criu["size"].as_i64().unwrap(),
+        ..Default::default()
+    };
+    let restored_opts = Trainer {
+        extra: vec!["--restored-checkpointed".into()],
+        ..Trainer::default()
+    };
+    let mut restored =
+        rig.create_from("restored", &restored_opts, &[], options(), Some(checkpoint));
+    rig.gpu.env.api().unwrap().start("restored", "").unwrap();
+    let listing = std::fs::read_to_string(dir.join("image-at-restore")).unwrap();
+    assert!(listing.contains("baton-cuda.json"), "{listing}");
+    let line = restored.wait_line("restored checksum");
+    assert!(line.ends_with("intact"), "{line}");
+    restored.wait_line("unlocked");
+    wait_held(&rig, "restored", 1);
 }

@@ -56,6 +56,10 @@ struct Args {
     /// On a restore request, exit at once with this code (a job that finished while checkpointed).
     #[arg(long)]
     exit_at_restore: Option<i32>,
+    /// Start as a process that CRIU restored from a snapshot: no GPU resource yet, its device memory (the
+    /// weights) in host memory, checkpointed, until cuda-checkpoint restores and unlocks it.
+    #[arg(long)]
+    restored_checkpointed: bool,
 }
 
 fn parse_action(name: &str) -> Result<Action, String> {
@@ -128,6 +132,7 @@ fn restore_options(args: &Args) -> RestoreOptions {
         lock_delay: Duration::from_millis(args.lock_delay_ms),
         fail_at: args.fail_at,
         exit_at_restore: args.exit_at_restore,
+        start_checkpointed: args.restored_checkpointed,
         weights_seed: weights::DEFAULT_SEED,
     }
 }
@@ -138,10 +143,16 @@ fn lock(workload: &Shared) -> MutexGuard<'_, Workload> {
 
 /// The main thread: set up, step, hold; every CUDA call goes through the gate.
 fn run(workload: &Shared, gate: &Gate, args: &Args) -> anyhow::Result<()> {
-    let setup = lock(workload).setup();
-    gate.done();
-    setup?;
-    say("phase setup-done");
+    if args.restored_checkpointed {
+        // The restore thread set the state to checkpointed: the first step waits for restore + unlock.
+        gate.done();
+        say("phase restored-checkpointed");
+    } else {
+        let setup = lock(workload).setup();
+        gate.done();
+        setup?;
+        say("phase setup-done");
+    }
     let mut main = MainThread {
         workload,
         gate,

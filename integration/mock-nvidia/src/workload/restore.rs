@@ -30,6 +30,8 @@ pub struct RestoreOptions {
     pub exit_at_restore: Option<i32>,
     /// Seed of the weights.
     pub weights_seed: u32,
+    /// The process starts checkpointed (as CRIU restored it): weights in host memory, no GPU resource.
+    pub start_checkpointed: bool,
 }
 
 /// The bound control socket; the file is removed when this is dropped.
@@ -78,8 +80,13 @@ impl ControlSocket {
             .listener
             .take()
             .ok_or_else(|| std::io::Error::other("the control socket is already served"))?;
+        let mut weights = Weights::new(options.weights_seed);
+        if options.start_checkpointed {
+            weights.save_to_host();
+            gate.set_state(CudaState::Checkpointed);
+        }
         let mut thread = RestoreThread {
-            weights: Weights::new(options.weights_seed),
+            weights,
             gate,
             workload,
             options,
