@@ -42,7 +42,23 @@ struct Timeline<'w> {
     steps: Vec<Step>,
 }
 
-impl Timeline<'_> {
+impl<'w> Timeline<'w> {
+    /// A timeline whose first step is the request (`asked` at `t_ns`), sent at once.
+    async fn open(
+        write: &'w mut OwnedWriteHalf,
+        c: &ContainerRef,
+        t_ns: u64,
+        detail: &str,
+    ) -> std::io::Result<Self> {
+        let mut t = Self {
+            write,
+            steps: Vec::new(),
+        };
+        t.agent_step(c, Phase::Asked, t_ns, None, detail.to_owned())
+            .await?;
+        Ok(t)
+    }
+
     async fn push(&mut self, step: Step) -> std::io::Result<()> {
         let line = StepLine {
             v: PROTOCOL_VERSION,
@@ -181,16 +197,6 @@ async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
     }
 }
 
-fn asked_step(c: &ContainerRef, t_ns: u64, detail: String) -> Step {
-    Step {
-        t_ns,
-        container: c.clone(),
-        phase: Phase::Asked,
-        pid: None,
-        detail,
-    }
-}
-
 /// Resolves the target of a preempt request and checks it can be preempted.
 async fn preemptible(ctx: &Ctx<'_>, target: &Target) -> Result<Resolved, String> {
     let a = ctx.resolve(target).await?;
@@ -231,13 +237,7 @@ pub async fn preempt(
         Ok(c) => c,
         Err(error) => return send_reply(write, Reply::Error { error }).await,
     };
-    let mut timeline = Timeline {
-        write,
-        steps: Vec::new(),
-    };
-    timeline
-        .push(asked_step(&a.container, asked, r.mode.label().to_owned()))
-        .await?;
+    let mut timeline = Timeline::open(write, &a.container, asked, r.mode.label()).await?;
     let mut released = false;
     let mut grace: Option<tokio::time::Instant> = None;
     let mut outcome = None;
@@ -355,13 +355,7 @@ pub async fn forward(
         Ok(c) => c,
         Err(error) => return send_reply(write, Reply::Error { error }).await,
     };
-    let mut timeline = Timeline {
-        write,
-        steps: Vec::new(),
-    };
-    timeline
-        .push(asked_step(&r.container, asked, String::new()))
-        .await?;
+    let mut timeline = Timeline::open(write, &r.container, asked, "").await?;
     while let Some(s) = next_step(Some(&mut call)).await {
         timeline.push(s).await?;
     }
@@ -398,20 +392,12 @@ struct Handoff {
 }
 
 impl Handoff {
-    fn start_b(&mut self) -> Result<(), String> {
-        if self.b_call.is_none() {
-            match (self.b_go.take(), self.b_prepared.take()) {
-                (Some(go), Some(call)) => {
-                    let _ = go.send(());
-                    self.b_call = Some(call);
-                }
-                _ => {
-                    let request = Request::Start(Target::exact(&self.b.container));
-                    self.b_call = Some(ShimCall::start(&self.b, request)?);
-                }
-            }
+    /// Sends the prepared start of `b` (once; later calls do nothing).
+    fn start_b(&mut self) {
+        if let (Some(go), Some(call)) = (self.b_go.take(), self.b_prepared.take()) {
+            let _ = go.send(());
+            self.b_call = Some(call);
         }
-        Ok(())
     }
 
     fn finished(&self) -> bool {
@@ -474,19 +460,13 @@ pub async fn handoff(
         Ok(r) => r,
         Err(error) => return send_reply(write, Reply::Error { error }).await,
     };
-    let mut timeline = Timeline {
-        write,
-        steps: Vec::new(),
-    };
     let detail = format!(
         "{} {} -> {}",
         h.order.label(),
         h.mode.label(),
         run.b.container.id
     );
-    timeline
-        .push(asked_step(&run.a.container, asked, detail))
-        .await?;
+    let mut timeline = Timeline::open(write, &run.a.container, asked, &detail).await?;
     while !run.finished() {
         tokio::select! {
             step = next_step(Some(&mut run.a_call)), if run.a_outcome.is_none() => match step {
@@ -498,10 +478,8 @@ pub async fn handoff(
                     if ok && !run.released {
                         run.release_deadline = Some(tokio::time::Instant::now() + RELEASE_GRACE);
                     }
-                    if ok && run.order == HandoffOrder::Sequential
-                        && let Err(e) = run.start_b()
-                    {
-                        run.b_outcome = Some(Err(e));
+                    if ok && run.order == HandoffOrder::Sequential {
+                        run.start_b();
                     }
                 }
             },
@@ -523,10 +501,8 @@ pub async fn handoff(
                     && !run.released
                 {
                     run.released = true;
-                    if run.order == HandoffOrder::Overlapped
-                        && let Err(e) = run.start_b()
-                    {
-                        run.b_outcome = Some(Err(e));
+                    if run.order == HandoffOrder::Overlapped {
+                        run.start_b();
                     }
                     timeline.agent_step(&run.a.container, Phase::GpuReleased, t, None, detail).await?;
                 }
@@ -545,10 +521,8 @@ pub async fn handoff(
                 let detail = format!("no release signal within {RELEASE_GRACE:?} of the preemption");
                 let now = now_monotonic_ns();
                 timeline.agent_step(&run.a.container, Phase::GpuReleased, now, None, detail).await?;
-                if run.order == HandoffOrder::Overlapped
-                    && let Err(e) = run.start_b()
-                {
-                    run.b_outcome = Some(Err(e));
+                if run.order == HandoffOrder::Overlapped {
+                    run.start_b();
                 }
             }
             () = sleep_until_opt(run.acquire_deadline) => {
