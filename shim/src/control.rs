@@ -60,7 +60,7 @@ async fn connection(stream: UnixStream, service: TaskService) -> std::io::Result
     let (read, mut write) = stream.into_split();
     if cred.uid() != 0 {
         let error = format!("this shim's socket serves root only (uid {})", cred.uid());
-        return send(&mut write, &reply_line(Reply::Error { error })).await;
+        return send(&mut write, &ReplyLine::new(Reply::Error { error })).await;
     }
     let mut lines = BufReader::new(read).lines();
     let Some(line) = lines.next_line().await? else {
@@ -70,11 +70,11 @@ async fn connection(stream: UnixStream, service: TaskService) -> std::io::Result
         Ok(l) if l.v == PROTOCOL_VERSION => l.request,
         Ok(l) => {
             let error = format!("protocol version {} is not spoken here", l.v);
-            return send(&mut write, &reply_line(Reply::Error { error })).await;
+            return send(&mut write, &ReplyLine::new(Reply::Error { error })).await;
         }
         Err(e) => {
             let error = format!("not a request ({e}): {line}");
-            return send(&mut write, &reply_line(Reply::Error { error })).await;
+            return send(&mut write, &ReplyLine::new(Reply::Error { error })).await;
         }
     };
     let (tx, mut rx) = mpsc::unbounded_channel::<Step>();
@@ -89,15 +89,7 @@ async fn connection(stream: UnixStream, service: TaskService) -> std::io::Result
     let reply = work.await.unwrap_or_else(|e| Reply::Error {
         error: format!("the operation failed: {e}"),
     });
-    send(&mut write, &reply_line(reply)).await
-}
-
-fn reply_line(reply: Reply) -> ReplyLine {
-    ReplyLine {
-        v: PROTOCOL_VERSION,
-        ok: !matches!(reply, Reply::Error { .. }),
-        reply,
-    }
+    send(&mut write, &ReplyLine::new(reply)).await
 }
 
 async fn send(write: &mut OwnedWriteHalf, line: &impl serde::Serialize) -> std::io::Result<()> {

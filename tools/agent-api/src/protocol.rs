@@ -173,6 +173,17 @@ pub struct ReplyLine {
     pub reply: Reply,
 }
 
+impl ReplyLine {
+    /// The line carrying `reply` (`ok` is false exactly for an error).
+    pub fn new(reply: Reply) -> Self {
+        Self {
+            v: PROTOCOL_VERSION,
+            ok: !matches!(reply, Reply::Error { .. }),
+            reply,
+        }
+    }
+}
+
 /// The agent's answer, as the `reply` field names it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "reply", rename_all = "snake_case")]

@@ -205,13 +205,7 @@ fn parse(line: &str) -> Result<Request, String> {
 }
 
 pub async fn send_reply(write: &mut OwnedWriteHalf, reply: Reply) -> std::io::Result<()> {
-    let ok = !matches!(reply, Reply::Error { .. });
-    let line = ReplyLine {
-        v: PROTOCOL_VERSION,
-        ok,
-        reply,
-    };
-    send_line(write, &line).await
+    send_line(write, &ReplyLine::new(reply)).await
 }
 
 pub async fn send_line(
