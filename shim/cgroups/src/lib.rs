@@ -1,4 +1,4 @@
-//! cgroup v2 ids and paths, and the container names derived from them.
+//! cgroup v2 ids and paths, the container names derived from them, and whether a process is gone.
 //!
 //! `bpf_get_current_cgroup_id()` returns the kernfs id of the task's cgroup v2 directory, which is that
 //! directory's inode number. On a hybrid host the v2 tree is mounted at /sys/fs/cgroup/unified; on a pure v2
@@ -131,6 +131,14 @@ impl CgroupIndex {
             });
         }
         Ok(meta.ino())
+    }
+}
+
+/// Whether process `pid` has exited: no such process, or a zombie (it runs nothing any more).
+pub fn process_gone(pid: u32) -> bool {
+    match procfs::process::Process::new(pid as i32).and_then(|p| p.stat()) {
+        Ok(stat) => matches!(stat.state, 'Z' | 'X' | 'x'),
+        Err(_) => true,
     }
 }
 

@@ -17,6 +17,7 @@ use std::time::Duration;
 use baton_agent_api::{
     ContainerRef, Phase, PreemptMode, PreemptPhase, PreemptState, Step, now_monotonic_ns,
 };
+use baton_cgroups::process_gone;
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::mpsc;
 
@@ -106,14 +107,6 @@ fn succeeded(results: &[(u32, std::result::Result<(), CudaError>)]) -> Vec<u32> 
 
 fn first_error(results: &[(u32, std::result::Result<(), CudaError>)]) -> Option<CudaError> {
     results.iter().find_map(|(_, r)| r.as_ref().err().cloned())
-}
-
-/// Whether `pid` has exited (gone, or a zombie).
-pub fn process_gone(pid: u32) -> bool {
-    match procfs::process::Process::new(pid as i32).and_then(|p| p.stat()) {
-        Ok(stat) => stat.state == 'Z' || stat.state == 'X',
-        Err(_) => true,
-    }
 }
 
 /// Waits up to `within` for `pid` to exit; whether it did.

@@ -9,6 +9,7 @@ use baton_agent_api::{
     ContainerRef, ContainerStatus, Event, EventBody, Filter, GateRequest, NodeStatus, Pong,
     PreemptState, Registration, Reply, Target, TraceRequest,
 };
+use baton_tracer::cgroups::process_gone;
 use baton_tracer::{
     Tracer, TracerConfig,
     event::{Body, Event as Record},
@@ -664,14 +665,6 @@ impl Core {
         };
         // No watcher is not an error: the state is in `status`.
         let _ = self.events.send(Published { event, owner });
-    }
-}
-
-/// Whether process `pid` has exited (no such process, or a zombie: it runs nothing any more).
-fn process_gone(pid: u32) -> bool {
-    match procfs::process::Process::new(pid as i32).and_then(|p| p.stat()) {
-        Ok(stat) => matches!(stat.state, 'Z' | 'X' | 'x'),
-        Err(_) => true,
     }
 }
 
