@@ -4,10 +4,12 @@
 //! CLI and the OCI hooks use, including [`client::connect_or_start`], which starts a detached agent when
 //! nothing answers on a plain node.
 pub mod client;
+pub mod control;
 pub mod preempt;
 pub mod protocol;
 
 pub use client::{Client, ClientError, Endpoint, connect_or_start};
+pub use control::*;
 pub use preempt::*;
 pub use protocol::*;
 

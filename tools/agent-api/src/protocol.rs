@@ -6,13 +6,19 @@
 //! event lines (`{"v":1,"event":{...}}`) until the client closes it.
 use serde::{Deserialize, Serialize};
 
-use crate::preempt::{GateRequest, HandoffRequest, Outcome, PreemptRequest, PreemptState, Target};
+use crate::{
+    control::{
+        Accepted, ControllerStatus, DutyRequest, FreezeRequest, FreezerReply, GovernorRequest,
+        RequestEvent, RoleSpec,
+    },
+    preempt::{GateRequest, HandoffRequest, Outcome, PreemptRequest, PreemptState, Target},
+};
 
 /// The protocol version every line carries; the agent refuses lines of another version.
 pub const PROTOCOL_VERSION: u32 = 1;
 
 /// A request, as the `op` field names it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
     /// Is the agent there?
@@ -39,6 +45,22 @@ pub enum Request {
     Handoff(HandoffRequest),
     /// Answer (`gpu_free`) once no other container holds a file of the NVIDIA devices this one sees.
     WaitGpuFree(GateRequest),
+    /// Freeze a container (not a latency-critical one), confirmed; `freezer` answers.
+    Freeze(FreezeRequest),
+    /// Thaw a container frozen by `freeze` or by the controller; `freezer` answers.
+    Thaw(Target),
+    /// A fixed duty cycle for the co-runners.
+    Duty(DutyRequest),
+    /// A request reached the server: its co-runners are frozen until its first token (the prefill shield).
+    RequestStart(RequestEvent),
+    /// The request's first token.
+    FirstToken(RequestEvent),
+    /// The request is done.
+    RequestEnd(RequestEvent),
+    /// A token of the request was streamed (the governor measures the gaps).
+    Token(RequestEvent),
+    /// Turn the decode governor on (or off).
+    Governor(GovernorRequest),
 }
 
 /// What `baton trace` asks the agent to trace, and how to print it.
@@ -81,7 +103,7 @@ pub struct TraceLine {
 }
 
 /// A request line: the version and the request.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RequestLine {
     /// [`PROTOCOL_VERSION`].
     pub v: u32,
@@ -121,6 +143,9 @@ pub struct Registration {
     /// The container's preemption state, as its shim persisted it (parked across an agent restart).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preemption: Option<PreemptState>,
+    /// Its role for the co-runner controller (`baton.io/role`), if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<RoleSpec>,
 }
 
 /// The settings of a watched container.
@@ -211,6 +236,10 @@ pub enum Reply {
     },
     /// A `preempt`, `resume`, `start` or `handoff` completed; its steps came before as step lines.
     Done(Outcome),
+    /// Answer to `freeze` and `thaw`.
+    Freezer(FreezerReply),
+    /// A control request (`duty`, `governor`, a request event or token) was accepted.
+    Accepted(Accepted),
     /// Answer to `wait_gpu_free`: no other container holds the devices.
     GpuFree {
         /// How long the request waited, in ns.
@@ -259,6 +288,9 @@ pub struct NodeStatus {
     pub confirmed_by_proc: u64,
     /// The watched containers.
     pub containers: Vec<ContainerStatus>,
+    /// The co-runner controller.
+    #[serde(default)]
+    pub controller: ControllerStatus,
 }
 
 /// Whether a container holds the GPU.
@@ -312,6 +344,9 @@ pub struct ContainerStatus {
     /// Parked, or being preempted or resumed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preemption: Option<PreemptState>,
+    /// Its role for the co-runner controller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<RoleSpec>,
 }
 
 /// One process's NVIDIA files.

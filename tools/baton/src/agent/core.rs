@@ -188,7 +188,15 @@ impl Core {
             | R::Resume(_)
             | R::Start(_)
             | R::Handoff(_)
-            | R::WaitGpuFree(_) => Reply::Error {
+            | R::WaitGpuFree(_)
+            | R::Freeze(_)
+            | R::Thaw(_)
+            | R::Duty(_)
+            | R::RequestStart(_)
+            | R::FirstToken(_)
+            | R::RequestEnd(_)
+            | R::Token(_)
+            | R::Governor(_) => Reply::Error {
                 error: "this request is answered by the connection, not the core".to_owned(),
             },
         }
@@ -585,6 +593,7 @@ impl Core {
             pending_evicted: self.tracer.as_ref().map_or(0, Tracer::pending_evicted),
             confirmed_by_proc: self.tracer.as_ref().map_or(0, Tracer::confirmed_by_proc),
             containers,
+            controller: Default::default(),
         }
     }
 
@@ -752,6 +761,7 @@ mod tests {
             settings: Default::default(),
             control_socket: None,
             preemption: None,
+            role: None,
         }
     }
 

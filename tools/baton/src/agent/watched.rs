@@ -161,6 +161,7 @@ impl Watched {
             since_ns: self.since_ns,
             partial: self.partial || ledger.is_some_and(|l| l.partial),
             preemption: self.preemption.clone(),
+            role: self.registration.role.clone(),
         }
     }
 
