@@ -17,6 +17,7 @@ use baton_tracer::{
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 use super::{
+    control,
     gate::{self, Waiter},
     trace_session::TraceSession,
     watched::Watched,
@@ -99,11 +100,14 @@ pub struct Core {
     seq: u64,
     traces: BTreeMap<u64, TraceSession>,
     waiters: Vec<Waiter>,
+    controller: control::Handle,
+    members_sent: Vec<control::Member>,
 }
 
 impl Core {
-    /// A core with nothing watched, publishing on `events`.
-    pub fn new(events: broadcast::Sender<Published>) -> Self {
+    /// A core with nothing watched, publishing on `events`; the co-runner controller learns the watched
+    /// containers' roles from it.
+    pub fn new(events: broadcast::Sender<Published>, controller: control::Handle) -> Self {
         Self {
             tracer: None,
             watched: BTreeMap::new(),
@@ -112,6 +116,25 @@ impl Core {
             seq: 0,
             traces: BTreeMap::new(),
             waiters: Vec::new(),
+            controller,
+            members_sent: Vec::new(),
+        }
+    }
+
+    /// Tells the controller the watched containers, when they changed.
+    fn publish_members(&mut self) {
+        let members: Vec<control::Member> = self
+            .watched
+            .values()
+            .map(|w| control::Member {
+                container: w.registration.container.clone(),
+                role: w.registration.role.clone(),
+                control_socket: w.registration.control_socket.clone(),
+            })
+            .collect();
+        if members != self.members_sent {
+            self.controller.members(members.clone());
+            self.members_sent = members;
         }
     }
 
@@ -142,6 +165,7 @@ impl Core {
                             What::PeerGone(pid) => self.peer_gone(pid),
                         };
                         let _ = c.reply.send(reply);
+                        self.publish_members();
                     }
                     None => return,
                 },
@@ -219,6 +243,7 @@ impl Core {
             // A shim re-registering (after a reconnect) or giving a restored container's new pid.
             w.registration.init_pid = reg.init_pid;
             w.registration.control_socket = reg.control_socket;
+            w.registration.role = reg.role;
             w.owner = owner;
             let tracer = self.tracer.as_ref().ok_or("the probes are not loaded")?;
             return Ok(w.status(tracer));
@@ -593,7 +618,7 @@ impl Core {
             pending_evicted: self.tracer.as_ref().map_or(0, Tracer::pending_evicted),
             confirmed_by_proc: self.tracer.as_ref().map_or(0, Tracer::confirmed_by_proc),
             containers,
-            controller: Default::default(),
+            controller: self.controller.status(),
         }
     }
 
