@@ -159,3 +159,54 @@ async fn a_libcuda_only_in_the_containers_mount_namespace_is_probed_through_its_
     );
     env.workload(w).finish().unwrap();
 }
+
+#[test]
+fn baton_trace_prints_launches_per_interval_and_in_the_summary() {
+    require_trace_env!();
+    let mut env = TraceEnv::start("launch-cli", "595.45.04").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let lib = fake_libcuda_in(dir.path()).unwrap();
+    env.make_cgroup("job").unwrap();
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let mut command = Command::new(workspace_binary("baton", "baton").unwrap());
+    command
+        .args(["trace", "--standalone", "--summary", "--launch-interval", "0.2"])
+        .arg("--cgroup")
+        .arg(env.cgroup_rel("job"))
+        .arg("--prefix")
+        .arg(env.prefix())
+        .arg("-o")
+        .arg(out.path());
+    let trace = BatonTrace::start(command, WAIT).unwrap();
+    let n = counts(700, 60, 9);
+    let w = env
+        .spawn_workload_with("job", 64, 1, &launch_flags(&lib, n), &[])
+        .unwrap();
+    env.workload(w).wait_line(&launches_done(n), WAIT).unwrap();
+    env.workload(w).finish().unwrap();
+    // Ending the trace prints the launches since the last line, then the summary.
+    let (status, stderr) = trace.stop().unwrap();
+    assert!(status.success(), "baton trace failed: {status}\n{stderr}");
+
+    let text = std::fs::read_to_string(out.path()).unwrap();
+    let mut shown = LaunchCounts::default();
+    for line in text.lines().filter(|l| l.contains(" launches/")) {
+        assert!(line.contains("/job launches/"), "{line}");
+        for (key, count) in [
+            ("cuLaunchKernel=", &mut shown.kernel),
+            ("cuLaunchKernelEx=", &mut shown.kernel_ex),
+            ("cuGraphLaunch=", &mut shown.graph),
+        ] {
+            let value = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix(key))
+                .unwrap_or_else(|| panic!("no {key} in {line}"));
+            *count += value.parse::<u64>().unwrap();
+        }
+    }
+    assert_eq!(shown, n, "the launch lines add up to the launches:\n{text}");
+    assert!(
+        text.contains("launches: cuLaunchKernel 700, cuLaunchKernelEx 60, cuGraphLaunch 9"),
+        "the summary has the totals:\n{text}"
+    );
+}
