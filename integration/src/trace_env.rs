@@ -41,14 +41,20 @@ pub fn workspace_binary(package: &str, name: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-/// The fake libcuda (`integration/fake-libcuda`), built if needed, copied to `dir/libcuda.so.1` (a file of
-/// its own, so that a test's uprobes are on an inode no other test probes).
+/// The fake libcuda (`integration/fake-libcuda`, of this binary's profile), built if needed, copied to
+/// `dir/libcuda.so.1` (a file of its own, so that a test's uprobes are on an inode no other test probes).
 pub fn fake_libcuda_in(dir: &Path) -> anyhow::Result<PathBuf> {
-    let built = target_dir().join("debug").join("libbaton_fake_libcuda.so");
+    let release = !cfg!(debug_assertions);
+    let profile = if release { "release" } else { "debug" };
+    let built = target_dir().join(profile).join("libbaton_fake_libcuda.so");
     if !built.is_file() {
-        build_package("baton-fake-libcuda", false)?;
+        build_package("baton-fake-libcuda", release)?;
     }
-    anyhow::ensure!(built.is_file(), "fake libcuda not found at {}", built.display());
+    anyhow::ensure!(
+        built.is_file(),
+        "fake libcuda not found at {}",
+        built.display()
+    );
     let copy = dir.join("libcuda.so.1");
     std::fs::copy(&built, &copy)?;
     Ok(copy)

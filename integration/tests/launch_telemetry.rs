@@ -170,7 +170,13 @@ fn baton_trace_prints_launches_per_interval_and_in_the_summary() {
     let out = tempfile::NamedTempFile::new().unwrap();
     let mut command = Command::new(workspace_binary("baton", "baton").unwrap());
     command
-        .args(["trace", "--standalone", "--summary", "--launch-interval", "0.2"])
+        .args([
+            "trace",
+            "--standalone",
+            "--summary",
+            "--launch-interval",
+            "0.2",
+        ])
         .arg("--cgroup")
         .arg(env.cgroup_rel("job"))
         .arg("--prefix")

@@ -117,7 +117,9 @@ mod tests {
 
     #[test]
     fn libcuda_is_recognized_by_its_file_name_with_or_without_version() {
-        assert!(is_libcuda(Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so.1")));
+        assert!(is_libcuda(Path::new(
+            "/usr/lib/x86_64-linux-gnu/libcuda.so.1"
+        )));
         assert!(is_libcuda(Path::new("/usr/lib64/libcuda.so.550.54.15")));
         assert!(is_libcuda(Path::new("libcuda.so")));
         assert!(!is_libcuda(Path::new("/usr/lib/libcudart.so.12")));

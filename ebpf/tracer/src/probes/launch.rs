@@ -17,9 +17,9 @@ pub type LaunchMap = PerCpuHashMap<MapData, u64, LaunchCounts>;
 /// Loads (without attaching) the three uprobe programs and takes the counters map.
 pub(super) fn load(ebpf: &mut Ebpf) -> Result<LaunchMap, ProbeError> {
     for f in LaunchFn::ALL {
-        uprobe(ebpf, f)?
-            .load()
-            .map_err(|e| ProbeError::Refused(format!("loading {}: {}", f.program(), error_chain(&e))))?;
+        uprobe(ebpf, f)?.load().map_err(|e| {
+            ProbeError::Refused(format!("loading {}: {}", f.program(), error_chain(&e)))
+        })?;
     }
     let map = ebpf
         .take_map(maps::LAUNCHES)
@@ -29,7 +29,9 @@ pub(super) fn load(ebpf: &mut Ebpf) -> Result<LaunchMap, ProbeError> {
 
 fn uprobe(ebpf: &mut Ebpf, f: LaunchFn) -> Result<&mut UProbe, ProbeError> {
     ebpf.program_mut(f.program())
-        .ok_or_else(|| ProbeError::Refused(format!("program {} missing from the object", f.program())))?
+        .ok_or_else(|| {
+            ProbeError::Refused(format!("program {} missing from the object", f.program()))
+        })?
         .try_into()
         .map_err(|e: aya::programs::ProgramError| ProbeError::Refused(e.to_string()))
 }
@@ -42,11 +44,8 @@ impl Probes {
         let mut probed = Vec::new();
         let mut errors = Vec::new();
         for f in LaunchFn::ALL {
-            let attached = uprobe(&mut self._ebpf, f)?.attach(
-                f.symbol(),
-                library,
-                UProbeScope::AllProcesses,
-            );
+            let attached =
+                uprobe(&mut self._ebpf, f)?.attach(f.symbol(), library, UProbeScope::AllProcesses);
             match attached {
                 Ok(_) => probed.push(f),
                 Err(e) => errors.push(format!("{}: {}", f.symbol(), error_chain(&e))),

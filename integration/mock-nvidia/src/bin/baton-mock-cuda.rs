@@ -86,11 +86,7 @@ type Shared = Arc<Mutex<Workload>>;
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let cuda = args
-        .libcuda
-        .as_deref()
-        .map(CudaLibrary::open)
-        .transpose()?;
+    let cuda = args.libcuda.as_deref().map(CudaLibrary::open).transpose()?;
     let gate = Arc::new(Gate::new());
     // Before any other thread starts, so that every thread inherits the blocked signals.
     start_event_threads(args.hold, &gate)?;

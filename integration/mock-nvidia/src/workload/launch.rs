@@ -120,8 +120,7 @@ impl CudaLibrary {
                     .map_err(err)?,
                 *lib.get::<LaunchKernelEx>(SYMBOLS[1].as_bytes())
                     .map_err(err)?,
-                *lib.get::<GraphLaunch>(SYMBOLS[2].as_bytes())
-                    .map_err(err)?,
+                *lib.get::<GraphLaunch>(SYMBOLS[2].as_bytes()).map_err(err)?,
             )
         };
         Ok(Self {
@@ -171,7 +170,9 @@ impl CudaLibrary {
         let null = std::ptr::null_mut();
         // SAFETY: CUDA's signature; the fake library reads none of the arguments (a real libcuda would
         // reject the null function with an error code).
-        let code = unsafe { (self.launch_kernel)(null, 1, 1, 1, 1, 1, 1, 0, null, null.cast(), null.cast()) };
+        let code = unsafe {
+            (self.launch_kernel)(null, 1, 1, 1, 1, 1, 1, 0, null, null.cast(), null.cast())
+        };
         check(SYMBOLS[0], code)
     }
 

@@ -70,7 +70,9 @@ pub struct TraceArgs {
 fn parse_interval(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if v.is_finite() && v >= 0.001 => Ok(v),
-        _ => Err(format!("{s:?} is not a number of seconds of at least 0.001")),
+        _ => Err(format!(
+            "{s:?} is not a number of seconds of at least 0.001"
+        )),
     }
 }
 
@@ -176,7 +178,8 @@ pub async fn run_until(
     let mut rescan = tokio::time::interval(Duration::from_millis(500));
     let mut reported_drops = 0;
     let launch_every = Duration::from_secs_f64(args.launch_interval.unwrap_or(1.0).max(0.001));
-    let mut launch_tick = tokio::time::interval_at(tokio::time::Instant::now() + launch_every, launch_every);
+    let mut launch_tick =
+        tokio::time::interval_at(tokio::time::Instant::now() + launch_every, launch_every);
     let mut meter = LaunchMeter::default();
     let mut last_launch_ns = output.t0;
     loop {
@@ -194,7 +197,14 @@ pub async fn run_until(
         }
     }
     output.take(&tracer.drain_now()?, &mut tracer, &mut on_event, None)?;
-    launch_lines(&mut meter, &mut output, &mut tracer, &sel, args.all, last_launch_ns)?;
+    launch_lines(
+        &mut meter,
+        &mut output,
+        &mut tracer,
+        &sel,
+        args.all,
+        last_launch_ns,
+    )?;
     report_drops(&tracer, reported_drops);
     if args.summary {
         let report = output.summary.render(&mut tracer);
