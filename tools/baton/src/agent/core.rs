@@ -59,6 +59,8 @@ pub enum What {
         /// The answer.
         answer: oneshot::Sender<Result<Resolved, String>>,
     },
+    /// Kernel launches (libcuda uprobes) counted so far per watched container.
+    Launches(oneshot::Sender<Vec<(ContainerRef, u64)>>),
     /// A preemption changed a container's state.
     SetPreemption {
         /// Which container.
@@ -121,6 +123,29 @@ impl Core {
         }
     }
 
+    /// The controller's status, with each co-runner's launches counted up to now.
+    fn controller_status(&self) -> baton_agent_api::ControllerStatus {
+        let mut status = self.controller.status();
+        let launches: HashMap<ContainerRef, u64> = self.launches().into_iter().collect();
+        for c in &mut status.co_runners {
+            if let Some(&n) = launches.get(&c.container) {
+                c.launches = Some(n);
+            }
+        }
+        status
+    }
+
+    /// Launches counted per watched container (none without probes).
+    fn launches(&self) -> Vec<(ContainerRef, u64)> {
+        let Some(t) = self.tracer.as_ref() else {
+            return Vec::new();
+        };
+        self.watched
+            .iter()
+            .map(|(c, w)| (c.clone(), t.launches(w.cgroup_id).total()))
+            .collect()
+    }
+
     /// Tells the controller the watched containers, when they changed.
     fn publish_members(&mut self) {
         let members: Vec<control::Member> = self
@@ -151,6 +176,10 @@ impl Core {
                             }
                             What::Resolve { target, answer } => {
                                 let _ = answer.send(self.resolve(&target));
+                                Reply::Unregistered { found: true }
+                            }
+                            What::Launches(answer) => {
+                                let _ = answer.send(self.launches());
                                 Reply::Unregistered { found: true }
                             }
                             What::SetPreemption { container, state } => {
@@ -618,7 +647,7 @@ impl Core {
             pending_evicted: self.tracer.as_ref().map_or(0, Tracer::pending_evicted),
             confirmed_by_proc: self.tracer.as_ref().map_or(0, Tracer::confirmed_by_proc),
             containers,
-            controller: self.controller.status(),
+            controller: self.controller_status(),
         }
     }
 

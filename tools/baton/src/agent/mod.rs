@@ -122,7 +122,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
 
     let (events, _) = broadcast::channel(4096);
     let (commands, rx) = mpsc::channel(64);
-    let controller = control::spawn(bounds);
+    let controller = control::spawn(bounds, commands.clone());
     let core = tokio::spawn(self::core::Core::new(events.clone(), controller.clone()).run(rx));
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;

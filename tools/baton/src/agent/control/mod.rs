@@ -27,6 +27,8 @@ use tokio::sync::{mpsc, oneshot};
 
 pub use plan::Bounds;
 
+use super::core::{Command, What};
+
 /// A watched container as the controller needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
@@ -83,17 +85,24 @@ impl Handle {
     }
 }
 
+async fn sleep_until_opt(t: Option<tokio::time::Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}
+
 fn stopping() -> Reply {
     Reply::Error {
         error: "the agent's controller is stopping".to_owned(),
     }
 }
 
-/// Starts the controller with `bounds`.
-pub fn spawn(bounds: Bounds) -> Handle {
+/// Starts the controller with `bounds`; it asks the core (`core`) for launch counts.
+pub fn spawn(bounds: Bounds, core: mpsc::Sender<Command>) -> Handle {
     let (tx, rx) = mpsc::unbounded_channel();
     let status = Arc::new(Mutex::new(ControllerStatus::default()));
-    let controller = Controller::new(bounds, status.clone());
+    let controller = Controller::new(bounds, status.clone(), core);
     tokio::spawn(controller.run(rx));
     Handle { tx, status }
 }
@@ -122,10 +131,18 @@ struct Controller {
     reports_tx: mpsc::UnboundedSender<link::Report>,
     reports: mpsc::UnboundedReceiver<link::Report>,
     status: Arc<Mutex<ControllerStatus>>,
+    core: mpsc::Sender<Command>,
+    /// Launches per container: the last total read, and those of the last governor window.
+    launches: HashMap<ContainerRef, (u64, u64)>,
+    launches_due: Option<tokio::time::Instant>,
 }
 
 impl Controller {
-    fn new(bounds: Bounds, status: Arc<Mutex<ControllerStatus>>) -> Self {
+    fn new(
+        bounds: Bounds,
+        status: Arc<Mutex<ControllerStatus>>,
+        core: mpsc::Sender<Command>,
+    ) -> Self {
         let (reports_tx, reports) = mpsc::unbounded_channel();
         Self {
             plan: plan::Plan::new(bounds),
@@ -137,6 +154,9 @@ impl Controller {
             reports_tx,
             reports,
             status,
+            core,
+            launches: HashMap::new(),
+            launches_due: None,
         }
     }
 
@@ -153,6 +173,19 @@ impl Controller {
                     None => std::future::pending().await,
                 }
             };
+            // Launches are read once per governor window (a deadline that inputs do not push back).
+            let window = self
+                .plan
+                .governor
+                .as_ref()
+                .filter(|_| !self.plan.co.is_empty())
+                .map(|g| Duration::from_nanos(g.cycle.window_ns));
+            let due = match (window, self.launches_due) {
+                (None, _) => None,
+                (Some(_), Some(d)) => Some(d),
+                (Some(w), None) => Some(tokio::time::Instant::now() + w),
+            };
+            self.launches_due = due;
             tokio::select! {
                 input = inputs.recv() => match input {
                     Some(Input::Request { request, reply }) => self.request(*request, reply),
@@ -161,8 +194,49 @@ impl Controller {
                 },
                 Some(report) = self.reports.recv() => self.on_report(report),
                 () = sleep => {}
+                () = sleep_until_opt(due) => {
+                    self.launches_due = None;
+                    self.count_launches().await;
+                }
             }
         }
+    }
+
+    /// Each governor window: the co-runners' kernel launches in it (libcuda uprobes), for `status` and
+    /// the governor's log line.
+    async fn count_launches(&mut self) {
+        let (tx, rx) = oneshot::channel();
+        let (reply, _) = oneshot::channel();
+        let cmd = Command {
+            what: What::Launches(tx),
+            peer_pid: 0,
+            reply,
+        };
+        if self.core.send(cmd).await.is_err() {
+            return;
+        }
+        let Ok(totals) = rx.await else { return };
+        for (c, total) in totals {
+            let e = self.launches.entry(c).or_insert((total, 0));
+            e.1 = total.saturating_sub(e.0);
+            e.0 = total;
+        }
+        if let Some(g) = self.plan.governor_status() {
+            tracing::debug!(
+                share = g.run_share,
+                stretch = ?g.stretch,
+                launches = self.window_launches(),
+                "governor window"
+            );
+        }
+    }
+
+    /// The co-runners' launches in the last governor window.
+    fn window_launches(&self) -> u64 {
+        self.controlled()
+            .filter_map(|c| self.launches.get(c))
+            .map(|l| l.1)
+            .sum()
     }
 
     /// Decides every co-runner now and tells the links what changed; `answer` waits for `who`'s change.
@@ -344,6 +418,7 @@ impl Controller {
         self.plan.co.retain(|c, _| members.contains_key(c));
         self.stats.retain(|c, _| members.contains_key(c));
         self.links.retain(|c, _| members.contains_key(c));
+        self.launches.retain(|c, _| members.contains_key(c));
         self.applied.retain(|c, _| members.contains_key(c));
         self.members = members;
     }
@@ -361,7 +436,10 @@ impl Controller {
             settings: Some(self.plan.bounds.settings()),
             shielded: self.plan.shielded(),
             live_requests: self.plan.requests.len(),
-            governor: self.plan.governor_status(),
+            governor: self.plan.governor_status().map(|mut g| {
+                g.launches_last_window = Some(self.window_launches());
+                g
+            }),
             duty: self
                 .plan
                 .co
@@ -396,7 +474,7 @@ impl Controller {
             last_freeze_ns: s.and_then(|s| s.last_freeze_ns),
             last_thaw_ns: s.and_then(|s| s.last_thaw_ns),
             error: s.and_then(|s| s.error.clone()),
-            launches: None,
+            launches: self.launches.get(c).map(|l| l.0),
         }
     }
 }
