@@ -27,12 +27,28 @@ impl AgentProcess {
         Self::start_program(&workspace_binary("baton", "baton")?, socket, log)
     }
 
+    /// [`AgentProcess::start`] with more flags of `baton agent` (the controller's bounds).
+    pub fn start_with(socket: &Path, log: &Path, flags: &[&str]) -> anyhow::Result<Self> {
+        Self::start_program_with(&workspace_binary("baton", "baton")?, socket, log, flags)
+    }
+
     /// [`AgentProcess::start`] with the `baton` binary at `baton` (a release build, for benchmarks).
     pub fn start_program(baton: &Path, socket: &Path, log: &Path) -> anyhow::Result<Self> {
+        Self::start_program_with(baton, socket, log, &[])
+    }
+
+    /// [`AgentProcess::start_program`] with more flags.
+    pub fn start_program_with(
+        baton: &Path,
+        socket: &Path,
+        log: &Path,
+        flags: &[&str],
+    ) -> anyhow::Result<Self> {
         let log_file = std::fs::File::create(log)?;
         let child = Command::new(baton)
             .args(["agent", "--socket"])
             .arg(socket)
+            .args(flags)
             .stdin(Stdio::null())
             .stdout(log_file.try_clone()?)
             .stderr(log_file)

@@ -404,7 +404,10 @@ impl Container {
         let _op = self.init_op.lock().await;
         let op = if pause { Op::Pause } else { Op::Resume };
         let next = self.procs.lock().await.init.check(op)?;
-        let res = if pause {
+        // A container the controller holds is frozen already: the user's Pause only takes it over.
+        let res = if pause && self.is_held() {
+            Ok(())
+        } else if pause {
             self.runc.pause(&self.id).await
         } else {
             self.runc.resume(&self.id).await

@@ -118,6 +118,8 @@ struct Stats {
     last_freeze_ns: Option<u64>,
     last_thaw_ns: Option<u64>,
     error: Option<String>,
+    /// Why the shim left it frozen after the last thaw (`user-paused`, `parked`).
+    note: Option<String>,
 }
 
 struct Controller {
@@ -255,7 +257,7 @@ impl Controller {
             };
             if self.applied.get(&c).copied().flatten() == Some(want) {
                 if let Some(tx) = waiter {
-                    let _ = tx.send(self.unchanged_reply(&c, want, reason));
+                    let _ = tx.send(self.unchanged_reply(&c, reason));
                 }
                 continue;
             }
@@ -314,16 +316,21 @@ impl Controller {
         Some(l)
     }
 
-    fn unchanged_reply(&self, c: &ContainerRef, frozen: bool, reason: Option<&str>) -> Reply {
+    /// The answer to a freeze or thaw that changes nothing: what the shim last confirmed.
+    fn unchanged_reply(&self, c: &ContainerRef, reason: Option<&str>) -> Reply {
+        let stats = self.stats.get(c);
+        let note = match reason {
+            Some("manual") | None => stats
+                .and_then(|s| s.note.clone())
+                .unwrap_or_else(|| "nothing to change".to_owned()),
+            Some(r) => format!("the controller keeps it frozen ({r})"),
+        };
         Reply::Freezer(baton_agent_api::FreezerReply {
             container: c.clone(),
-            frozen,
+            frozen: stats.is_some_and(|s| s.frozen_since.is_some()),
             latency_ns: 0,
             t_confirmed_ns: now_monotonic_ns(),
-            note: Some(match reason {
-                Some("manual") | None => "nothing to change".to_owned(),
-                Some(r) => format!("the controller keeps it frozen ({r})"),
-            }),
+            note: Some(note),
         })
     }
 
@@ -334,6 +341,7 @@ impl Controller {
         match r.result {
             Ok(f) => {
                 stats.error = None;
+                stats.note = f.note.clone();
                 let t = f.t_confirmed_ns;
                 match (f.frozen, stats.frozen_since) {
                     (true, None) => {

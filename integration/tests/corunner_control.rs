@@ -1,0 +1,463 @@
+//! The co-runner controller end to end: a latency-critical container and co-runners (`baton.io/role`)
+//! under real containerd, runc, the Baton shim and a `baton agent` started with the bounds each test needs.
+//! What is frozen is read from the kernel (the container's freezer cgroup, the task state in /proc), never
+//! from the agent's own word: `baton freeze`/`thaw`, the prefill shield, the user's Pause winning, and each
+//! fail-safe (silent input, an agent that hangs, an agent that dies, the anti-starvation bound).
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers fail the test by panicking"
+)]
+use std::{
+    path::PathBuf,
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use baton_integration::{
+    agent::{AgentConn, AgentProcess, wait_until},
+    env::TestEnv,
+    skip,
+    trace_env::{missing_trace_prerequisite, workspace_binary},
+};
+use serde_json::{Value, json};
+
+/// Long enough for a loaded CI machine.
+const WITHIN: Duration = Duration::from_secs(20);
+const SPIN: &[&str] = &["/bin/sh", "-c", "while :; do :; done"];
+
+struct Rig {
+    env: TestEnv,
+    agent: Option<AgentProcess>,
+}
+
+impl Rig {
+    /// containerd with the Baton shim and an agent run with `flags`; `None` after reporting a skip.
+    fn start(name: &str, flags: &[&str]) -> Option<Self> {
+        if let Some(reason) = missing_trace_prerequisite() {
+            skip::missing(&reason);
+            return None;
+        }
+        let env = TestEnv::start(name)?;
+        if !env.is_baton() {
+            skip::not_applicable("the co-runner controller is Baton's");
+            return None;
+        }
+        let socket = env.containerd().agent_socket();
+        std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+        let log = env.scratch().join("agent.log");
+        let agent = AgentProcess::start_with(&socket, &log, flags).unwrap();
+        Some(Self {
+            env,
+            agent: Some(agent),
+        })
+    }
+
+    /// Runs a spinning container with `annotations`; its init pid once the agent watches it.
+    fn spinner(&self, id: &str, annotations: &[(&str, &str)]) -> u32 {
+        self.env.run_detached(id, annotations, SPIN).unwrap();
+        let mut pid = 0;
+        assert!(
+            wait_until(WITHIN, || {
+                pid = self.status()["containers"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|c| c["id"] == json!(id))
+                    .and_then(|c| c["init_pid"].as_u64())
+                    .unwrap_or(0) as u32;
+                pid != 0
+            }),
+            "the agent watches {id}: {}",
+            self.status()
+        );
+        pid
+    }
+
+    fn conn(&self) -> AgentConn {
+        AgentConn::connect(&self.env.containerd().agent_socket()).unwrap()
+    }
+
+    fn status(&self) -> Value {
+        self.conn().call(json!({"op": "status"})).unwrap()
+    }
+
+    /// The controller's view of co-runner `id` in `status`.
+    fn co_runner(&self, id: &str) -> Value {
+        self.status()["controller"]["co_runners"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["id"] == json!(id))
+            .cloned()
+            .unwrap_or(Value::Null)
+    }
+
+    /// Runs `baton ARGS --socket <the agent's>`: stdout, stderr, success.
+    fn baton(&self, args: &[&str]) -> (String, String, bool) {
+        let out = Command::new(workspace_binary("baton", "baton").unwrap())
+            .args(args)
+            .arg("--socket")
+            .arg(self.env.containerd().agent_socket())
+            .output()
+            .unwrap();
+        (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+            out.status.success(),
+        )
+    }
+}
+
+/// The freezer cgroup of `pid` (v1 `freezer.state`, or v2 `cgroup.freeze`'s directory).
+fn freezer_file(pid: u32) -> PathBuf {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next(), parts.next(), parts.next());
+        if controllers.is_some_and(|c| c.split(',').any(|c| c == "freezer")) {
+            return PathBuf::from(format!(
+                "/sys/fs/cgroup/freezer{}/freezer.state",
+                path.unwrap()
+            ));
+        }
+    }
+    let v2 = text.lines().find_map(|l| l.strip_prefix("0::")).unwrap();
+    PathBuf::from(format!("/sys/fs/cgroup/unified{v2}/cgroup.events"))
+}
+
+/// Whether the kernel reports `pid`'s cgroup frozen.
+fn frozen(pid: u32) -> bool {
+    let file = freezer_file(pid);
+    let text = std::fs::read_to_string(&file).unwrap_or_default();
+    if file.ends_with("freezer.state") {
+        text.trim() == "FROZEN"
+    } else {
+        text.lines().any(|l| l == "frozen 1")
+    }
+}
+
+fn wait_frozen(pid: u32, want: bool, what: &str) {
+    assert!(
+        wait_until(WITHIN, || frozen(pid) == want),
+        "{what}: the kernel reports pid {pid} {} ({})",
+        if want { "not frozen" } else { "still frozen" },
+        freezer_file(pid).display()
+    );
+}
+
+fn event(conn: &mut AgentConn, op: &str, id: &str) -> Value {
+    conn.call(json!({"op": op, "id": id}))
+        .unwrap_or_else(|e| panic!("{op} {id}: {e:#}"))
+}
+
+#[test]
+fn freeze_and_thaw_are_confirmed_and_a_latency_critical_container_is_never_frozen() {
+    let Some(rig) = Rig::start("ctl-freeze", &[]) else {
+        return;
+    };
+    let server = rig.spinner("srv", &[("baton.io/role", "latency-critical")]);
+    let co = rig.spinner(
+        "trainer",
+        &[
+            ("baton.io/role", "co-runner"),
+            ("baton.io/yields-to", "srv"),
+        ],
+    );
+    let (out, err, ok) = rig.baton(&["freeze", "trainer"]);
+    assert!(ok, "baton freeze: {err}");
+    assert!(
+        out.contains("frozen, freeze confirmed in") && out.contains(" us"),
+        "{out}"
+    );
+    assert!(
+        frozen(co),
+        "the kernel says frozen when baton freeze returns"
+    );
+    let (out, err, ok) = rig.baton(&["thaw", "trainer"]);
+    assert!(ok, "baton thaw: {err}");
+    assert!(out.contains("running, thaw confirmed in"), "{out}");
+    assert!(!frozen(co));
+
+    let (_, err, ok) = rig.baton(&["freeze", "srv"]);
+    assert!(!ok && err.contains("latency-critical"), "{err}");
+    assert!(!frozen(server));
+    let (_, err, ok) = rig.baton(&["freeze", "nobody"]);
+    assert!(!ok && err.contains("no container nobody"), "{err}");
+
+    // The co-runner got CUDA_LAUNCH_BLOCKING=1, the server did not.
+    let environ = |pid: u32| std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let has = |pid: u32| {
+        environ(pid)
+            .split(|b| *b == 0)
+            .any(|v| v == b"CUDA_LAUNCH_BLOCKING=1")
+    };
+    assert!(has(co) && !has(server));
+    let (out, _, _) = rig.baton(&["status"]);
+    assert!(
+        out.contains("CO-RUNNER") && out.contains("trainer"),
+        "{out}"
+    );
+    assert_eq!(rig.co_runner("trainer")["freezes"], json!(1));
+}
+
+#[test]
+fn the_prefill_shield_freezes_the_co_runners_of_a_server_until_its_first_token() {
+    let Some(rig) = Rig::start("ctl-shield", &[]) else {
+        return;
+    };
+    rig.spinner("srv", &[("baton.io/role", "latency-critical")]);
+    rig.spinner("other", &[("baton.io/role", "latency-critical")]);
+    let co = rig.spinner(
+        "trainer",
+        &[
+            ("baton.io/role", "co-runner"),
+            ("baton.io/yields-to", "srv"),
+        ],
+    );
+    let mut conn = rig.conn();
+    // A request of a server the trainer does not yield to leaves it running.
+    let r = conn
+        .call(json!({"op": "request_start", "id": "o1", "server": "other"}))
+        .unwrap();
+    assert_eq!(r["shielded"], json!(1));
+    assert_eq!(r["frozen"], json!(0), "{r}");
+    event(&mut conn, "first_token", "o1");
+    event(&mut conn, "request_end", "o1");
+    assert!(!frozen(co));
+
+    let r = conn
+        .call(json!({"op": "request_start", "id": "r1", "server": "srv"}))
+        .unwrap();
+    assert_eq!(r["frozen"], json!(1), "{r}");
+    wait_frozen(co, true, "after request_start");
+    assert_eq!(rig.co_runner("trainer")["frozen_for"], json!("shield"));
+    event(&mut conn, "first_token", "r1");
+    wait_frozen(co, false, "after first_token");
+    event(&mut conn, "token", "r1");
+    event(&mut conn, "request_end", "r1");
+    assert!(!frozen(co));
+}
+
+#[test]
+fn a_user_pause_wins_over_the_controller() {
+    let Some(rig) = Rig::start("ctl-user-pause", &[]) else {
+        return;
+    };
+    let co = rig.spinner("trainer", &[("baton.io/role", "co-runner")]);
+    let mut conn = rig.conn();
+    event(&mut conn, "request_start", "r1");
+    wait_frozen(co, true, "shield");
+    rig.env.ctr_ok(&["task", "pause", "trainer"]).unwrap();
+    event(&mut conn, "first_token", "r1");
+    event(&mut conn, "request_end", "r1");
+    // The controller wants it running now; the user's Pause holds. Its thaw reply says why.
+    let r = conn.call(json!({"op": "thaw", "id": "trainer"})).unwrap();
+    assert_eq!(r["frozen"], json!(true), "{r}");
+    assert!(frozen(co));
+    assert_eq!(rig.env.task_status("trainer").as_deref(), Some("PAUSED"));
+    let (out, _, ok) = rig.baton(&["freeze", "trainer"]);
+    assert!(ok && out.contains("user-paused"), "{out}");
+    rig.baton(&["thaw", "trainer"]);
+    assert!(
+        frozen(co),
+        "a thaw of a user-paused container leaves it frozen"
+    );
+    rig.env.ctr_ok(&["task", "resume", "trainer"]).unwrap();
+    wait_frozen(co, false, "after the user's resume");
+    // The controller freezes it again on the next request.
+    event(&mut conn, "request_start", "r2");
+    wait_frozen(co, true, "shield after resume");
+    event(&mut conn, "first_token", "r2");
+    wait_frozen(co, false, "first token after resume");
+}
+
+#[test]
+fn silence_a_hung_agent_and_a_dead_agent_each_thaw_the_co_runner() {
+    let Some(mut rig) = Rig::start(
+        "ctl-failsafe",
+        &[
+            "--input-silence-ms",
+            "400",
+            "--freeze-lease-ms",
+            "600",
+            "--max-frozen-ms",
+            "600000",
+        ],
+    ) else {
+        return;
+    };
+    let co = rig.spinner("trainer", &[("baton.io/role", "co-runner")]);
+    let mut conn = rig.conn();
+
+    // Silent input: the request never gets its first token, nothing else comes.
+    event(&mut conn, "request_start", "lost");
+    wait_frozen(co, true, "shield");
+    let t = Instant::now();
+    wait_frozen(co, false, "silent input");
+    assert!(t.elapsed() < WITHIN);
+    assert_eq!(rig.status()["controller"]["silence_thaws"], json!(1));
+    let err = conn
+        .call(json!({"op": "first_token", "id": "lost"}))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("unknown request id"),
+        "silence dropped it: {err}"
+    );
+
+    // A hung agent (stopped): the shim's lease lapses and it thaws by itself.
+    event(&mut conn, "request_start", "hang");
+    wait_frozen(co, true, "shield before the hang");
+    let agent = rig.agent.as_ref().unwrap().pid();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent as i32),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+    wait_frozen(co, false, "the agent hangs: the lease lapses");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent as i32),
+        nix::sys::signal::Signal::SIGCONT,
+    )
+    .unwrap();
+
+    // A dead agent: its connection to the shim ends and the shim thaws at once.
+    let mut conn = rig.conn();
+    wait_until(WITHIN, || {
+        conn.call(json!({"op": "request_start", "id": "dead"}))
+            .is_ok()
+    });
+    wait_frozen(co, true, "shield before the kill");
+    drop(rig.agent.take());
+    wait_frozen(co, false, "the agent died");
+}
+
+#[test]
+fn anti_starvation_bounds_a_continuous_freeze() {
+    let Some(rig) = Rig::start(
+        "ctl-starve",
+        &["--max-frozen-ms", "300", "--min-run-share", "0.25"],
+    ) else {
+        return;
+    };
+    let co = rig.spinner("trainer", &[("baton.io/role", "co-runner")]);
+    let mut conn = rig.conn();
+    // A request whose first token never comes, while other input keeps the controller from going silent.
+    event(&mut conn, "request_start", "stuck");
+    event(&mut conn, "request_start", "alive");
+    wait_frozen(co, true, "shield");
+    event(&mut conn, "first_token", "alive");
+    let mut thawed_while_stuck = false;
+    let deadline = Instant::now() + WITHIN;
+    while Instant::now() < deadline && !thawed_while_stuck {
+        event(&mut conn, "token", "alive");
+        thawed_while_stuck = !frozen(co);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        thawed_while_stuck,
+        "the bound thawed it while the shield stayed up"
+    );
+    let c = rig.co_runner("trainer");
+    assert!(c["starvation_thaws"].as_u64().unwrap() >= 1, "{c}");
+    // The bound is 300 ms; the longest freeze the shim confirmed stays near it.
+    let longest_ms = c["longest_frozen_ns"].as_u64().unwrap() / 1_000_000;
+    assert!((250..5000).contains(&longest_ms), "{c}");
+    assert_eq!(rig.status()["controller"]["shielded"], json!(1));
+}
+
+#[test]
+fn bad_control_input_gets_a_clear_error_and_the_controller_keeps_running() {
+    let Some(rig) = Rig::start("ctl-bad-input", &[]) else {
+        return;
+    };
+    rig.spinner("srv", &[("baton.io/role", "latency-critical")]);
+    let co = rig.spinner("trainer", &[("baton.io/role", "co-runner")]);
+    let cases: &[(Value, &str)] = &[
+        (
+            json!({"op": "duty", "run_ms": 300, "window_ms": 200}),
+            "longer than window_ms",
+        ),
+        (
+            json!({"op": "duty", "run_ms": 0, "window_ms": 0}),
+            "window_ms must be > 0",
+        ),
+        (
+            json!({"op": "duty", "id": "srv", "run_ms": 1, "window_ms": 2}),
+            "not a co-runner",
+        ),
+        (
+            json!({"op": "governor", "target_stretch": 0.0}),
+            "target_stretch must be a number > 0",
+        ),
+        (
+            json!({"op": "governor", "target_stretch": -1.0}),
+            "target_stretch must be a number > 0",
+        ),
+        (
+            json!({"op": "governor", "target_stretch": 0.2, "window_ms": 0}),
+            "window_ms must be > 0",
+        ),
+        (
+            json!({"op": "first_token", "id": "ghost"}),
+            "unknown request id",
+        ),
+        (
+            json!({"op": "token", "id": "ghost", "t_ns": 1}),
+            "not CLOCK_MONOTONIC",
+        ),
+        (
+            json!({"op": "request_end", "id": "ghost"}),
+            "unknown request id",
+        ),
+        (
+            json!({"op": "request_start", "id": "r", "server": "nope"}),
+            "no latency-critical container",
+        ),
+        (json!({"op": "request_start"}), "not a request"),
+        (json!({"op": "freeze", "id": "srv"}), "latency-critical"),
+        (json!({"op": "thaw", "id": "srv"}), "latency-critical"),
+        (json!({"op": "launch_missiles"}), "not a request"),
+    ];
+    let mut conn = rig.conn();
+    for (request, expected) in cases {
+        let err = conn.call(request.clone()).unwrap_err().to_string();
+        assert!(err.contains(expected), "{request}: {err}");
+    }
+    // A line that is not JSON, on the same connection.
+    {
+        use std::io::{BufRead, Write};
+        let mut raw =
+            std::os::unix::net::UnixStream::connect(rig.env.containerd().agent_socket()).unwrap();
+        raw.write_all(b"{not json\n").unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(&raw).read_line(&mut line).unwrap();
+        assert!(line.contains("not a JSON line"), "{line}");
+    }
+    // Nothing changed, and the controller still answers.
+    let r = event(&mut conn, "request_start", "fine");
+    assert_eq!(r["frozen"], json!(1), "{r}");
+    wait_frozen(co, true, "a good request after the bad ones");
+    event(&mut conn, "first_token", "fine");
+    wait_frozen(co, false, "its first token");
+    let g = conn
+        .call(json!({"op": "governor", "target_stretch": 0.2}))
+        .unwrap();
+    assert_eq!(g["reply"], json!("accepted"));
+
+    // A client that is not root is refused before anything is read.
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(workspace_binary("baton", "baton").unwrap())
+        .args(["freeze", "trainer", "--socket"])
+        .arg(rig.env.containerd().agent_socket())
+        .output()
+        .expect("setpriv (Debian package util-linux)");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a non-root client froze a container");
+    assert!(
+        err.contains("root") || err.contains("ermission denied"),
+        "{err}"
+    );
+    assert!(!frozen(co));
+}
