@@ -27,7 +27,12 @@ pub struct Hold {
     pub conn: u64,
     /// When it lapses unless renewed (`None`: when released or its connection ends).
     pub deadline: Option<Instant>,
+    /// Which hold of the container this is (its lease watcher ends with it).
+    pub generation: u64,
 }
+
+/// Numbers the holds, so that a lease watcher only ever watches its own.
+static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl Container {
     /// Freezes the container for the controller of connection `conn`, or renews its hold; `lease`: lapse
@@ -66,9 +71,14 @@ impl Container {
             return Ok(self.freezer_reply(true, 0, None));
         }
         let latency = self.freeze_cgroup(true).await?;
-        *lock(&self.hold) = Some(Hold { conn, deadline });
+        let generation = GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        *lock(&self.hold) = Some(Hold {
+            conn,
+            deadline,
+            generation,
+        });
         if deadline.is_some() {
-            tokio::spawn(watch_lease(Arc::downgrade(self)));
+            tokio::spawn(watch_lease(Arc::downgrade(self), generation));
         }
         Ok(self.freezer_reply(true, nanos(latency), None))
     }
@@ -112,6 +122,7 @@ impl Container {
         if !self.is_held() {
             return;
         }
+        let _op = self.init_op.lock().await;
         let paused = self.procs.lock().await.init.state == State::Paused;
         let taken = lock(&self.hold).take().is_some();
         if taken && !paused {
@@ -145,14 +156,16 @@ impl Container {
     }
 }
 
-/// Releases the hold of the container behind `weak` when its lease lapses without a renewal.
-async fn watch_lease(weak: Weak<Container>) {
+/// Releases hold `generation` of the container behind `weak` when its lease lapses without a renewal; ends
+/// with that hold.
+async fn watch_lease(weak: Weak<Container>, generation: u64) {
+    let mine = |h: &Option<Hold>| h.filter(|h| h.generation == generation);
     loop {
         let deadline = {
             let Some(c) = weak.upgrade() else { return };
             let Some(Hold {
                 deadline: Some(d), ..
-            }) = *lock(&c.hold)
+            }) = mine(&lock(&c.hold))
             else {
                 return;
             };
@@ -160,7 +173,8 @@ async fn watch_lease(weak: Weak<Container>) {
         };
         tokio::time::sleep_until(deadline).await;
         let Some(c) = weak.upgrade() else { return };
-        let lapsed = lock(&c.hold).is_some_and(|h| h.deadline.is_some_and(|d| d <= Instant::now()));
+        let lapsed =
+            mine(&lock(&c.hold)).is_some_and(|h| h.deadline.is_some_and(|d| d <= Instant::now()));
         if lapsed {
             tracing::warn!(
                 id = %c.id,
