@@ -41,6 +41,25 @@ pub fn workspace_binary(package: &str, name: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
+/// The fake libcuda (`integration/fake-libcuda`, of this binary's profile), built if needed, copied to
+/// `dir/libcuda.so.1` (a file of its own, so that a test's uprobes are on an inode no other test probes).
+pub fn fake_libcuda_in(dir: &Path) -> anyhow::Result<PathBuf> {
+    let release = !cfg!(debug_assertions);
+    let profile = if release { "release" } else { "debug" };
+    let built = target_dir().join(profile).join("libbaton_fake_libcuda.so");
+    if !built.is_file() {
+        build_package("baton-fake-libcuda", release)?;
+    }
+    anyhow::ensure!(
+        built.is_file(),
+        "fake libcuda not found at {}",
+        built.display()
+    );
+    let copy = dir.join("libcuda.so.1");
+    std::fs::copy(&built, &copy)?;
+    Ok(copy)
+}
+
 /// The mock driver, a cgroup folder for the test, and the workloads started in it.
 pub struct TraceEnv {
     driver: Option<MountedDriver>,
@@ -110,6 +129,20 @@ impl TraceEnv {
         vram_mib: u64,
         steps: u64,
     ) -> anyhow::Result<usize> {
+        self.spawn_workload_with(name, vram_mib, steps, &[], &[])
+    }
+
+    /// As [`TraceEnv::spawn_workload`], with `extra` flags for `baton-mock-cuda`, run through `wrapper`
+    /// when it is not empty (a command that ends by exec'ing the workload command line appended to it, e.g.
+    /// `unshare -m ... sh -c '...; exec "$@"' sh`).
+    pub fn spawn_workload_with(
+        &mut self,
+        name: &str,
+        vram_mib: u64,
+        steps: u64,
+        extra: &[String],
+        wrapper: &[String],
+    ) -> anyhow::Result<usize> {
         self.make_cgroup(name)?;
         let bin = workspace_binary("baton-mock-nvidia", "baton-mock-cuda")?;
         let options = WorkloadOptions {
@@ -119,14 +152,23 @@ impl TraceEnv {
             driver_version: self.driver_version.clone(),
             ..WorkloadOptions::new(self.dev_dir())
         };
-        let args: Vec<String> = process::args(&options, true)
+        let mut args: Vec<String> = process::args(&options, true)
             .iter()
             .map(|a| a.to_string_lossy().into_owned())
+            .chain(extra.iter().cloned())
             .collect();
         let cg = self
             .cgroup_root
             .join(self.cgroup_rel(name).trim_start_matches('/'));
-        let mut cmd = cgroups::command_in(&cg, &bin, &args);
+        let program = match wrapper.split_first() {
+            Some((first, rest)) => {
+                args.insert(0, bin.display().to_string());
+                args.splice(0..0, rest.iter().cloned());
+                PathBuf::from(first)
+            }
+            None => bin.clone(),
+        };
+        let mut cmd = cgroups::command_in(&cg, &program, &args);
         let proc = WorkloadProcess::start_command(&mut cmd, &bin)?;
         self.workloads.push(Workload { proc: Some(proc) });
         Ok(self.workloads.len() - 1)

@@ -145,7 +145,8 @@ impl GpuAgent {
     }
 }
 
-/// What to register for `c`, or `None` when it is not to be watched (ebpf off, no NVIDIA devices, no pid).
+/// What to register for `c`, or `None` when it is not to be watched (ebpf off, neither NVIDIA devices nor
+/// a `baton.io/role`, no pid).
 fn registration_of(c: &GpuContainer<'_>) -> Option<Registration> {
     if c.init_pid == 0 {
         return None;
@@ -156,7 +157,8 @@ fn registration_of(c: &GpuContainer<'_>) -> Option<Registration> {
     }
     let dir = baton_agent_api::device_dir(&c.settings.trace_prefix);
     let devices = nvidia_devices(c.init_pid, dir);
-    if devices.is_empty() {
+    let role = c.settings.role_spec();
+    if devices.is_empty() && role.is_none() {
         tracing::debug!(id = c.id, "gpu: no NVIDIA device files in the container");
         return None;
     }
@@ -180,7 +182,7 @@ fn registration_of(c: &GpuContainer<'_>) -> Option<Registration> {
         },
         control_socket: c.control_socket.map(|p| p.display().to_string()),
         preemption: c.preemption.cloned(),
-        role: None,
+        role,
     })
 }
 

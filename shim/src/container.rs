@@ -7,6 +7,7 @@
 //! serialises the operations that change the init's state through runc (start, pause, resume,
 //! update, delete). Starting processes lives in `container/start.rs`.
 
+mod hold;
 mod start;
 
 use std::{
@@ -116,6 +117,13 @@ pub struct Container {
     pub preempt_op: Mutex<()>,
     /// Parked, or being preempted or resumed (persisted in the bundle, see `preempt/state.rs`).
     pub preemption: std::sync::Mutex<Option<baton_agent_api::PreemptState>>,
+    /// Frozen for the agent's co-runner controller (see `container/hold.rs`).
+    hold: std::sync::Mutex<Option<hold::Hold>>,
+}
+
+/// SIGKILL or SIGTERM: what a frozen container must be thawed for (the v1 freezer holds them, runc#2105).
+fn is_fatal(signal: u32) -> bool {
+    signal == libc::SIGKILL as u32 || signal == libc::SIGTERM as u32
 }
 
 /// Reads the last error runc wrote to its JSON log, for error messages.
@@ -244,6 +252,7 @@ impl Container {
                 init_exit_seen: false,
             }),
             init_op: Mutex::new(()),
+            hold: std::sync::Mutex::new(None),
             running_execs: watch::channel(0).0,
             tasks: std::sync::Mutex::new(Vec::new()),
             oom: std::sync::OnceLock::new(),
@@ -327,6 +336,9 @@ impl Container {
         if exec_id.is_empty() {
             self.runc_kill(signal, all).await?;
             self.thaw_if_parked_and_killed(signal).await;
+            if is_fatal(signal) {
+                self.end_hold_for("a kill").await;
+            }
             return Ok(());
         }
         let sig = nix::sys::signal::Signal::try_from(signal as i32)
@@ -364,8 +376,7 @@ impl Container {
     /// so killing it thaws it (the cgroup v1 freezer holds fatal signals, runc#2105). It is no longer
     /// parked: what exits reaches containerd as a TaskExit with its real status.
     async fn thaw_if_parked_and_killed(&self, signal: u32) {
-        let fatal = signal == libc::SIGKILL as u32 || signal == libc::SIGTERM as u32;
-        if !fatal || self.preemption().is_none() {
+        if !is_fatal(signal) || self.preemption().is_none() {
             return;
         }
         if self.procs.lock().await.init.state == State::Paused
@@ -399,11 +410,25 @@ impl Container {
             self.runc.resume(&self.id).await
         };
         res.map_err(|e| ShimError::runtime(if pause { "pause" } else { "resume" }, &self.id, e))?;
+        // The user's Pause or Resume is the latest word: a controller's hold ends with it.
+        self.hold.lock().unwrap_or_else(|p| p.into_inner()).take();
         let mut procs = self.procs.lock().await;
         if procs.init.state != State::Stopped {
             procs.init.state = next;
         }
         Ok(())
+    }
+
+    /// Freezes (true) or thaws (false) the container's cgroup, confirmed; the confirmed latency.
+    async fn freeze_cgroup(&self, freeze: bool) -> Result<Duration> {
+        let t0 = std::time::Instant::now();
+        let res = if freeze {
+            self.runc.pause(&self.id).await
+        } else {
+            self.runc.resume(&self.id).await
+        };
+        res.map_err(|e| ShimError::runtime(if freeze { "freeze" } else { "thaw" }, &self.id, e))?;
+        Ok(t0.elapsed())
     }
 
     /// The CRIU options of a Task Checkpoint request.

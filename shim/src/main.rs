@@ -21,6 +21,7 @@ mod options;
 mod preempt;
 mod process;
 mod reaper;
+mod roles;
 mod runtime;
 mod server;
 mod service;

@@ -16,6 +16,8 @@ use containerd_shim_protos::{
     shim::oci::Options as RuncOptions,
 };
 
+use baton_agent_api::{Role, RoleSpec};
+
 use crate::errors::{Result, ShimError};
 
 /// Prefix of Baton's annotations.
@@ -57,6 +59,17 @@ pub struct BatonSettings {
     /// Start waits until no other container holds the NVIDIA devices this one sees, at most this long
     /// (`wait-gpu-free`, e.g. "20s"; `baton.io/wait-gpu-free` on a pod or container). `None`: no wait.
     pub wait_gpu_free: Option<std::time::Duration>,
+    /// The container's role for the node agent's co-runner controller (`role`: "latency-critical" |
+    /// "co-runner"). A container with a role is registered with the agent even without NVIDIA devices.
+    pub role: Option<Role>,
+    /// A co-runner yields to these containers or pods (`yields-to`, comma-separated; empty: every
+    /// latency-critical container on the node).
+    pub yields_to: Vec<String>,
+    /// Put `CUDA_LAUNCH_BLOCKING=1` in a co-runner's environment, so that at most one of its kernels is in
+    /// flight when it is frozen (`launch-blocking`, default true for a co-runner, ignored otherwise).
+    pub launch_blocking: bool,
+    /// The pod (`pod-namespace/pod-name`) from CRI's sandbox annotations; not a key.
+    pub pod: Option<String>,
 }
 
 impl Default for BatonSettings {
@@ -70,12 +83,16 @@ impl Default for BatonSettings {
             agent_autostart: true,
             cuda_lock_timeout: std::time::Duration::from_secs(10),
             wait_gpu_free: None,
+            role: None,
+            yields_to: Vec::new(),
+            launch_blocking: true,
+            pod: None,
         }
     }
 }
 
 /// The keys Baton knows, in TOML and (prefixed with `baton.io/`) in annotations.
-const BATON_KEYS: [&str; 8] = [
+const BATON_KEYS: [&str; 11] = [
     "ebpf",
     "cuda_checkpoint_path",
     "freezer",
@@ -84,6 +101,9 @@ const BATON_KEYS: [&str; 8] = [
     "agent_autostart",
     "cuda_lock_timeout",
     "wait-gpu-free",
+    "role",
+    "yields-to",
+    "launch-blocking",
 ];
 
 /// The keys only the node's TOML may set: they name programs the shim (root) runs or the agent it
@@ -146,9 +166,46 @@ impl BatonSettings {
                         invalid("a duration such as \"500ms\", \"20s\" or \"2m\"")
                     })?);
             }
+            "role" => {
+                self.role = Some(
+                    Role::parse(value)
+                        .ok_or_else(|| invalid("\"latency-critical\" or \"co-runner\""))?,
+                );
+            }
+            "yields-to" => {
+                self.yields_to = value
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|v| !v.is_empty())
+                    .map(str::to_owned)
+                    .collect();
+            }
+            "launch-blocking" => {
+                self.launch_blocking = match value.trim() {
+                    "true" | "1" | "yes" => true,
+                    "false" | "0" | "no" => false,
+                    _ => return Err(invalid("true or false")),
+                }
+            }
             _ => return Ok(false),
         }
         Ok(true)
+    }
+
+    /// The role the agent registers, if the container has one.
+    pub fn role_spec(&self) -> Option<RoleSpec> {
+        let role = self.role?;
+        let co_runner = role == Role::CoRunner;
+        Some(RoleSpec {
+            role,
+            yields_to: if co_runner {
+                self.yields_to.clone()
+            } else {
+                Vec::new()
+            },
+            pod: self.pod.clone(),
+            launch_blocking: co_runner && self.launch_blocking,
+        })
     }
 
     /// Applies `baton.io/` annotations on top of `self`. `layer` ("pod" or "container") appears
@@ -444,6 +501,7 @@ mod tests {
         assert_eq!(cfg.runc.io_uid, 1000);
         assert!(!cfg.baton.ebpf);
         assert_eq!(cfg.baton.freezer, Freezer::Signal);
+        assert_eq!(cfg.baton.role, None);
         assert_eq!(cfg.baton.trace_prefix, "/dev/fake");
         assert_eq!(cfg.unknown_keys, vec!["Colour".to_string()]);
     }
@@ -498,6 +556,47 @@ mod tests {
         assert!(c.ebpf);
         assert_eq!(c.freezer, Freezer::Signal);
         assert_eq!(unknown, vec!["baton.io/sparkle".to_string()]);
+    }
+
+    #[test]
+    fn role_annotations_make_a_role_spec() {
+        let a: HashMap<String, String> = [
+            ("baton.io/role".to_string(), "co-runner".to_string()),
+            (
+                "baton.io/yields-to".to_string(),
+                "srv, k8s.io/llm ,".to_string(),
+            ),
+        ]
+        .into();
+        let (c, unknown) = BatonSettings::default()
+            .with_annotations(&a, "container")
+            .unwrap();
+        assert!(unknown.is_empty());
+        let spec = c.role_spec().unwrap();
+        assert_eq!(spec.role, Role::CoRunner);
+        assert_eq!(
+            spec.yields_to,
+            vec!["srv".to_string(), "k8s.io/llm".to_string()]
+        );
+        assert!(spec.launch_blocking);
+        let opt_out: HashMap<String, String> =
+            [("baton.io/launch-blocking".to_string(), "false".to_string())].into();
+        let (c, _) = c.with_annotations(&opt_out, "container").unwrap();
+        assert!(!c.role_spec().unwrap().launch_blocking);
+        let server: HashMap<String, String> =
+            [("baton.io/role".to_string(), "latency-critical".to_string())].into();
+        let (s, _) = BatonSettings::default()
+            .with_annotations(&server, "container")
+            .unwrap();
+        let spec = s.role_spec().unwrap();
+        assert!(!spec.launch_blocking && spec.yields_to.is_empty());
+        assert!(BatonSettings::default().role_spec().is_none());
+        let bad: HashMap<String, String> =
+            [("baton.io/role".to_string(), "boss".to_string())].into();
+        let err = BatonSettings::default()
+            .with_annotations(&bad, "pod")
+            .unwrap_err();
+        assert!(err.to_string().contains("latency-critical"), "{err}");
     }
 
     #[test]

@@ -45,7 +45,8 @@ impl State {
         }
     }
 
-    fn name(self) -> &'static str {
+    /// Its name in messages.
+    pub fn name(self) -> &'static str {
         match self {
             State::Created => "created",
             State::Starting => "starting",

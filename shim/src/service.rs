@@ -3,6 +3,7 @@
 //! Exits are handled in `service/exits.rs`, the id table in `service/registry.rs`.
 
 mod exits;
+mod hold_ops;
 mod preempt_ops;
 mod registry;
 
@@ -104,8 +105,9 @@ impl TaskService {
         } else {
             pod.clone().unwrap_or_else(|| node.clone())
         };
-        let (settings, unknown) = base.with_annotations(&annotations, "container")?;
+        let (mut settings, unknown) = base.with_annotations(&annotations, "container")?;
         warn_unknown("container annotation", &unknown);
+        settings.pod = crate::roles::pod_of(&annotations);
         Ok(settings)
     }
 
@@ -114,6 +116,9 @@ impl TaskService {
         let cfg = options::decode_options(req.options.as_ref())?;
         warn_unknown("runtime option", &cfg.unknown_keys);
         let settings = self.settings_for(&cfg.baton, Path::new(&req.bundle))?;
+        if settings.role_spec().is_some_and(|r| r.launch_blocking) {
+            crate::roles::inject_launch_blocking(Path::new(&req.bundle), &req.id)?;
+        }
         let exits = ExitSubscription::new();
         let c =
             Arc::new(Container::create(&req, &self.shared.namespace, cfg.runc, settings).await?);

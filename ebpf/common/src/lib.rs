@@ -43,6 +43,8 @@ pub mod maps {
     /// index 0 -> u32: non-zero while the consumer sleeps with no timer, so the next ioctl record must wake
     /// it (the probe clears it); see the probes' wakeup policy.
     pub const CONSUMER: &str = "CONSUMER";
+    /// cgroup v2 id -> `LaunchCounts`, per CPU: CUDA launches counted by the libcuda uprobes.
+    pub const LAUNCHES: &str = "LAUNCHES";
 }
 
 /// Per-CPU counters kept by the probes.
@@ -278,10 +280,106 @@ pub struct Config {
     pub _pad: u32,
 }
 
+/// The libcuda entry points whose calls the launch uprobes count.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LaunchFn {
+    /// `cuLaunchKernel`.
+    Kernel = 0,
+    /// `cuLaunchKernelEx`.
+    KernelEx = 1,
+    /// `cuGraphLaunch`.
+    Graph = 2,
+}
+
+impl LaunchFn {
+    /// Every counted entry point.
+    pub const ALL: [Self; 3] = [Self::Kernel, Self::KernelEx, Self::Graph];
+
+    /// The symbol in libcuda's dynamic symbol table (and the uprobe program's name is its snake case).
+    pub const fn symbol(self) -> &'static str {
+        match self {
+            Self::Kernel => "cuLaunchKernel",
+            Self::KernelEx => "cuLaunchKernelEx",
+            Self::Graph => "cuGraphLaunch",
+        }
+    }
+
+    /// The name of the uprobe program that counts this entry point (`baton-probes`, `launch.rs`).
+    pub const fn program(self) -> &'static str {
+        match self {
+            Self::Kernel => "cu_launch_kernel",
+            Self::KernelEx => "cu_launch_kernel_ex",
+            Self::Graph => "cu_graph_launch",
+        }
+    }
+}
+
+/// CUDA launches of one container (a `LAUNCHES` value; per CPU in the map, summed by user space): cumulative
+/// since the probe set was loaded, or since the container was watched again after being unwatched.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(serde::Serialize, serde::Deserialize))]
+pub struct LaunchCounts {
+    /// Calls of `cuLaunchKernel`.
+    pub kernel: u64,
+    /// Calls of `cuLaunchKernelEx`.
+    pub kernel_ex: u64,
+    /// Calls of `cuGraphLaunch` (one per graph, whatever its kernels).
+    pub graph: u64,
+}
+
+impl LaunchCounts {
+    /// The counter of `f`.
+    pub fn get_mut(&mut self, f: LaunchFn) -> &mut u64 {
+        match f {
+            LaunchFn::Kernel => &mut self.kernel,
+            LaunchFn::KernelEx => &mut self.kernel_ex,
+            LaunchFn::Graph => &mut self.graph,
+        }
+    }
+
+    /// The count of `f`.
+    pub const fn get(&self, f: LaunchFn) -> u64 {
+        match f {
+            LaunchFn::Kernel => self.kernel,
+            LaunchFn::KernelEx => self.kernel_ex,
+            LaunchFn::Graph => self.graph,
+        }
+    }
+
+    /// Launches of every kind.
+    pub const fn total(&self) -> u64 {
+        self.kernel + self.kernel_ex + self.graph
+    }
+
+    /// The counts of both, added (summing per-CPU values, or per-window deltas).
+    pub const fn plus(&self, other: &Self) -> Self {
+        Self {
+            kernel: self.kernel.wrapping_add(other.kernel),
+            kernel_ex: self.kernel_ex.wrapping_add(other.kernel_ex),
+            graph: self.graph.wrapping_add(other.graph),
+        }
+    }
+
+    /// What was launched since `earlier` (an older reading of the same counters; a counter that restarted
+    /// counts from zero).
+    pub const fn since(&self, earlier: &Self) -> Self {
+        const fn delta(now: u64, then: u64) -> u64 {
+            if now >= then { now - then } else { now }
+        }
+        Self {
+            kernel: delta(self.kernel, earlier.kernel),
+            kernel_ex: delta(self.kernel_ex, earlier.kernel_ex),
+            graph: delta(self.graph, earlier.graph),
+        }
+    }
+}
+
 #[cfg(feature = "user")]
 mod pod {
     //! `aya::Pod` for the types user space reads from or writes to the maps.
-    use super::{Config, FdInfo, FdKey, Prefix};
+    use super::{Config, FdInfo, FdKey, LaunchCounts, Prefix};
     // SAFETY: plain #[repr(C)] integers with explicit padding: every bit pattern is valid.
     unsafe impl aya::Pod for FdKey {}
     // SAFETY: as above.
@@ -290,4 +388,6 @@ mod pod {
     unsafe impl aya::Pod for Prefix {}
     // SAFETY: as above.
     unsafe impl aya::Pod for Config {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for LaunchCounts {}
 }

@@ -1,5 +1,6 @@
 //! Kernel-side probes: syscall tracepoints that follow which fds of a process are NVIDIA device files and
-//! capture the driver calls made through them, for the user-space tracer in `baton-tracer`.
+//! capture the driver calls made through them, and uprobes that count a container's CUDA launches, for the
+//! user-space tracer in `baton-tracer`.
 //!
 //! Design (see docs/design.md): one probe set per node. Each program's fast path is one hash lookup
 //! (`NV_FDS` by tgid+fd, `NV_PROCS` by tgid, or `WATCHED` by cgroup id), so the per-syscall cost does not grow
@@ -23,6 +24,8 @@ mod confirm;
 mod fds;
 #[cfg(target_arch = "bpf")]
 mod ioctl;
+#[cfg(target_arch = "bpf")]
+mod launch;
 #[cfg(target_arch = "bpf")]
 mod lifecycle;
 #[cfg(target_arch = "bpf")]

@@ -5,11 +5,15 @@
 //! keeps, per container (cgroup v2 id), a [`ledger::ContainerLedger`] of live RM objects, GPU memory and UVM
 //! state, and a [`fdtable::FdTable`] of the NVIDIA fds and mappings of every traced process.
 //!
+//! Uprobes on the libcuda files of traced processes count each container's CUDA launches
+//! ([`Tracer::launches`], [`launch`]).
+//!
 //! `baton trace` and `baton agent` use it; [`release`] confirms that the kernel has really released what a
 //! container dropped, which the agent's release signal rests on.
 pub use baton_cgroups as cgroups;
 pub mod event;
 pub mod fdtable;
+pub mod launch;
 pub mod ledger;
 pub mod probes;
 pub mod release;
@@ -17,4 +21,5 @@ pub mod schema;
 pub mod seed;
 mod tracer;
 
+pub use baton_probe_common::{LaunchCounts, LaunchFn};
 pub use tracer::{GpuState, Tracer, TracerConfig, TracerError, now_monotonic_ns};

@@ -1,8 +1,14 @@
-//! Loading the embedded eBPF object, attaching its tracepoints, and the typed handles on its maps.
+//! Loading the embedded eBPF object, attaching its tracepoints (and, per libcuda file, its launch uprobes:
+//! `launch`), and the typed handles on its maps.
 //!
 //! Programs and maps are owned by this process: they are detached and freed when the `Probes` value is dropped
 //! or the process exits, so no cleanup command is needed.
-use std::{fs, path::Path};
+mod launch;
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
 
 use aya::{
     Ebpf, EbpfLoader,
@@ -75,6 +81,16 @@ pub enum ProbeError {
         /// The error.
         detail: String,
     },
+    /// No launch uprobe could be attached to a library.
+    #[error(
+        "attaching the launch uprobes to {library} failed: {detail} (is it libcuda, with cuLaunchKernel in its dynamic symbol table?)"
+    )]
+    Uprobe {
+        /// The library, as opened (through /proc/PID/root).
+        library: PathBuf,
+        /// Why, per entry point.
+        detail: String,
+    },
     /// A map is missing from the object (a build mismatch).
     #[error("map {0} missing from the embedded eBPF object: rebuild baton")]
     MissingMap(&'static str),
@@ -119,6 +135,7 @@ pub struct Probes {
     prefixes: Array<MapData, Prefix>,
     prefix_list: Vec<String>,
     counters: PerCpuArray<MapData, u64>,
+    launches: launch::LaunchMap,
 }
 
 fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> ProbeError {
@@ -159,6 +176,7 @@ impl Probes {
                  confirmed from /proc only"
             );
         }
+        let launches = launch::load(&mut ebpf)?;
         let mut take = |name: &'static str| ebpf.take_map(name).ok_or(ProbeError::MissingMap(name));
         let events = RingBuf::try_from(take(maps::EVENTS)?).map_err(map_err(maps::EVENTS))?;
         let watched = HashMap::try_from(take(maps::WATCHED)?).map_err(map_err(maps::WATCHED))?;
@@ -184,6 +202,7 @@ impl Probes {
                 prefixes,
                 prefix_list: cfg.prefixes.clone(),
                 counters,
+                launches,
             },
             events,
         ))

@@ -183,3 +183,22 @@ impl<'a> TraceEvent<'a> {
         t
     }
 }
+
+/// A container's CUDA launches over one interval, as `baton trace --json` prints them (`"event":
+/// "launches"`): the deltas of [`crate::Tracer::launches`] since the previous object for that container.
+#[derive(Debug, Serialize)]
+pub struct LaunchWindow<'a> {
+    /// CLOCK_MONOTONIC time at the end of the interval, ns.
+    pub ts_ns: u64,
+    /// cgroup v2 id.
+    pub cgroup_id: u64,
+    /// Container name derived from the cgroup path.
+    pub container: &'a str,
+    /// Always `launches`.
+    pub event: &'static str,
+    /// Length of the interval, ns.
+    pub interval_ns: u64,
+    /// Calls of `cuLaunchKernel` (`kernel`), `cuLaunchKernelEx` (`kernel_ex`), `cuGraphLaunch` (`graph`) in it.
+    #[serde(flatten)]
+    pub launches: crate::LaunchCounts,
+}

@@ -217,6 +217,8 @@ impl Container {
         exec_id: &str,
         exits: &ExitSubscription,
     ) -> Result<(u32, Option<Exit>)> {
+        // runc refuses to exec into a frozen cgroup: the controller's hold gives way to the user's exec.
+        self.end_hold_for("an exec").await;
         let (spec, stdio, io, stdin) = self.begin_exec(exec_id).await?;
         let started = self.runc_exec(exec_id, &spec, &stdio, &io, &stdin).await;
         let mut procs = self.procs.lock().await;

@@ -59,7 +59,7 @@ impl TaskService {
         }
     }
 
-    fn target(&self, t: &Target) -> Result<Arc<Container>> {
+    pub(super) fn target(&self, t: &Target) -> Result<Arc<Container>> {
         if let Some(ns) = &t.namespace
             && *ns != self.shared.namespace
         {

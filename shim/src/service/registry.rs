@@ -61,6 +61,17 @@ impl Registry {
         }
     }
 
+    /// Every created container.
+    pub fn all(&self) -> Vec<Arc<Container>> {
+        self.slots()
+            .values()
+            .filter_map(|s| match s {
+                Slot::Ready(c) => Some(c.clone()),
+                Slot::Creating => None,
+            })
+            .collect()
+    }
+
     /// Forgets `id` (after Delete).
     pub fn remove(&self, id: &str) {
         self.slots().remove(id);

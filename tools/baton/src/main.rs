@@ -1,8 +1,10 @@
-//! `baton`: the node agent (`baton agent`) and its clients (`baton status`, `baton events`), strace for the
+//! `baton`: the node agent (`baton agent`) and its clients (`baton status`, `baton events`, `baton freeze`,
+//! `baton preempt`, ...), strace for the
 //! NVIDIA driver per container (`baton trace`), a self-contained demo on the mock driver (`baton demo`), and
 //! the probe benchmarks (`baton bench`).
 mod agent;
 mod bench;
+mod control_cli;
 mod demo;
 mod node;
 mod preempt_cli;
@@ -35,6 +37,15 @@ enum Cmd {
     Resume(preempt_cli::ResumeArgs),
     /// Preempt one container and start (a created task) or resume (a parked one) another.
     Handoff(preempt_cli::HandoffArgs),
+    /// Freeze a container through its shim's cgroup freezer (not a latency-critical one); prints the
+    /// confirmed latency.
+    Freeze(control_cli::FreezeArgs),
+    /// Thaw a container frozen by `baton freeze` (one the controller or the user holds stays frozen).
+    Thaw(control_cli::FreezeArgs),
+    /// Run the co-runners only RUN_MS of every WINDOW_MS.
+    Duty(control_cli::DutyArgs),
+    /// Hold the co-runners' stretch of the server's inter-token gaps at or under a target.
+    Governor(control_cli::GovernorArgs),
     /// Trace calls into the NVIDIA kernel driver, per container, like strace.
     Trace(trace::TraceArgs),
     /// Start the mock NVIDIA driver, run a mock CUDA workload, and trace it live (real devices if present).
@@ -89,6 +100,10 @@ fn main() -> std::process::ExitCode {
             Cmd::Preempt(a) => preempt_cli::preempt(a).await,
             Cmd::Resume(a) => preempt_cli::resume(a).await,
             Cmd::Handoff(a) => preempt_cli::handoff(a).await,
+            Cmd::Freeze(a) => control_cli::freeze(a, true).await,
+            Cmd::Thaw(a) => control_cli::freeze(a, false).await,
+            Cmd::Duty(a) => control_cli::duty(a).await,
+            Cmd::Governor(a) => control_cli::governor(a).await,
             Cmd::Trace(a) => trace::run(a).await,
             Cmd::Demo(a) => demo::run(a).await,
             Cmd::Bench(a) => bench::run(a).await,

@@ -129,6 +129,72 @@ pub fn render_status(s: &NodeStatus, now_ns: u64) -> String {
     for c in &s.containers {
         out.push_str(&render_container(c, now_ns));
     }
+    out.push_str(&render_controller(&s.controller));
+    out
+}
+
+/// The controller's part of `baton status` (nothing when it has no co-runner).
+fn render_controller(c: &baton_agent_api::ControllerStatus) -> String {
+    if c.co_runners.is_empty() {
+        return String::new();
+    }
+    let mut out = format!(
+        "controller: {} live requests ({} shielded), {} silence thaws",
+        c.live_requests, c.shielded, c.silence_thaws
+    );
+    if let Some(g) = &c.governor {
+        out.push_str(&format!(
+            ", governor target {} window {} ms: stretch {}, run share {:.2} ({} running / {} frozen gaps)",
+            g.target_stretch,
+            g.window_ms,
+            g.stretch.map_or_else(|| "not measured yet".to_owned(), |s| format!("{s:.2}")),
+            g.run_share,
+            g.gaps_running,
+            g.gaps_frozen
+        ));
+    }
+    if let Some((run, window)) = c.duty {
+        out.push_str(&format!(", duty {run}/{window} ms"));
+    }
+    out.push('\n');
+    out.push_str(&format!(
+        "{:<16} {:<10} {:<9} {:>7} {:>9} {:>9} {:>8} {:>10}  {}\n",
+        "CO-RUNNER",
+        "NAMESPACE",
+        "STATE",
+        "FREEZES",
+        "RUN-SHARE",
+        "LONGEST",
+        "STARVED",
+        "LAUNCHES",
+        "YIELDS-TO"
+    ));
+    for r in &c.co_runners {
+        let state = match (&r.frozen_for, r.frozen) {
+            (Some(why), _) => why.clone(),
+            (None, true) => "frozen".to_owned(),
+            (None, false) => "running".to_owned(),
+        };
+        out.push_str(&format!(
+            "{:<16} {:<10} {:<9} {:>7} {:>9.3} {:>7.0}ms {:>8} {:>10}  {}{}\n",
+            r.container.id,
+            r.container.namespace,
+            state,
+            r.freezes,
+            r.run_share,
+            r.longest_frozen_ns as f64 / 1e6,
+            r.starvation_thaws,
+            r.launches.map_or_else(|| "-".to_owned(), |l| l.to_string()),
+            if r.yields_to.is_empty() {
+                "*".to_owned()
+            } else {
+                r.yields_to.join(",")
+            },
+            r.error
+                .as_ref()
+                .map_or_else(String::new, |e| format!(" (error: {e})"))
+        ));
+    }
     out
 }
 

@@ -1,9 +1,33 @@
 //! strace-like one-line rendering of trace events.
 use baton_nvidia::fdkind;
 use baton_tracer::{
+    LaunchCounts, LaunchFn,
     event::{Body, Event},
     schema::status_name,
 };
+
+/// A container's launches over an interval: `   3.000120 default/trainer launches/1.00s cuLaunchKernel=1000
+/// cuLaunchKernelEx=200 cuGraphLaunch=30`.
+pub fn launch_line(
+    ts_ns: u64,
+    container: &str,
+    interval_ns: u64,
+    n: &LaunchCounts,
+    t0_ns: u64,
+) -> String {
+    let t = ts_ns.saturating_sub(t0_ns);
+    let counts: Vec<String> = LaunchFn::ALL
+        .iter()
+        .map(|f| format!("{}={}", f.symbol(), n.get(*f)))
+        .collect();
+    format!(
+        "{:>4}.{:06} {container} launches/{:.2}s {}",
+        t / 1_000_000_000,
+        (t / 1000) % 1_000_000,
+        interval_ns as f64 / 1e9,
+        counts.join(" ")
+    )
+}
 
 /// `HH:MM:SS.micro`-style relative time, container, pid/tid, call, decoded fields, result, latency.
 pub fn line(e: &Event, container: &str, t0_ns: u64) -> String {

@@ -1,10 +1,10 @@
 //! `baton trace --summary`: per container, calls and latency per escape, errors, live objects by class and
-//! GPU memory, printed when tracing ends.
+//! GPU memory, and CUDA launches per entry point, printed when tracing ends.
 use std::collections::BTreeMap;
 
 use baton_nvidia::class;
 use baton_tracer::{
-    Tracer,
+    LaunchCounts, LaunchFn, Tracer,
     event::{Body, Event},
     schema::status_name,
 };
@@ -37,6 +37,7 @@ impl Default for Calls {
 pub struct Summary {
     by_container: BTreeMap<u64, BTreeMap<String, Calls>>,
     errors: BTreeMap<u64, BTreeMap<String, u64>>,
+    launches: BTreeMap<u64, LaunchCounts>,
 }
 
 impl Summary {
@@ -66,11 +67,18 @@ impl Summary {
         }
     }
 
+    /// Counts launches of container `cgroup_id` (an interval's deltas).
+    pub fn add_launches(&mut self, cgroup_id: u64, n: &LaunchCounts) {
+        let total = self.launches.entry(cgroup_id).or_default();
+        *total = total.plus(n);
+    }
+
     /// The report, one block per container.
     pub fn render(&self, tracer: &mut Tracer) -> String {
         let mut out = String::new();
         let mut ids: Vec<u64> = self.by_container.keys().copied().collect();
         ids.extend(tracer.ledger().iter().map(|(id, _)| id));
+        ids.extend(self.launches.keys().copied());
         ids.sort_unstable();
         ids.dedup();
         for id in ids {
@@ -124,6 +132,13 @@ impl Summary {
                 "open NVIDIA fds: {}, device mappings: {}\n",
                 state.open_fds, state.mappings
             ));
+            if let Some(n) = self.launches.get(&id) {
+                let per_fn: Vec<String> = LaunchFn::ALL
+                    .iter()
+                    .map(|f| format!("{} {}", f.symbol(), n.get(*f)))
+                    .collect();
+                out.push_str(&format!("launches: {}\n", per_fn.join(", ")));
+            }
         }
         out
     }

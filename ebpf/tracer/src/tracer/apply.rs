@@ -46,6 +46,9 @@ impl Tracer {
                 // exec of this process removed it after the fd number was reused.
                 self.kernel_track(pid, *fd, nv)?;
                 self.fds.add_fd(pid, cg, *fd, nv);
+                if !self.launch_libs.looked_at(pid) {
+                    self.probe_launches_of(pid);
+                }
             }
             Body::Close { fd } => {
                 if self.fds.remove_fd(pid, *fd).is_none() {
@@ -84,6 +87,7 @@ impl Tracer {
                     std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
                         .is_ok_and(|p| seed::classify_path(&p, &prefixes).is_some())
                 };
+                self.launch_libs.forget_pid(pid);
                 let closed = self.fds.exec(pid, &still_open);
                 for fd in closed {
                     self.kernel_forget(pid, fd);
@@ -94,6 +98,7 @@ impl Tracer {
                 self.releases.removed(e.tid, pid, cg, e.ts_ns, true, &[]);
             }
             Body::Exit => {
+                self.launch_libs.forget_pid(pid);
                 if let Some(p) = self.fds.exit(pid) {
                     for fd in p.fds.keys() {
                         self.kernel_forget(pid, *fd);

@@ -12,12 +12,13 @@ use std::{
 
 use aya::maps::{MapData, RingBuf};
 use baton_nvidia::layout::{DriverVersion, Layout};
-use baton_probe_common::{Counter, FdInfo, FdKey};
+use baton_probe_common::{Counter, FdInfo, FdKey, LaunchCounts};
 use tokio::io::unix::AsyncFd;
 
 use crate::{
     cgroups::{self, CgroupError, CgroupIndex},
     fdtable::{FdTable, NvFd},
+    launch::{self, LaunchLibraries, LaunchLibrary},
     ledger::Ledger,
     probes::{ProbeConfig, ProbeError, Probes},
     release::{Confirmation, Releases},
@@ -134,6 +135,8 @@ pub struct Tracer {
     /// Ring-buffer drops already resynced.
     drops_seen: u64,
     resyncs: u64,
+    /// libcuda files the launch uprobes are attached to.
+    launch_libs: LaunchLibraries,
 }
 
 impl Tracer {
@@ -173,6 +176,7 @@ impl Tracer {
             watched: HashSet::new(),
             drops_seen: 0,
             resyncs: 0,
+            launch_libs: LaunchLibraries::default(),
         };
         if t.watch_all {
             for pid in seed::all_pids() {
@@ -231,6 +235,7 @@ impl Tracer {
         let _ = self.probes.watched.remove(&id);
         self.watched.remove(&id);
         self.releases.forget_cgroup(id);
+        self.probes.forget_launches(id);
     }
 
     /// Seeds one process's fds and mappings from /proc into the kernel map and the mirror.
@@ -251,6 +256,7 @@ impl Tracer {
             }
         }
         self.ledger.container_mut(cg).partial = true;
+        self.probe_launches_of(tgid);
         Ok(())
     }
 
@@ -286,6 +292,60 @@ impl Tracer {
             tgid,
             fd: fd as u32,
         });
+    }
+
+    /// Attaches the launch uprobes to every libcuda file process `pid` maps that is not probed yet (resolved
+    /// through its `/proc/PID/root`, once per file); returns how many files it probed now. The tracer calls
+    /// it when a traced process opens an NVIDIA device and when it seeds one from /proc; a caller that knows
+    /// a process of a watched container loaded libcuda later can call it too. A file that cannot be probed
+    /// is logged and not tried again.
+    pub fn probe_launches_of(&mut self, pid: u32) -> usize {
+        let files = launch::libcuda_files(pid);
+        if files.is_empty() {
+            return 0;
+        }
+        self.launch_libs.saw_pid(pid);
+        let mut probed = 0;
+        for (path, file) in files {
+            if self.launch_libs.known(file) {
+                continue;
+            }
+            match self.probes.attach_launch_probes(&path) {
+                Ok(fns) => {
+                    tracing::debug!(pid, library = %path.display(), "launch uprobes attached");
+                    probed += 1;
+                    self.launch_libs.add(LaunchLibrary {
+                        path,
+                        pid,
+                        dev: file.0,
+                        ino: file.1,
+                        probed: fns,
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!("{e}: launches through it are not counted");
+                    self.launch_libs.add_failed(file);
+                }
+            }
+        }
+        probed
+    }
+
+    /// CUDA launches counted for container `cgroup_id` (cumulative: take deltas for a window) by the
+    /// uprobes on the libcuda files of watched containers' processes. Launches made before its libcuda was
+    /// probed (between a process's first NVIDIA open and the tracer handling it) are not counted.
+    pub fn launches(&self, cgroup_id: u64) -> LaunchCounts {
+        self.probes.launch_counts(cgroup_id)
+    }
+
+    /// Every container with counted launches, and its counts.
+    pub fn all_launches(&self) -> Vec<(u64, LaunchCounts)> {
+        self.probes.all_launch_counts()
+    }
+
+    /// The libcuda files the launch uprobes are attached to.
+    pub fn launch_libraries(&self) -> impl Iterator<Item = &LaunchLibrary> {
+        self.launch_libs.iter()
     }
 
     /// The ledgers.

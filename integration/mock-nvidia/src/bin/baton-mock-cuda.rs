@@ -3,7 +3,10 @@
 //! per phase. SIGUSR1 releases everything (prints `released`), SIGUSR2 sets it up again (prints
 //! `reacquired`); SIGTERM/SIGINT (or stdin closing under `--hold`) ends it. Like real CUDA it runs a
 //! restore thread on `/tmp/baton-mock-cuda/<pid>.sock` that `baton-mock-cuda-checkpoint` drives (lock,
-//! checkpoint, restore, unlock). Exits 0 only if every RM status was `NV_OK`.
+//! checkpoint, restore, unlock). Exits 0 only if every RM status was `NV_OK`. With `--libcuda PATH
+//! --launches N,M,K` it `dlopen`s a (fake) libcuda before the setup and, after it, calls cuLaunchKernel N,
+//! cuLaunchKernelEx M and cuGraphLaunch K times (printing `phase launches-done`), for the launch-telemetry
+//! tests; `--launch-when-probed` first waits until the tracer's uprobes sit on the three entry points.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -14,6 +17,7 @@ use anyhow::Context;
 use baton_mock_nvidia::driver::DEFAULT_DRIVER_VERSION;
 use baton_mock_nvidia::workload::control::{self, Action};
 use baton_mock_nvidia::workload::gate::{Event, Gate, Next};
+use baton_mock_nvidia::workload::launch::{CudaLibrary, Launches};
 use baton_mock_nvidia::workload::restore::{ControlSocket, RestoreOptions};
 use baton_mock_nvidia::workload::{Workload, WorkloadOptions, say, weights};
 use clap::Parser;
@@ -60,6 +64,16 @@ struct Args {
     /// weights) in host memory, checkpointed, until cuda-checkpoint restores and unlocks it.
     #[arg(long)]
     restored_checkpointed: bool,
+    /// Load this libcuda (dlopen) before the setup, as a CUDA program does before cuInit.
+    #[arg(long)]
+    libcuda: Option<PathBuf>,
+    /// After the setup, call cuLaunchKernel, cuLaunchKernelEx and cuGraphLaunch of `--libcuda` this many
+    /// times each (KERNEL,KERNEL_EX,GRAPH).
+    #[arg(long, value_parser = Launches::parse, requires = "libcuda")]
+    launches: Option<Launches>,
+    /// Before launching, wait (up to 60 s) until uprobes sit on the three entry points.
+    #[arg(long, requires = "launches")]
+    launch_when_probed: bool,
 }
 
 fn parse_action(name: &str) -> Result<Action, String> {
@@ -72,6 +86,7 @@ type Shared = Arc<Mutex<Workload>>;
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let cuda = args.libcuda.as_deref().map(CudaLibrary::open).transpose()?;
     let gate = Arc::new(Gate::new());
     // Before any other thread starts, so that every thread inherits the blocked signals.
     start_event_threads(args.hold, &gate)?;
@@ -83,7 +98,7 @@ fn main() -> anyhow::Result<()> {
         driver_version: args.driver_version.clone(),
     })?));
     let _socket = start_restore_thread(&gate, &workload, &args);
-    let result = run(&workload, &gate, &args);
+    let result = run(&workload, &gate, &args, cuda.as_ref());
     let mut workload = lock(&workload);
     let teardown = workload.teardown();
     let summary = workload.summary();
@@ -142,7 +157,12 @@ fn lock(workload: &Shared) -> MutexGuard<'_, Workload> {
 }
 
 /// The main thread: set up, step, hold; every CUDA call goes through the gate.
-fn run(workload: &Shared, gate: &Gate, args: &Args) -> anyhow::Result<()> {
+fn run(
+    workload: &Shared,
+    gate: &Gate,
+    args: &Args,
+    cuda: Option<&CudaLibrary>,
+) -> anyhow::Result<()> {
     if args.restored_checkpointed {
         // The restore thread set the state to checkpointed: the first step waits for restore + unlock.
         gate.done();
@@ -152,6 +172,9 @@ fn run(workload: &Shared, gate: &Gate, args: &Args) -> anyhow::Result<()> {
         gate.done();
         setup?;
         say("phase setup-done");
+    }
+    if let (Some(cuda), Some(n)) = (cuda, args.launches) {
+        launch(cuda, n, args.launch_when_probed)?;
     }
     let mut main = MainThread {
         workload,
@@ -185,6 +208,20 @@ fn run(workload: &Shared, gate: &Gate, args: &Args) -> anyhow::Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// The launches of `--launches`, once the uprobes are there if asked.
+fn launch(cuda: &CudaLibrary, n: Launches, when_probed: bool) -> anyhow::Result<()> {
+    if when_probed {
+        cuda.wait_until_probed(Duration::from_secs(60))?;
+        say("phase probed");
+    }
+    cuda.launch(n)?;
+    say(&format!(
+        "phase launches-done kernel={} kernel_ex={} graph={}",
+        n.kernel, n.kernel_ex, n.graph
+    ));
     Ok(())
 }
 

@@ -4,11 +4,13 @@
 //! [`Workload`] is the sequence, [`calls`] the single calls (tests use them for error cases), and
 //! [`Summary`] what it did. [`restore`] is the in-process restore thread that `cuda-checkpoint` (or its
 //! stand-in, `baton-mock-cuda-checkpoint`) drives over the [`control`] protocol; [`gate`] keeps the
-//! training loop out of CUDA calls while the process is locked.
+//! training loop out of CUDA calls while the process is locked. [`launch`] calls kernel launches through a
+//! (fake) libcuda for the launch-telemetry tests.
 
 pub mod calls;
 pub mod control;
 pub mod gate;
+pub mod launch;
 pub mod nvfile;
 pub mod process;
 pub mod restore;

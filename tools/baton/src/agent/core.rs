@@ -17,6 +17,7 @@ use baton_tracer::{
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 use super::{
+    control,
     gate::{self, Waiter},
     trace_session::TraceSession,
     watched::Watched,
@@ -58,6 +59,8 @@ pub enum What {
         /// The answer.
         answer: oneshot::Sender<Result<Resolved, String>>,
     },
+    /// Kernel launches (libcuda uprobes) counted so far per watched container.
+    Launches(oneshot::Sender<Vec<(ContainerRef, u64)>>),
     /// A preemption changed a container's state.
     SetPreemption {
         /// Which container.
@@ -99,11 +102,14 @@ pub struct Core {
     seq: u64,
     traces: BTreeMap<u64, TraceSession>,
     waiters: Vec<Waiter>,
+    controller: control::Handle,
+    members_sent: Vec<control::Member>,
 }
 
 impl Core {
-    /// A core with nothing watched, publishing on `events`.
-    pub fn new(events: broadcast::Sender<Published>) -> Self {
+    /// A core with nothing watched, publishing on `events`; the co-runner controller learns the watched
+    /// containers' roles from it.
+    pub fn new(events: broadcast::Sender<Published>, controller: control::Handle) -> Self {
         Self {
             tracer: None,
             watched: BTreeMap::new(),
@@ -112,6 +118,48 @@ impl Core {
             seq: 0,
             traces: BTreeMap::new(),
             waiters: Vec::new(),
+            controller,
+            members_sent: Vec::new(),
+        }
+    }
+
+    /// The controller's status, with each co-runner's launches counted up to now.
+    fn controller_status(&self) -> baton_agent_api::ControllerStatus {
+        let mut status = self.controller.status();
+        let launches: HashMap<ContainerRef, u64> = self.launches().into_iter().collect();
+        for c in &mut status.co_runners {
+            if let Some(&n) = launches.get(&c.container) {
+                c.launches = Some(n);
+            }
+        }
+        status
+    }
+
+    /// Launches counted per watched container (none without probes).
+    fn launches(&self) -> Vec<(ContainerRef, u64)> {
+        let Some(t) = self.tracer.as_ref() else {
+            return Vec::new();
+        };
+        self.watched
+            .iter()
+            .map(|(c, w)| (c.clone(), t.launches(w.cgroup_id).total()))
+            .collect()
+    }
+
+    /// Tells the controller the watched containers, when they changed.
+    fn publish_members(&mut self) {
+        let members: Vec<control::Member> = self
+            .watched
+            .values()
+            .map(|w| control::Member {
+                container: w.registration.container.clone(),
+                role: w.registration.role.clone(),
+                control_socket: w.registration.control_socket.clone(),
+            })
+            .collect();
+        if members != self.members_sent {
+            self.controller.members(members.clone());
+            self.members_sent = members;
         }
     }
 
@@ -130,6 +178,10 @@ impl Core {
                                 let _ = answer.send(self.resolve(&target));
                                 Reply::Unregistered { found: true }
                             }
+                            What::Launches(answer) => {
+                                let _ = answer.send(self.launches());
+                                Reply::Unregistered { found: true }
+                            }
                             What::SetPreemption { container, state } => {
                                 let found = self.set_preemption(&container, state);
                                 Reply::Unregistered { found }
@@ -142,6 +194,7 @@ impl Core {
                             What::PeerGone(pid) => self.peer_gone(pid),
                         };
                         let _ = c.reply.send(reply);
+                        self.publish_members();
                     }
                     None => return,
                 },
@@ -219,6 +272,7 @@ impl Core {
             // A shim re-registering (after a reconnect) or giving a restored container's new pid.
             w.registration.init_pid = reg.init_pid;
             w.registration.control_socket = reg.control_socket;
+            w.registration.role = reg.role;
             w.owner = owner;
             let tracer = self.tracer.as_ref().ok_or("the probes are not loaded")?;
             return Ok(w.status(tracer));
@@ -593,7 +647,7 @@ impl Core {
             pending_evicted: self.tracer.as_ref().map_or(0, Tracer::pending_evicted),
             confirmed_by_proc: self.tracer.as_ref().map_or(0, Tracer::confirmed_by_proc),
             containers,
-            controller: Default::default(),
+            controller: self.controller_status(),
         }
     }
 

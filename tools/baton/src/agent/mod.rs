@@ -4,6 +4,7 @@
 //!
 //! Started by a DaemonSet, by hand (foreground, for debugging), or by the first shim that finds nothing on
 //! the socket (`--daemon`: detached, one instance guaranteed by the lock next to the socket).
+mod control;
 mod core;
 mod daemon;
 mod gate;
@@ -34,6 +35,41 @@ pub struct AgentArgs {
     /// The log file under --daemon (default: agent.log next to the socket).
     #[arg(long)]
     log_file: Option<PathBuf>,
+    /// Co-runner controller: never keep a co-runner frozen longer than this at a stretch (ms).
+    #[arg(long, default_value_t = 1000)]
+    max_frozen_ms: u64,
+    /// Co-runner controller: the least share of time a co-runner runs, whatever the shield and the
+    /// governor ask (after each --max-frozen-ms, and in each governor window).
+    #[arg(long, default_value_t = 0.05)]
+    min_run_share: f64,
+    /// Co-runner controller: with no request event or token for this long (ms), drop the open requests
+    /// and thaw the co-runners.
+    #[arg(long, default_value_t = 1000)]
+    input_silence_ms: u64,
+    /// Co-runner controller: a shim thaws a co-runner by itself when the agent has not renewed its freeze
+    /// for this long (ms): an agent that hangs leaves nothing frozen for longer.
+    #[arg(long, default_value_t = 2000)]
+    freeze_lease_ms: u64,
+}
+
+impl AgentArgs {
+    /// The controller's bounds, checked.
+    fn bounds(&self) -> anyhow::Result<control::Bounds> {
+        if !(0.0..0.9).contains(&self.min_run_share) {
+            bail!("--min-run-share must be at least 0 and below 0.9");
+        }
+        if self.max_frozen_ms == 0 || self.input_silence_ms == 0 || self.freeze_lease_ms < 30 {
+            bail!(
+                "--max-frozen-ms and --input-silence-ms must be > 0, --freeze-lease-ms at least 30"
+            );
+        }
+        Ok(control::Bounds {
+            max_frozen_ns: self.max_frozen_ms * 1_000_000,
+            min_run_share: self.min_run_share,
+            input_silence_ns: self.input_silence_ms * 1_000_000,
+            lease_ns: self.freeze_lease_ms * 1_000_000,
+        })
+    }
 }
 
 /// Runs the agent until SIGTERM or SIGINT.
@@ -41,6 +77,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     if !nix::unistd::geteuid().is_root() {
         bail!("baton agent needs root: it loads eBPF programs and reads other processes' /proc");
     }
+    let bounds = args.bounds()?;
     let socket = args.socket.unwrap_or_else(baton_agent_api::default_socket);
     let dir = socket
         .parent()
@@ -85,11 +122,12 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
 
     let (events, _) = broadcast::channel(4096);
     let (commands, rx) = mpsc::channel(64);
-    let core = tokio::spawn(self::core::Core::new(events.clone()).run(rx));
+    let controller = control::spawn(bounds, commands.clone());
+    let core = tokio::spawn(self::core::Core::new(events.clone(), controller.clone()).run(rx));
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
     let result = tokio::select! {
-        r = server::serve(listener, commands, events) => r.context("accepting connections"),
+        r = server::serve(listener, commands, events, controller) => r.context("accepting connections"),
         _ = term.recv() => Ok(()),
         _ = int.recv() => Ok(()),
     };

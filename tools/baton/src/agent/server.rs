@@ -12,6 +12,7 @@ use tokio::{
 };
 
 use super::{
+    control,
     core::{Command, Published, What},
     preempt,
     trace_session::LINE_BUFFER,
@@ -22,10 +23,12 @@ pub async fn serve(
     listener: UnixListener,
     commands: mpsc::Sender<Command>,
     events: broadcast::Sender<Published>,
+    controller: control::Handle,
 ) -> std::io::Result<()> {
     loop {
         let (stream, _) = listener.accept().await?;
         let (commands, events) = (commands.clone(), events.clone());
+        let controller = controller.clone();
         tokio::spawn(async move {
             let peer = stream
                 .peer_cred()
@@ -33,7 +36,7 @@ pub async fn serve(
                 .and_then(|c| c.pid())
                 .and_then(|p| u32::try_from(p).ok())
                 .unwrap_or(0);
-            if let Err(e) = connection(stream, commands.clone(), events).await {
+            if let Err(e) = connection(stream, commands.clone(), events, controller).await {
                 tracing::debug!("agent: connection ended: {e}");
             }
             ask(&commands, What::PeerGone(peer), peer).await;
@@ -45,6 +48,7 @@ async fn connection(
     stream: UnixStream,
     commands: mpsc::Sender<Command>,
     events: broadcast::Sender<Published>,
+    controller: control::Handle,
 ) -> std::io::Result<()> {
     let cred = stream.peer_cred()?;
     let peer_pid = cred.pid().and_then(|p| u32::try_from(p).ok()).unwrap_or(0);
@@ -114,6 +118,17 @@ async fn connection(
                     peer: peer_pid,
                 };
                 preempt::forward(&ctx, request, &mut write).await?;
+            }
+            request @ (Request::Freeze(_)
+            | Request::Thaw(_)
+            | Request::Duty(_)
+            | Request::Governor(_)
+            | Request::RequestStart(_)
+            | Request::FirstToken(_)
+            | Request::Token(_)
+            | Request::RequestEnd(_)) => {
+                let reply = controller.ask(request).await;
+                send_reply(&mut write, reply).await?;
             }
             Request::WaitGpuFree(g) => {
                 let reply = ask(&commands, What::Gate(g), peer_pid).await;

@@ -1,5 +1,7 @@
 //! `baton trace`: attaches the probes, follows the selected containers, prints one line (or one JSON
-//! object) per driver call and, on exit, a per-container summary.
+//! object) per driver call and, every `--launch-interval`, per container the CUDA launches counted by the
+//! libcuda uprobes (standalone probe set only), and on exit a per-container summary.
+mod launches;
 mod session;
 mod via_agent;
 
@@ -10,6 +12,7 @@ use baton_nvidia::layout::DriverVersion;
 use baton_tracer::{Tracer, TracerConfig, cgroups, event::Event};
 use clap::Args;
 
+use launches::LaunchMeter;
 pub use session::{Output, Selection};
 
 use crate::summary::Summary;
@@ -54,10 +57,23 @@ pub struct TraceArgs {
     /// Write events here instead of stdout.
     #[arg(long, short = 'o')]
     pub output: Option<PathBuf>,
+    /// Seconds between launch lines (per container, the CUDA launches counted since the previous line; only
+    /// while it launches); 1 by default. Standalone probe set only.
+    #[arg(long, value_parser = parse_interval)]
+    pub launch_interval: Option<f64>,
     /// Load a probe set of its own even when a `baton agent` runs (by default the agent's set traces, so
     /// that the node pays for one; `--driver-version` and `--cgroup-root` imply this).
     #[arg(long)]
     pub standalone: bool,
+}
+
+fn parse_interval(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.001 => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a number of seconds of at least 0.001"
+        )),
+    }
 }
 
 /// Printed on stderr once the probes are attached and the selected cgroups watched (README, `baton trace`):
@@ -161,6 +177,11 @@ pub async fn run_until(
     tokio::pin!(stop, deadline);
     let mut rescan = tokio::time::interval(Duration::from_millis(500));
     let mut reported_drops = 0;
+    let launch_every = Duration::from_secs_f64(args.launch_interval.unwrap_or(1.0).max(0.001));
+    let mut launch_tick =
+        tokio::time::interval_at(tokio::time::Instant::now() + launch_every, launch_every);
+    let mut meter = LaunchMeter::default();
+    let mut last_launch_ns = output.t0;
     loop {
         tokio::select! {
             _ = &mut stop => break,
@@ -169,10 +190,21 @@ pub async fn run_until(
                 sel.refresh(&mut tracer)?;
                 reported_drops = report_drops(&tracer, reported_drops);
             }
+            _ = launch_tick.tick() => {
+                last_launch_ns = launch_lines(&mut meter, &mut output, &mut tracer, &sel, args.all, last_launch_ns)?;
+            }
             batch = tracer.next_events() => output.take(&batch?, &mut tracer, &mut on_event, None)?,
         }
     }
     output.take(&tracer.drain_now()?, &mut tracer, &mut on_event, None)?;
+    launch_lines(
+        &mut meter,
+        &mut output,
+        &mut tracer,
+        &sel,
+        args.all,
+        last_launch_ns,
+    )?;
     report_drops(&tracer, reported_drops);
     if args.summary {
         let report = output.summary.render(&mut tracer);
@@ -180,6 +212,21 @@ pub async fn run_until(
     }
     output.out.flush()?;
     Ok(())
+}
+
+/// Prints the launches since `since_ns` of the traced containers; returns now.
+fn launch_lines<W: Write>(
+    meter: &mut LaunchMeter,
+    output: &mut Output<W>,
+    tracer: &mut Tracer,
+    sel: &Selection,
+    all: bool,
+    since_ns: u64,
+) -> anyhow::Result<u64> {
+    let now = now_monotonic_ns();
+    let deltas = meter.tick(tracer, (!all).then_some(&sel.watched));
+    output.launches(&deltas, tracer, now, now.saturating_sub(since_ns))?;
+    Ok(now)
 }
 
 /// Prints the number of events lost since the last report to stderr; returns the new total.

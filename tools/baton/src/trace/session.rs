@@ -2,7 +2,11 @@
 //! resolve to, and the output (live lines or JSON objects, and the summary).
 use std::{collections::HashSet, io::Write};
 
-use baton_tracer::{Tracer, cgroups, event::Event, schema::TraceEvent};
+use baton_tracer::{
+    LaunchCounts, Tracer, cgroups,
+    event::Event,
+    schema::{LaunchWindow, TraceEvent},
+};
 
 use crate::{render, summary::Summary};
 
@@ -83,6 +87,43 @@ impl<W: Write> Output<W> {
             self.summary.add(e);
             if !self.quiet {
                 emit(&mut self.out, e, tracer, self.json, self.t0)?;
+            }
+        }
+        self.out.flush()?;
+        Ok(())
+    }
+}
+
+impl<W: Write> Output<W> {
+    /// Takes the launches of an interval that ended at `ts_ns`: counted, and printed (one line or JSON object
+    /// per container).
+    pub fn launches(
+        &mut self,
+        deltas: &[(u64, LaunchCounts)],
+        tracer: &mut Tracer,
+        ts_ns: u64,
+        interval_ns: u64,
+    ) -> anyhow::Result<()> {
+        for (id, n) in deltas {
+            self.summary.add_launches(*id, n);
+            if self.quiet {
+                continue;
+            }
+            let name = tracer.container_name(*id);
+            if self.json {
+                let window = LaunchWindow {
+                    ts_ns,
+                    cgroup_id: *id,
+                    container: &name,
+                    event: "launches",
+                    interval_ns,
+                    launches: *n,
+                };
+                serde_json::to_writer(&mut self.out, &window)?;
+                writeln!(self.out)?;
+            } else {
+                let line = render::launch_line(ts_ns, &name, interval_ns, n, self.t0);
+                writeln!(self.out, "{line}")?;
             }
         }
         self.out.flush()?;
