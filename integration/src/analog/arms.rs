@@ -3,6 +3,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
+use nix::sys::signal::Signal;
+use serde_json::{Value, json};
 
 use super::{
     generator::{self, Load, RequestRecord},
@@ -59,6 +61,8 @@ pub struct ArmRun {
     pub figures: Figures,
     /// The co-runner's units per second over the run (`None` alone).
     pub co_runner_rate: Option<f64>,
+    /// The agent's controller at the end of the run (`status`'s `controller`), for the agent's arms.
+    pub controller: Option<Value>,
 }
 
 /// Percentiles of one arm's requests.
@@ -108,10 +112,53 @@ impl Figures {
     }
 }
 
+/// One run of an arm: its measured requests and the co-runner's progress over them.
+#[derive(Clone, Debug, Default)]
+pub struct Sample {
+    /// The requests that arrived after the warm-up.
+    pub records: Vec<RequestRecord>,
+    /// The co-runner's units of work over the measured part (0 without a co-runner).
+    pub units: u64,
+    /// The measured part's length, s.
+    pub secs: f64,
+    /// The agent's controller at its end (`status`'s `controller`), for the agent's arms.
+    pub controller: Option<Value>,
+}
+
+impl ArmRun {
+    /// The figures of `samples` of `arm` together (runs of it alternated with the other arms' in rounds, so
+    /// that a change in the machine's load falls on every arm alike).
+    pub fn of(arm: Arm, samples: &[Sample]) -> Self {
+        let records: Vec<RequestRecord> = samples.iter().flat_map(|s| s.records.clone()).collect();
+        let secs: f64 = samples.iter().map(|s| s.secs).sum();
+        let units: u64 = samples.iter().map(|s| s.units).sum();
+        Self {
+            arm,
+            figures: Figures::of(&records),
+            co_runner_rate: (arm != Arm::Alone && secs > 0.0).then(|| units as f64 / secs),
+            controller: samples.iter().rev().find_map(|s| s.controller.clone()),
+        }
+    }
+}
+
+/// Runs `arm` once at `load` ([`sample_arm`]) and gives its figures.
+pub fn run_arm(rig: &AnalogRig, arm: Arm, load: &Load, warmup: Duration) -> Result<ArmRun> {
+    let run = ArmRun::of(arm, &[sample_arm(rig, arm, load, warmup)?]);
+    if run.figures.requests == 0 {
+        bail!("{}: no request succeeded", arm.name());
+    }
+    Ok(run)
+}
+
 /// Runs `arm` at `load`: the proxy in front of the server, the generator's requests through it for
 /// `warmup` (not measured: the governor learns) plus `load.duration`, the co-runner's progress read over
-/// the measured part. Leaves the co-runner running.
-pub fn run_arm(rig: &AnalogRig, arm: Arm, load: &Load, warmup: Duration) -> Result<ArmRun> {
+/// the measured part. The server alone: the co-runner, if started, is SIGSTOPped meanwhile. Leaves the
+/// co-runner running.
+pub fn sample_arm(rig: &AnalogRig, arm: Arm, load: &Load, warmup: Duration) -> Result<Sample> {
+    let co_runner_up = rig.co_runner_units().is_ok();
+    if arm == Arm::Alone && co_runner_up {
+        rig.signal_co_runner(Signal::SIGSTOP)?;
+    }
     if let Arm::Governor(target) = arm {
         rig.governor_on(target)?;
     }
@@ -120,57 +167,77 @@ pub fn run_arm(rig: &AnalogRig, arm: Arm, load: &Load, warmup: Duration) -> Resu
         duration: warmup + load.duration,
         ..load.clone()
     };
-    let with_co_runner = arm != Arm::Alone;
-    let progress = || rig.co_runner_units().ok().map(|u| (Instant::now(), u));
-    let (records, from, to) = std::thread::scope(|s| {
+    let progress = || {
+        let units = if co_runner_up {
+            rig.co_runner_units().unwrap_or(0)
+        } else {
+            0
+        };
+        (Instant::now(), units)
+    };
+    let (records, (t0, u0), (t1, u1)) = std::thread::scope(|s| {
         let generated = s.spawn(|| generator::run(proxy.socket(), &all));
         // The measured window starts when the warm-up's arrivals end.
         std::thread::sleep(warmup);
-        let from = with_co_runner.then(progress).flatten();
+        let from = progress();
         let records = generated.join();
-        (records, from, with_co_runner.then(progress).flatten())
+        (records, from, progress())
     });
     let Ok(records) = records else {
         bail!("the request generator panicked");
+    };
+    let controller = match arm.uses_agent() {
+        true => Some(rig.agent_call(json!({"op": "status"}))?["controller"].take()),
+        false => None,
     };
     if let Arm::Governor(_) = arm {
         rig.governor_off()?;
     }
     let errors = proxy.errors();
     drop(proxy);
-    if with_co_runner {
+    if co_runner_up {
         rig.wait_co_runner_running()?;
     }
-    let measured: Vec<RequestRecord> = records
+    let records: Vec<RequestRecord> = records
         .into_iter()
         .filter(|r| r.arrival >= warmup)
         .collect();
-    let figures = Figures::of(&measured);
-    if figures.requests == 0 {
+    if records.iter().all(|r| r.error.is_some()) {
         bail!(
             "{}: no request succeeded; the proxy said:\n{errors}",
             arm.name()
         );
     }
-    let co_runner_rate = match (from, to) {
-        (Some((t0, u0)), Some((t1, u1))) => {
-            Some(u1.saturating_sub(u0) as f64 / t1.duration_since(t0).as_secs_f64())
-        }
-        _ => None,
-    };
-    Ok(ArmRun {
-        arm,
-        figures,
-        co_runner_rate,
+    Ok(Sample {
+        records,
+        units: u1.saturating_sub(u0),
+        secs: t1.duration_since(t0).as_secs_f64(),
+        controller,
+    })
+}
+
+/// The co-runner's progress over `window` with no request.
+pub fn solo_sample(rig: &AnalogRig, window: Duration) -> Result<Sample> {
+    let (t0, u0) = (Instant::now(), rig.co_runner_units()?);
+    std::thread::sleep(window);
+    let (t1, u1) = (Instant::now(), rig.co_runner_units()?);
+    Ok(Sample {
+        units: u1.saturating_sub(u0),
+        secs: t1.duration_since(t0).as_secs_f64(),
+        ..Sample::default()
     })
 }
 
 /// The co-runner's units per second over `window` with no request.
 pub fn solo_rate(rig: &AnalogRig, window: Duration) -> Result<f64> {
-    let (t0, u0) = (Instant::now(), rig.co_runner_units()?);
-    std::thread::sleep(window);
-    let (t1, u1) = (Instant::now(), rig.co_runner_units()?);
-    Ok(u1.saturating_sub(u0) as f64 / t1.duration_since(t0).as_secs_f64())
+    rate(&[solo_sample(rig, window)?])
+}
+
+/// Units per second over `samples` together.
+pub fn rate(samples: &[Sample]) -> Result<f64> {
+    let secs: f64 = samples.iter().map(|s| s.secs).sum();
+    anyhow::ensure!(secs > 0.0, "no time measured");
+    Ok(samples.iter().map(|s| s.units).sum::<u64>() as f64 / secs)
 }
 
 fn ms(d: Duration) -> f64 {
@@ -217,4 +284,29 @@ pub fn table(alone: &Figures, runs: &[ArmRun], solo: f64) -> String {
         ));
     }
     out
+}
+
+/// One line on what the controller did in an agent arm: the governor's estimate and share, the co-runner's
+/// freezes.
+pub fn controller_line(run: &ArmRun) -> Option<String> {
+    let c = run.controller.as_ref()?;
+    let co = &c["co_runners"][0];
+    let governor = match &c["governor"] {
+        Value::Null => String::new(),
+        g => format!(
+            "measured stretch {:.2}, run share {:.2} ({} gaps running, {} frozen); ",
+            g["stretch"].as_f64().unwrap_or(f64::NAN),
+            g["run_share"].as_f64().unwrap_or(f64::NAN),
+            g["gaps_running"],
+            g["gaps_frozen"]
+        ),
+    };
+    Some(format!(
+        "{}: {governor}co-runner {} freezes, longest {:.1} ms, last freeze {:.2} ms / thaw {:.2} ms to confirm",
+        run.arm.name(),
+        co["freezes"],
+        co["longest_frozen_ns"].as_f64().unwrap_or(0.0) / 1e6,
+        co["last_freeze_ns"].as_f64().unwrap_or(f64::NAN) / 1e6,
+        co["last_thaw_ns"].as_f64().unwrap_or(f64::NAN) / 1e6,
+    ))
 }

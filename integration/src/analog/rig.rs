@@ -281,10 +281,15 @@ impl AnalogRig {
         Ok(self.env.api()?.state(CO_RUNNER, "")?.1)
     }
 
-    /// Waits until the co-runner makes progress again (nothing left it stopped or frozen).
-    pub fn wait_co_runner_running(&self) -> Result<()> {
+    /// Sends `signal` to the co-runner's process.
+    pub fn signal_co_runner(&self, signal: Signal) -> Result<()> {
         let pid = Pid::from_raw(i32::try_from(self.co_runner_pid()?)?);
-        let _ = kill(pid, Signal::SIGCONT);
+        kill(pid, signal).with_context(|| format!("{signal} to the co-runner ({pid})"))
+    }
+
+    /// Waits until the co-runner makes progress again (SIGCONT first: nothing may leave it stopped).
+    pub fn wait_co_runner_running(&self) -> Result<()> {
+        self.signal_co_runner(Signal::SIGCONT)?;
         let first = self.co_runner_units()?;
         if !wait_until(WITHIN, || self.co_runner_units().is_ok_and(|u| u > first)) {
             bail!("the co-runner made no progress within {WITHIN:?}: is it frozen?");

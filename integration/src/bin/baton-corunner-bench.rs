@@ -15,7 +15,9 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use baton_integration::{
     analog::{
-        arms::{Arm, ArmRun, Figures, run_arm, solo_rate, table},
+        arms::{
+            Arm, ArmRun, Figures, Sample, controller_line, rate, sample_arm, solo_sample, table,
+        },
         generator::Load,
         rig::{AnalogRig, Binaries, Workload, take_contended_cpu},
     },
@@ -28,13 +30,16 @@ use clap::Parser;
 /// The benchmark's flags.
 #[derive(Parser)]
 struct Args {
-    /// Measured seconds per arm and load (after a 3 s warm-up).
-    #[arg(long, default_value_t = 40)]
+    /// Measured seconds per arm, load and round (after a 3 s warm-up).
+    #[arg(long, default_value_t = 10)]
     seconds: u64,
+    /// Rounds: each runs every arm once, in turn, so that a change in the machine's load falls on all.
+    #[arg(long, default_value_t = 4)]
+    rounds: u64,
     /// Loads, as shares of the server's capacity.
     #[arg(long, value_delimiter = ',', default_value = "0.1,0.3")]
     loads: Vec<f64>,
-    /// Seed of the arrivals (each load and arm gets the same arrivals).
+    /// Seed of the arrivals (round R uses SEED+R, the same for every arm).
     #[arg(long, default_value_t = 9)]
     seed: u64,
 }
@@ -45,7 +50,8 @@ const WORKLOAD: Workload = Workload {
     token_ms: 5.0,
 };
 const WARMUP: Duration = Duration::from_secs(3);
-const SOLO: Duration = Duration::from_secs(5);
+/// The co-runner alone (no request), per round.
+const SOLO: Duration = Duration::from_secs(3);
 
 fn main() -> Result<()> {
     let args = Args::parse();
@@ -65,61 +71,68 @@ fn main() -> Result<()> {
     let env = TestEnv::with_shim("corunner-bench", BATON_RUNTIME, Some(&shim))?;
     let rig = AnalogRig::new(env, bins, cpu, WORKLOAD)?;
     rig.start_server()?;
-    let loads: Vec<Load> = args
-        .loads
-        .iter()
-        .map(|share| Load {
-            rate_per_s: WORKLOAD.rate_at(*share),
-            duration: Duration::from_secs(args.seconds),
-            seed: args.seed,
-        })
-        .collect();
-    let alone: Vec<Figures> = loads
-        .iter()
-        .map(|load| run_arm(&rig, Arm::Alone, load, WARMUP).map(|r| r.figures))
-        .collect::<Result<_>>()?;
     rig.start_co_runner()?;
-    let solo_before = solo_rate(&rig, SOLO)?;
-    let controller = rig.controller_available();
-    let mut arms = vec![Arm::Free, Arm::SigstopShield];
-    match &controller {
+    let mut arms = vec![Arm::Alone, Arm::Free, Arm::SigstopShield];
+    match rig.controller_available() {
         Ok(()) => arms.extend([Arm::Shield, Arm::Governor(0.2), Arm::Governor(0.4)]),
         Err(e) => println!("agent arms not run: {e:#}\n"),
     }
-    let mut runs: Vec<Vec<ArmRun>> = Vec::new();
-    for load in &loads {
-        runs.push(
-            arms.iter()
-                .map(|arm| run_arm(&rig, *arm, load, WARMUP))
-                .collect::<Result<_>>()?,
-        );
-    }
-    let solo_after = solo_rate(&rig, SOLO)?;
-    let solo = (solo_before + solo_after) / 2.0;
     println!(
         "co-runner control, CPU analog: server and co-runner pinned to CPU {cpu}; per request {} ms prefill + \
-         {} tokens x {} ms of CPU; {} s per arm after a {} s warm-up, seed {}",
+         {} tokens x {} ms of CPU; per load {} rounds of every arm in turn, {} s each after a {} s warm-up, \
+         seeds {}..; the co-runner's solo rate measured for {} s in each round",
         WORKLOAD.prefill_ms,
         WORKLOAD.tokens,
         WORKLOAD.token_ms,
+        args.rounds,
         args.seconds,
         WARMUP.as_secs(),
-        args.seed
+        args.seed,
+        SOLO.as_secs()
     );
-    println!(
-        "co-runner solo: {solo_before:.0} units/s before the arms, {solo_after:.0} after (shares are of the mean)\n"
-    );
-    for ((share, load), (alone, runs)) in args.loads.iter().zip(&loads).zip(alone.iter().zip(&runs))
-    {
+    let mut lowest: Option<(Figures, Vec<ArmRun>, f64)> = None;
+    for share in &args.loads {
+        let rate_per_s = WORKLOAD.rate_at(*share);
+        let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); arms.len()];
+        let mut solo: Vec<Sample> = Vec::new();
+        for round in 0..args.rounds {
+            solo.push(solo_sample(&rig, SOLO)?);
+            let load = Load {
+                rate_per_s,
+                duration: Duration::from_secs(args.seconds),
+                seed: args.seed + round,
+            };
+            for (arm, s) in arms.iter().zip(&mut samples) {
+                s.push(sample_arm(&rig, *arm, &load, WARMUP)?);
+            }
+        }
+        let mut runs: Vec<ArmRun> = arms
+            .iter()
+            .zip(&samples)
+            .map(|(a, s)| ArmRun::of(*a, s))
+            .collect();
+        let alone = runs.remove(0).figures;
+        let solo_rate = rate(&solo)?;
         println!(
-            "load {:.0}% of capacity ({:.2} requests/s):",
+            "\nload {:.0}% of capacity ({rate_per_s:.2} requests/s); co-runner solo {solo_rate:.0} units/s \
+             (rounds: {}):",
             share * 100.0,
-            load.rate_per_s
+            solo.iter()
+                .map(|s| format!("{:.0}", s.units as f64 / s.secs))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
-        println!("{}", table(alone, runs, solo));
+        println!("{}", table(&alone, &runs, solo_rate));
+        for line in runs.iter().filter_map(controller_line) {
+            println!("{line}");
+        }
+        if lowest.is_none() {
+            lowest = Some((alone, runs, solo_rate));
+        }
     }
-    if let (Some(low), Some(alone)) = (runs.first(), alone.first()) {
-        goal_line(low, alone, solo);
+    if let Some((alone, runs, solo)) = lowest {
+        println!();
+        goal_line(&runs, &alone, solo);
     }
     Ok(())
 }
