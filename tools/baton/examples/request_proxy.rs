@@ -1,5 +1,5 @@
 //! An example request proxy: what a serving front end does to let the Baton agent shield and govern the
-//! co-runners of its server (docs/api.md, "co-runner control").
+//! co-runners of its server (the messages: tools/agent-api/src/control.rs; the socket: docs/api.md).
 //!
 //! It listens on `--listen`; each client connection is one request: a line (the request's id), forwarded to
 //! the server at `--server`, whose reply lines (one per token) are streamed back. Around each request it
@@ -126,7 +126,7 @@ fn read_replies(replies: BufReader<UnixStream>) {
             Ok(reply) if reply.ok => {}
             _ => {
                 refused += 1;
-                if refused <= 3 || refused % 100 == 0 {
+                if refused <= 3 || refused.is_multiple_of(100) {
                     eprintln!(
                         "request_proxy: the agent refused an event ({refused} so far): {line}"
                     );
