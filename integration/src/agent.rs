@@ -266,8 +266,17 @@ pub fn install_workload(rootfs: &Path) -> anyhow::Result<String> {
 /// Copies binary `name` of the mock driver's package and the shared libraries it links into `rootfs`;
 /// returns its path there (`/bin/NAME`).
 pub fn install_mock_binary(rootfs: &Path, name: &str) -> anyhow::Result<String> {
-    let bin = workspace_binary("baton-mock-nvidia", name)?;
-    let ldd = Command::new("ldd").arg(&bin).output()?;
+    install_binary(rootfs, &workspace_binary("baton-mock-nvidia", name)?)
+}
+
+/// Copies binary `bin` and the shared libraries it links into `rootfs`; returns its path there
+/// (`/bin/NAME`).
+pub fn install_binary(rootfs: &Path, bin: &Path) -> anyhow::Result<String> {
+    let name = bin
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| anyhow::anyhow!("{} has no file name", bin.display()))?;
+    let ldd = Command::new("ldd").arg(bin).output()?;
     for lib in String::from_utf8_lossy(&ldd.stdout)
         .split_whitespace()
         .filter(|w| w.starts_with('/'))
@@ -278,7 +287,7 @@ pub fn install_mock_binary(rootfs: &Path, name: &str) -> anyhow::Result<String> 
         }
         copy_replacing(Path::new(lib), &dst)?;
     }
-    copy_replacing(&bin, &rootfs.join("bin").join(name))?;
+    copy_replacing(bin, &rootfs.join("bin").join(name))?;
     Ok(format!("/bin/{name}"))
 }
 
