@@ -5,8 +5,9 @@
 //! Locking: `procs` (the process table) is only ever held for a check or a commit, never across
 //! a runc call, so State, Kill and Wait answer while a slow `runc exec` runs. `init_op`
 //! serialises the operations that change the init's state through runc (start, pause, resume,
-//! update, delete). Starting processes lives in `container/start.rs`.
+//! update, delete). Starting processes lives in `container/start.rs`, pausing in `container/pause.rs`.
 
+mod pause;
 mod start;
 
 use std::{
@@ -116,6 +117,8 @@ pub struct Container {
     pub preempt_op: Mutex<()>,
     /// Parked, or being preempted or resumed (persisted in the bundle, see `preempt/state.rs`).
     pub preemption: std::sync::Mutex<Option<baton_agent_api::PreemptState>>,
+    /// The cgroup freezer of the init (pid, freezer), looked up at the first pause (`container/pause.rs`).
+    freezer: std::sync::Mutex<Option<(u32, Option<Arc<baton_cgroups::freezer::Freezer>>)>>,
 }
 
 /// Reads the last error runc wrote to its JSON log, for error messages.
@@ -250,6 +253,7 @@ impl Container {
             event_gate: Mutex::new(()),
             preempt_op: Mutex::new(()),
             preemption: std::sync::Mutex::new(crate::preempt::state::load(&bundle)),
+            freezer: std::sync::Mutex::new(None),
         };
         if !req.checkpoint.is_empty() {
             init.restore = Some(CriuOpts::for_restore(
@@ -326,7 +330,7 @@ impl Container {
         };
         if exec_id.is_empty() {
             self.runc_kill(signal, all).await?;
-            self.thaw_if_parked_and_killed(signal).await;
+            self.thaw_if_killed(signal).await;
             return Ok(());
         }
         let sig = nix::sys::signal::Signal::try_from(signal as i32)
@@ -360,22 +364,6 @@ impl Container {
             })
     }
 
-    /// A parked container is frozen: a SIGKILL (or SIGTERM) reaches its processes only once it is thawed,
-    /// so killing it thaws it (the cgroup v1 freezer holds fatal signals, runc#2105). It is no longer
-    /// parked: what exits reaches containerd as a TaskExit with its real status.
-    async fn thaw_if_parked_and_killed(&self, signal: u32) {
-        let fatal = signal == libc::SIGKILL as u32 || signal == libc::SIGTERM as u32;
-        if !fatal || self.preemption().is_none() {
-            return;
-        }
-        if self.procs.lock().await.init.state == State::Paused
-            && let Err(e) = self.set_paused(false).await
-        {
-            tracing::warn!(id = %self.id, "thawing the parked container after a kill: {e}");
-        }
-        self.clear_preemption();
-    }
-
     /// After the init of a container without a pid namespace of its own exited: kills every
     /// process left in it, so that its exec processes exit before the init's TaskExit.
     pub async fn kill_all_after_init_exit(&self) {
@@ -386,24 +374,6 @@ impl Container {
             Ok(()) | Err(ShimError::ProcessFinished { .. }) => {}
             Err(e) => tracing::warn!(id = %self.id, error = %e, "kill --all after init exit"),
         }
-    }
-
-    /// Pauses (true) or resumes (false) the container.
-    pub async fn set_paused(&self, pause: bool) -> Result<()> {
-        let _op = self.init_op.lock().await;
-        let op = if pause { Op::Pause } else { Op::Resume };
-        let next = self.procs.lock().await.init.check(op)?;
-        let res = if pause {
-            self.runc.pause(&self.id).await
-        } else {
-            self.runc.resume(&self.id).await
-        };
-        res.map_err(|e| ShimError::runtime(if pause { "pause" } else { "resume" }, &self.id, e))?;
-        let mut procs = self.procs.lock().await;
-        if procs.init.state != State::Stopped {
-            procs.init.state = next;
-        }
-        Ok(())
     }
 
     /// The CRIU options of a Task Checkpoint request.
