@@ -201,6 +201,7 @@ impl TestEnv {
         command: &[&str],
     ) -> Vec<String> {
         let mut args: Vec<String> = vec!["run".into(), "--runtime".into(), self.runtime.clone()];
+        args.extend(self.cgroup_run_flags().iter().map(|flag| flag.to_string()));
         for (key, value) in annotations {
             args.push("--annotation".into());
             args.push(format!("{key}={value}"));
@@ -211,6 +212,15 @@ impl TestEnv {
         args.push(id.to_string());
         args.extend(command.iter().map(|arg| arg.to_string()));
         args
+    }
+
+    /// Flags `ctr run` needs in this cgroup layout: in [`CgroupMode::V2`] no cpu shares (ctr's default of 1024
+    /// becomes `cpu.weight`, and the cpu controller stays bound to v1 on this host).
+    pub fn cgroup_run_flags(&self) -> &'static [&'static str] {
+        match self.containerd.cgroup_mode() {
+            CgroupMode::Host => &[],
+            CgroupMode::V2 => &["--cpu-shares", "0"],
+        }
     }
 
     /// Runs `ctr run` (see [`TestEnv::run_args`]) and returns what it printed.

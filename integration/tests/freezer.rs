@@ -154,10 +154,9 @@ fn pause_resume_kill_exec_delete(mode: CgroupMode, test: &str) {
         env.task_status("spin").as_deref() == Some("STOPPED")
     });
     let delete = env.ctr(&["task", "delete", "spin"]);
-    assert_eq!(
-        delete.code,
-        Some(137),
-        "ctr task delete exits with the task's status: {delete:?}"
+    assert!(
+        delete.success() && delete.stderr.contains("exit code 137"),
+        "ctr task delete reports the task's status (137: SIGKILL): {delete:?}"
     );
     env.ctr_ok(&["container", "delete", "spin"])
         .expect("delete the container");

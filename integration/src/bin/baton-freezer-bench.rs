@@ -301,6 +301,7 @@ fn containers(
         ]
         .map(String::from)
         .to_vec();
+        args.extend(env.cgroup_run_flags().iter().map(|f| f.to_string()));
         args.push(root.display().to_string());
         args.push(id.clone());
         args.push("/baton-freezer-workload".into());
