@@ -44,6 +44,8 @@ const WORKLOADS: [(&str, usize); 5] = [
 struct Sample {
     freeze: Vec<Duration>,
     thaw: Vec<Duration>,
+    /// Freezes that failed (runc gives up with "unable to freeze" on many spinning threads).
+    failed: usize,
 }
 
 impl Sample {
@@ -51,6 +53,7 @@ impl Sample {
         Self {
             freeze: Vec::new(),
             thaw: Vec::new(),
+            failed: 0,
         }
     }
 }
@@ -309,7 +312,16 @@ fn containers(
         env.ctr_ok(&args.iter().map(String::as_str).collect::<Vec<_>>())?;
         let (mut r, mut c) = (Sample::new(), Sample::new());
         for _ in 0..cycles {
-            r.freeze.push(timed(runc("pause", &id))?);
+            match timed(runc("pause", &id)) {
+                Ok(took) => r.freeze.push(took),
+                Err(e) => {
+                    eprintln!("w{i} {wmode}x{threads}: {e:#}");
+                    r.failed += 1;
+                    // runc thawed it again after giving up; a resume of a running container fails.
+                    let _ = timed(runc("resume", &id));
+                    continue;
+                }
+            }
             r.thaw.push(timed(runc("resume", &id))?);
             std::thread::sleep(GAP);
         }
@@ -376,7 +388,7 @@ fn main() -> Result<()> {
             ] {
                 let p50 = percentile(&s.freeze, 0.5);
                 println!(
-                    "{:<3} {:<9} {:<8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>9.2} {:>9.1}",
+                    "{:<3} {:<9} {:<8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>9.2} {:>9.1} {:>6}",
                     version.to_string(),
                     format!("{wmode}x{threads}"),
                     method,
@@ -386,6 +398,7 @@ fn main() -> Result<()> {
                     us(percentile(&s.thaw, 0.99)),
                     us(p50) / us(floor_p50),
                     us(runc_p50) / us(p50),
+                    s.failed,
                 );
             }
         }
