@@ -263,11 +263,11 @@ fn workload_rootfs(dir: &Path) -> Result<PathBuf> {
     Ok(dir.to_path_buf())
 }
 
+/// One workload's container figures: (mode, threads), runc pause/resume, ctr task pause/resume.
+type ContainerRow = ((&'static str, usize), Sample, Sample);
+
 /// runc pause/resume and ctr task pause/resume of a container running each workload.
-fn containers(
-    mode: CgroupMode,
-    cycles: usize,
-) -> Result<Vec<((&'static str, usize), Sample, Sample)>> {
+fn containers(mode: CgroupMode, cycles: usize) -> Result<Vec<ContainerRow>> {
     let name = match mode {
         CgroupMode::Host => "freezer-bench-v1",
         CgroupMode::V2 => "freezer-bench-v2",
