@@ -111,17 +111,41 @@ impl CtrOutput {
     }
 }
 
+/// Which cgroup layout containerd, its shims and runc see.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CgroupMode {
+    /// The host's (hybrid here: runc uses the v1 freezer and controllers).
+    #[default]
+    Host,
+    /// cgroup v2 only: containerd runs in a private mount namespace (`unshare -m --propagation private`) where
+    /// cgroup2 is mounted over /sys/fs/cgroup, so runc (which looks at /sys/fs/cgroup) runs in v2 mode. The v2
+    /// hierarchy is the host's own (seen at /sys/fs/cgroup/unified from outside); only the v1 controllers stay
+    /// out of reach.
+    V2,
+}
+
 /// A containerd instance owned by a test. Dropping it only stops containerd; [`crate::TestEnv`] does the full
 /// cleanup of containers, shims, mounts and cgroups.
 pub struct Containerd {
     dir: PathBuf,
     namespace: String,
     child: Option<Child>,
+    cgroups: CgroupMode,
 }
 
 impl Containerd {
     /// Writes the config into `dir` (which must exist) and starts containerd with `shim_dir` first on its PATH.
     pub fn start(dir: &Path, namespace: &str, shim_dir: &Path) -> Result<Self, Error> {
+        Self::start_in(dir, namespace, shim_dir, CgroupMode::Host)
+    }
+
+    /// [`Containerd::start`] with the cgroup layout `cgroups`.
+    pub fn start_in(
+        dir: &Path,
+        namespace: &str,
+        shim_dir: &Path,
+        cgroups: CgroupMode,
+    ) -> Result<Self, Error> {
         for sub in ["root", "state"] {
             std::fs::create_dir_all(dir.join(sub)).map_err(|source| Error::Io {
                 path: dir.join(sub),
@@ -148,9 +172,15 @@ impl Containerd {
             dir: dir.to_path_buf(),
             namespace: namespace.to_string(),
             child: None,
+            cgroups,
         };
         containerd.spawn()?;
         Ok(containerd)
+    }
+
+    /// The cgroup layout containerd and its shims see.
+    pub fn cgroup_mode(&self) -> CgroupMode {
+        self.cgroups
     }
 
     /// containerd's gRPC socket.
@@ -251,7 +281,18 @@ impl Containerd {
             source,
         })?;
         let path = std::fs::read_to_string(self.dir.join("path")).unwrap_or_default();
-        let child = Command::new(containerd_program())
+        let mut command = match self.cgroups {
+            CgroupMode::Host => Command::new(containerd_program()),
+            CgroupMode::V2 => {
+                // unshare and sh exec in place: the child's pid is containerd's.
+                let mut c = Command::new("unshare");
+                c.args(["-m", "--propagation", "private", "sh", "-c"])
+                    .arg(r#"mount -t cgroup2 none /sys/fs/cgroup && exec "$0" "$@""#)
+                    .arg(containerd_program());
+                c
+            }
+        };
+        let child = command
             .arg("--config")
             .arg(self.dir.join("config.toml"))
             .env("PATH", path)

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
-use crate::containerd::{self, Containerd, CtrOutput};
+use crate::containerd::{self, CgroupMode, Containerd, CtrOutput};
 use crate::procs::{self, Found};
 use crate::shim_binary::{self, BATON_RUNTIME, BATON_SHIM_NAME};
 use crate::{api, cleanup, rootfs, skip};
@@ -64,6 +64,28 @@ impl TestEnv {
         }
     }
 
+    /// [`TestEnv::start`] with containerd, the shims and runc in the cgroup layout `cgroups`
+    /// ([`CgroupMode::V2`]: cgroup v2 only, on this hybrid host).
+    pub fn start_in(test: &str, cgroups: CgroupMode) -> Option<Self> {
+        if let Some(reason) = skip::missing_containerd_prerequisite() {
+            skip::missing(&reason);
+            return None;
+        }
+        let runtime = shim_binary::runtime_under_test();
+        let shim = if runtime == BATON_RUNTIME {
+            match shim_binary::baton_shim_binary() {
+                Ok(shim) => Some(shim),
+                Err(error) => panic!("setting up {test}: {error}"),
+            }
+        } else {
+            None
+        };
+        match Self::with_shim_in(test, &runtime, shim.as_deref(), cgroups) {
+            Ok(env) => Some(env),
+            Err(error) => panic!("setting up {test}: {error}"),
+        }
+    }
+
     /// Sets up for `test` with runtime type `runtime` (Baton's shim is built and put first on containerd's PATH).
     pub fn with_runtime(test: &str, runtime: &str) -> Result<Self, Error> {
         let shim = if runtime == BATON_RUNTIME {
@@ -77,6 +99,16 @@ impl TestEnv {
     /// Sets up for `test` with runtime type `runtime`; `baton_shim` (when given) is linked first on containerd's
     /// PATH as `containerd-shim-baton-v1`.
     pub fn with_shim(test: &str, runtime: &str, baton_shim: Option<&Path>) -> Result<Self, Error> {
+        Self::with_shim_in(test, runtime, baton_shim, CgroupMode::Host)
+    }
+
+    /// [`TestEnv::with_shim`] in the cgroup layout `cgroups`.
+    pub fn with_shim_in(
+        test: &str,
+        runtime: &str,
+        baton_shim: Option<&Path>,
+        cgroups: CgroupMode,
+    ) -> Result<Self, Error> {
         let serial = SERIAL
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -97,7 +129,7 @@ impl TestEnv {
         let rootfs = dir.path().join("rootfs");
         rootfs::make_busybox_rootfs(&rootfs)?;
         let namespace = namespace_for(test);
-        let containerd = Containerd::start(dir.path(), &namespace, &shim_dir)?;
+        let containerd = Containerd::start_in(dir.path(), &namespace, &shim_dir, cgroups)?;
         Ok(Self {
             containerd,
             rootfs,
@@ -169,6 +201,7 @@ impl TestEnv {
         command: &[&str],
     ) -> Vec<String> {
         let mut args: Vec<String> = vec!["run".into(), "--runtime".into(), self.runtime.clone()];
+        args.extend(self.cgroup_run_flags().iter().map(|flag| flag.to_string()));
         for (key, value) in annotations {
             args.push("--annotation".into());
             args.push(format!("{key}={value}"));
@@ -179,6 +212,15 @@ impl TestEnv {
         args.push(id.to_string());
         args.extend(command.iter().map(|arg| arg.to_string()));
         args
+    }
+
+    /// Flags `ctr run` needs in this cgroup layout: in [`CgroupMode::V2`] no cpu shares (ctr's default of 1024
+    /// becomes `cpu.weight`, and the cpu controller stays bound to v1 on this host).
+    pub fn cgroup_run_flags(&self) -> &'static [&'static str] {
+        match self.containerd.cgroup_mode() {
+            CgroupMode::Host => &[],
+            CgroupMode::V2 => &["--cpu-shares", "0"],
+        }
     }
 
     /// Runs `ctr run` (see [`TestEnv::run_args`]) and returns what it printed.

@@ -5,9 +5,10 @@
 //! Locking: `procs` (the process table) is only ever held for a check or a commit, never across
 //! a runc call, so State, Kill and Wait answer while a slow `runc exec` runs. `init_op`
 //! serialises the operations that change the init's state through runc (start, pause, resume,
-//! update, delete). Starting processes lives in `container/start.rs`.
+//! update, delete). Starting processes lives in `container/start.rs`, pausing in `container/pause.rs`.
 
 mod hold;
+mod pause;
 mod start;
 
 use std::{
@@ -119,6 +120,8 @@ pub struct Container {
     pub preemption: std::sync::Mutex<Option<baton_agent_api::PreemptState>>,
     /// Frozen for the agent's co-runner controller (see `container/hold.rs`).
     hold: std::sync::Mutex<Option<hold::Hold>>,
+    /// The cgroup freezer of the init (pid, freezer), looked up at the first pause (`container/pause.rs`).
+    freezer: std::sync::Mutex<Option<(u32, Option<Arc<baton_cgroups::freezer::Freezer>>)>>,
 }
 
 /// SIGKILL or SIGTERM: what a frozen container must be thawed for (the v1 freezer holds them, runc#2105).
@@ -259,6 +262,7 @@ impl Container {
             event_gate: Mutex::new(()),
             preempt_op: Mutex::new(()),
             preemption: std::sync::Mutex::new(crate::preempt::state::load(&bundle)),
+            freezer: std::sync::Mutex::new(None),
         };
         if !req.checkpoint.is_empty() {
             init.restore = Some(CriuOpts::for_restore(
@@ -335,7 +339,7 @@ impl Container {
         };
         if exec_id.is_empty() {
             self.runc_kill(signal, all).await?;
-            self.thaw_if_parked_and_killed(signal).await;
+            self.thaw_if_killed(signal).await;
             if is_fatal(signal) {
                 self.end_hold_for("a kill").await;
             }
@@ -372,21 +376,6 @@ impl Container {
             })
     }
 
-    /// A parked container is frozen: a SIGKILL (or SIGTERM) reaches its processes only once it is thawed,
-    /// so killing it thaws it (the cgroup v1 freezer holds fatal signals, runc#2105). It is no longer
-    /// parked: what exits reaches containerd as a TaskExit with its real status.
-    async fn thaw_if_parked_and_killed(&self, signal: u32) {
-        if !is_fatal(signal) || self.preemption().is_none() {
-            return;
-        }
-        if self.procs.lock().await.init.state == State::Paused
-            && let Err(e) = self.set_paused(false).await
-        {
-            tracing::warn!(id = %self.id, "thawing the parked container after a kill: {e}");
-        }
-        self.clear_preemption();
-    }
-
     /// After the init of a container without a pid namespace of its own exited: kills every
     /// process left in it, so that its exec processes exit before the init's TaskExit.
     pub async fn kill_all_after_init_exit(&self) {
@@ -397,41 +386,6 @@ impl Container {
             Ok(()) | Err(ShimError::ProcessFinished { .. }) => {}
             Err(e) => tracing::warn!(id = %self.id, error = %e, "kill --all after init exit"),
         }
-    }
-
-    /// Pauses (true) or resumes (false) the container.
-    pub async fn set_paused(&self, pause: bool) -> Result<()> {
-        let _op = self.init_op.lock().await;
-        let op = if pause { Op::Pause } else { Op::Resume };
-        let next = self.procs.lock().await.init.check(op)?;
-        // A container the controller holds is frozen already: the user's Pause only takes it over.
-        let res = if pause && self.is_held() {
-            Ok(())
-        } else if pause {
-            self.runc.pause(&self.id).await
-        } else {
-            self.runc.resume(&self.id).await
-        };
-        res.map_err(|e| ShimError::runtime(if pause { "pause" } else { "resume" }, &self.id, e))?;
-        // The user's Pause or Resume is the latest word: a controller's hold ends with it.
-        self.hold.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let mut procs = self.procs.lock().await;
-        if procs.init.state != State::Stopped {
-            procs.init.state = next;
-        }
-        Ok(())
-    }
-
-    /// Freezes (true) or thaws (false) the container's cgroup, confirmed; the confirmed latency.
-    async fn freeze_cgroup(&self, freeze: bool) -> Result<Duration> {
-        let t0 = std::time::Instant::now();
-        let res = if freeze {
-            self.runc.pause(&self.id).await
-        } else {
-            self.runc.resume(&self.id).await
-        };
-        res.map_err(|e| ShimError::runtime(if freeze { "freeze" } else { "thaw" }, &self.id, e))?;
-        Ok(t0.elapsed())
     }
 
     /// The CRIU options of a Task Checkpoint request.

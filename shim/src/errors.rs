@@ -63,6 +63,17 @@ pub enum ShimError {
         /// runc's output or the spawn error.
         message: String,
     },
+    /// The cgroup freezer failed to pause or resume the container.
+    #[error("{action} {id}: {source}")]
+    Freezer {
+        /// "pause" or "resume".
+        action: &'static str,
+        /// Container id.
+        id: String,
+        /// What the freezer said (it names the cgroup).
+        #[source]
+        source: baton_cgroups::freezer::FreezerError,
+    },
     /// A file or socket operation failed.
     #[error("{context}: {source}")]
     Io {
@@ -122,7 +133,9 @@ impl ShimError {
             Self::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
                 Code::NOT_FOUND
             }
-            Self::Runtime { .. } | Self::Io { .. } | Self::Other(_) => Code::UNKNOWN,
+            Self::Runtime { .. } | Self::Freezer { .. } | Self::Io { .. } | Self::Other(_) => {
+                Code::UNKNOWN
+            }
         }
     }
 }

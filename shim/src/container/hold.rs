@@ -116,6 +116,11 @@ impl Container {
         lock(&self.hold).is_some()
     }
 
+    /// The user paused or resumed it: the controller's hold (if any) is over, the cgroup left as it is.
+    pub(super) fn forget_hold(&self) {
+        lock(&self.hold).take();
+    }
+
     /// Before a kill or an exec, and when the user pauses or resumes: the controller's hold ends (the
     /// user's word is the latest; the controller freezes again when it next decides).
     pub(super) async fn end_hold_for(&self, what: &str) {
