@@ -75,7 +75,10 @@ impl Container {
         let op = if pause { Op::Pause } else { Op::Resume };
         let next = self.procs.lock().await.init.check(op)?;
         if !(pause && self.is_held()) {
-            self.freeze_cgroup(pause).await?;
+            let took = self.freeze_cgroup(pause).await?;
+            let action = if pause { "pause" } else { "resume" };
+            let version = self.freezer_version().await;
+            tracing::info!(id = %self.id, %version, ?took, "{action} confirmed by the cgroup freezer");
         }
         self.forget_hold();
         let mut procs = self.procs.lock().await;
@@ -83,6 +86,13 @@ impl Container {
             procs.init.state = next;
         }
         Ok(())
+    }
+
+    /// `v1` or `v2`, or `runc` where runc freezes it.
+    async fn freezer_version(&self) -> String {
+        self.cgroup_freezer()
+            .await
+            .map_or_else(|| "runc".to_owned(), |f| f.version().to_string())
     }
 
     /// Freezes (true) or thaws (false) the container's cgroup without changing its task state: through its
@@ -101,7 +111,7 @@ impl Container {
                     id: self.id.clone(),
                     source,
                 })?;
-                tracing::debug!(id = %self.id, version = %freezer.version(), ?took, "{action} confirmed by the cgroup freezer");
+                tracing::debug!(id = %self.id, version = %freezer.version(), ?took, "{action} confirmed");
                 Ok(took)
             }
             None => {
