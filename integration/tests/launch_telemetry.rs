@@ -9,6 +9,7 @@
 use std::{os::unix::fs::MetadataExt, path::Path, process::Command, time::Duration};
 
 use baton_integration::{
+    agent::AgentProcess,
     skip,
     trace_env::{
         BatonTrace, TraceEnv, collect_until, fake_libcuda_in, missing_trace_prerequisite,
@@ -163,26 +164,45 @@ async fn a_libcuda_only_in_the_containers_mount_namespace_is_probed_through_its_
 #[test]
 fn baton_trace_prints_launches_per_interval_and_in_the_summary() {
     require_trace_env!();
-    let mut env = TraceEnv::start("launch-cli", "595.45.04").unwrap();
+    trace_shows_launches("launch-cli", &["--standalone"], None);
+}
+
+#[test]
+fn baton_trace_through_the_agent_prints_launches_too() {
+    require_trace_env!();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("agent.sock");
+    let _agent = AgentProcess::start(&socket, &dir.path().join("agent.log")).unwrap();
+    trace_shows_launches("launch-agent", &[], Some(&socket));
+    let log = std::fs::read_to_string(dir.path().join("agent.log")).unwrap();
+    assert!(
+        log.contains("agent: trace started"),
+        "the agent served the trace:\n{log}"
+    );
+}
+
+/// `baton trace` with `how` (`--standalone`), or through the agent at `agent`, of a workload that launches
+/// 700/60/9 times: its launch lines add up to that, and the summary has the totals.
+fn trace_shows_launches(name: &str, how: &[&str], agent: Option<&Path>) {
+    let mut env = TraceEnv::start(name, "595.45.04").unwrap();
     let dir = tempfile::tempdir().unwrap();
     let lib = fake_libcuda_in(dir.path()).unwrap();
     env.make_cgroup("job").unwrap();
     let out = tempfile::NamedTempFile::new().unwrap();
     let mut command = Command::new(workspace_binary("baton", "baton").unwrap());
     command
-        .args([
-            "trace",
-            "--standalone",
-            "--summary",
-            "--launch-interval",
-            "0.2",
-        ])
+        .arg("trace")
+        .args(how)
+        .args(["--summary", "--launch-interval", "0.2"])
         .arg("--cgroup")
         .arg(env.cgroup_rel("job"))
         .arg("--prefix")
         .arg(env.prefix())
         .arg("-o")
         .arg(out.path());
+    if let Some(socket) = agent {
+        command.env(baton_agent_api::SOCKET_ENV, socket);
+    }
     let trace = BatonTrace::start(command, WAIT).unwrap();
     let n = counts(700, 60, 9);
     let w = env

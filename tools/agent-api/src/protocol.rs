@@ -91,6 +91,9 @@ pub struct TraceRequest {
     /// A per-container summary at the end.
     #[serde(default)]
     pub summary: bool,
+    /// How often a line gives each traced container's CUDA launches since the last one (default 1000 ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launch_interval_ms: Option<u64>,
 }
 
 /// One line of trace output.

@@ -104,6 +104,8 @@ pub struct Core {
     waiters: Vec<Waiter>,
     controller: control::Handle,
     members_sent: Vec<control::Member>,
+    /// When the trace sessions' next launch lines are due (a deadline that records do not push back).
+    launches_due: Option<tokio::time::Instant>,
 }
 
 impl Core {
@@ -120,6 +122,28 @@ impl Core {
             waiters: Vec::new(),
             controller,
             members_sent: Vec::new(),
+            launches_due: None,
+        }
+    }
+
+    /// The next launch lines of the trace sessions, while there are sessions.
+    fn launch_due(&mut self) -> Option<tokio::time::Instant> {
+        let every = self.traces.values().map(|s| s.launch_every).min()?;
+        Some(
+            *self
+                .launches_due
+                .get_or_insert_with(|| tokio::time::Instant::now() + every),
+        )
+    }
+
+    /// Every trace session's launch lines.
+    fn trace_launches(&mut self) {
+        self.launches_due = None;
+        let Some(t) = self.tracer.as_mut() else {
+            return;
+        };
+        for s in self.traces.values_mut() {
+            s.launches(t);
         }
     }
 
@@ -166,6 +190,7 @@ impl Core {
     /// Serves `commands` until every sender is gone.
     pub async fn run(mut self, mut commands: mpsc::Receiver<Command>) {
         loop {
+            let launches_due = self.launch_due();
             tokio::select! {
                 cmd = commands.recv() => match cmd {
                     Some(c) => {
@@ -205,6 +230,7 @@ impl Core {
                 () = gate_deadline(self.waiters.iter().map(|w| w.deadline).min()) => {
                     self.expire_gates();
                 }
+                () = sleep_until_opt(launches_due) => self.trace_launches(),
                 _ = rescan_tick(self.traces.values().any(TraceSession::has_names)) => {
                     if let Some(t) = self.tracer.as_mut() {
                         for s in self.traces.values_mut() {
@@ -740,6 +766,13 @@ async fn gate_deadline(deadline: Option<tokio::time::Instant>) {
 }
 
 /// Every 500 ms while `active` (a trace names containers, which may start later), else never.
+async fn sleep_until_opt(t: Option<tokio::time::Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}
+
 async fn rescan_tick(active: bool) {
     if active {
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;

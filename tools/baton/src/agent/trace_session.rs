@@ -9,7 +9,7 @@ use tokio::sync::mpsc;
 
 use crate::{
     summary::Summary,
-    trace::{Output, Selection, now_monotonic_ns},
+    trace::{Output, Selection, launches::LaunchMeter, now_monotonic_ns},
 };
 
 /// Lines a slow trace client may fall behind by before lines are dropped (and counted).
@@ -47,6 +47,10 @@ pub struct TraceSession {
     /// `--all`: every process.
     pub all: bool,
     summary: bool,
+    meter: LaunchMeter,
+    /// Between launch lines.
+    pub launch_every: std::time::Duration,
+    last_launch_ns: u64,
 }
 
 impl TraceSession {
@@ -85,7 +89,17 @@ impl TraceSession {
         if req.all {
             tracer.set_watch_all(true).map_err(|e| e.to_string())?;
         }
+        // The agent's counters ran before this session: what they read now is not its launches.
+        let mut meter = LaunchMeter::default();
+        let only = (!req.all).then_some(&selection.watched);
+        meter.tick(tracer, only);
+        let t0 = now_monotonic_ns();
         Ok(Self {
+            meter,
+            launch_every: std::time::Duration::from_millis(
+                req.launch_interval_ms.unwrap_or(1000).max(1),
+            ),
+            last_launch_ns: t0,
             selection,
             output: Output {
                 out: LineSender {
@@ -97,7 +111,7 @@ impl TraceSession {
                 pids: req.pids.iter().copied().collect(),
                 json: req.json,
                 quiet: req.quiet,
-                t0: now_monotonic_ns(),
+                t0,
             },
             all: req.all,
             summary: req.summary,
@@ -129,8 +143,22 @@ impl TraceSession {
         }
     }
 
-    /// Ends it: sends the summary if asked; returns the cgroups it watched.
+    /// Sends a line per traced container with the CUDA launches since the last one.
+    pub fn launches(&mut self, tracer: &mut Tracer) {
+        let now = now_monotonic_ns();
+        let only = (!self.all).then_some(&self.selection.watched);
+        let deltas = self.meter.tick(tracer, only);
+        let interval = now.saturating_sub(self.last_launch_ns);
+        self.last_launch_ns = now;
+        if let Err(e) = self.output.launches(&deltas, tracer, now, interval) {
+            tracing::warn!("agent: trace: {e:#}");
+        }
+    }
+
+    /// Ends it: sends the launches since the last line and the summary if asked; returns the cgroups it
+    /// watched.
     pub fn finish(mut self, tracer: &mut Tracer) -> HashSet<u64> {
+        self.launches(tracer);
         if self.summary {
             let report = self.output.summary.render(tracer);
             let _ = writeln!(self.output.out, "{report}");

@@ -1,7 +1,7 @@
 //! `baton trace`: attaches the probes, follows the selected containers, prints one line (or one JSON
 //! object) per driver call and, every `--launch-interval`, per container the CUDA launches counted by the
 //! libcuda uprobes (standalone probe set only), and on exit a per-container summary.
-mod launches;
+pub mod launches;
 mod session;
 mod via_agent;
 
@@ -58,7 +58,7 @@ pub struct TraceArgs {
     #[arg(long, short = 'o')]
     pub output: Option<PathBuf>,
     /// Seconds between launch lines (per container, the CUDA launches counted since the previous line; only
-    /// while it launches); 1 by default. Standalone probe set only.
+    /// while it launches); 1 by default.
     #[arg(long, value_parser = parse_interval)]
     pub launch_interval: Option<f64>,
     /// Load a probe set of its own even when a `baton agent` runs (by default the agent's set traces, so

@@ -39,6 +39,7 @@ pub async fn run(
         json: args.json,
         quiet: args.quiet,
         summary: args.summary,
+        launch_interval_ms: args.launch_interval.map(|s| (s * 1000.0).max(1.0) as u64),
     };
     let programs = client.trace(request).await.with_context(|| {
         format!(
