@@ -5,7 +5,8 @@
 //! - its connection: when the agent's connection to this shim ends (the agent died or restarted), the holds
 //!   it made are released;
 //! - a kill or an exec releases the hold first (the v1 freezer keeps fatal signals from a frozen task, and
-//!   runc refuses to exec into a frozen container).
+//!   runc refuses to exec into a frozen container), and so does a preemption (cuda-checkpoint needs the
+//!   processes' restore threads), during which no hold is taken.
 use std::{
     sync::{Arc, Weak},
     time::Duration,
@@ -43,6 +44,15 @@ impl Container {
         lease: Option<Duration>,
     ) -> Result<FreezerReply> {
         let _op = self.init_op.lock().await;
+        // cuda-checkpoint needs the processes' restore threads running: no hold while a preemption runs
+        // (a preemption that starts after this ends the hold first).
+        if self.preempt_op.try_lock().is_err() {
+            return Err(ShimError::FailedPrecondition {
+                id: self.id.clone(),
+                action: "freeze",
+                state: "being preempted".to_owned(),
+            });
+        }
         let state = self.procs.lock().await.init.state;
         let deadline = lease.map(|l| Instant::now() + l);
         match state {
@@ -123,7 +133,7 @@ impl Container {
 
     /// Before a kill or an exec, and when the user pauses or resumes: the controller's hold ends (the
     /// user's word is the latest; the controller freezes again when it next decides).
-    pub(super) async fn end_hold_for(&self, what: &str) {
+    pub(crate) async fn end_hold_for(&self, what: &str) {
         if !self.is_held() {
             return;
         }

@@ -110,6 +110,7 @@ impl Container {
     ) -> Result<()> {
         let _op = self.preempt_op.try_lock().map_err(|_| self.busy())?;
         let cuda = self.cuda_checkpoint()?;
+        self.end_hold_for("a checkpoint").await;
         let was_paused = self.procs.lock().await.init.state == State::Paused;
         if was_paused {
             self.set_paused(false).await?;

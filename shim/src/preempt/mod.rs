@@ -177,6 +177,7 @@ impl Container {
     ) -> Result<PreemptState> {
         let _op = self.preempt_op.try_lock().map_err(|_| self.busy())?;
         self.check_preemptible(pids).await?;
+        self.end_hold_for("a preemption").await;
         let cuda = self.cuda_checkpoint()?;
         let since_ns = now_monotonic_ns();
         let mut state = PreemptState {
