@@ -15,8 +15,8 @@
 //! rate limit on cgroup.events notifications holds back, so the re-reads are exercised. Figures only.
 //!
 //! Run as root: `cargo build --release -p baton-integration --bins -p containerd-shim-baton-v1 && \
-//!   BATON_SHIM_BIN=$PWD/target/release/containerd-shim-baton-v1 target/release/baton-freezer-bench [CYCLES [CONTAINER_CYCLES]]`
-//! (defaults 1000 and 50; `tools/dev bench` runs it).
+//!   BATON_SHIM_BIN=$PWD/target/release/containerd-shim-baton-v1 target/release/baton-freezer-bench [CYCLES [CONTAINER_CYCLES [v1|v2]]]`
+//! (defaults 1000, 50 and both versions; `tools/dev bench` runs it).
 use std::{
     fs::{File, OpenOptions},
     os::unix::fs::FileExt,
@@ -350,6 +350,10 @@ fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
     let cycles: usize = args.next().map_or(Ok(1000), |a| a.parse())?;
     let container_cycles: usize = args.next().map_or(Ok(50), |a| a.parse())?;
+    let only = args.next();
+    if only.as_deref().is_some_and(|v| v != "v1" && v != "v2") {
+        bail!("the third argument is v1 or v2 (only that cgroup version); without it, both");
+    }
     println!(
         "baton-freezer-bench: {cycles} cycles per bare-cgroup method, {container_cycles} per container method; {} CPUs",
         std::thread::available_parallelism().map_or(0, |n| n.get())
@@ -370,6 +374,9 @@ fn main() -> Result<()> {
         (CgroupVersion::V1, CgroupMode::Host),
         (CgroupVersion::V2, CgroupMode::V2),
     ] {
+        if only.as_deref().is_some_and(|v| v != version.to_string()) {
+            continue;
+        }
         let ctr_rows = containers(mode, container_cycles)?;
         for ((wmode, threads), runc, ctr) in ctr_rows {
             let bare = Bare::start(version, wmode, threads)?;
