@@ -19,6 +19,7 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use super::{
     control,
     gate::{self, Waiter},
+    sleep_until_opt,
     trace_session::TraceSession,
     watched::Watched,
 };
@@ -227,7 +228,7 @@ impl Core {
                     self.on_batch(batch);
                     self.check_gates();
                 }
-                () = gate_deadline(self.waiters.iter().map(|w| w.deadline).min()) => {
+                () = sleep_until_opt(self.waiters.iter().map(|w| w.deadline).min()) => {
                     self.expire_gates();
                 }
                 () = sleep_until_opt(launches_due) => self.trace_launches(),
@@ -757,22 +758,7 @@ impl Core {
     }
 }
 
-/// Resolves at `deadline`, or never without one.
-async fn gate_deadline(deadline: Option<tokio::time::Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
-    }
-}
-
 /// Every 500 ms while `active` (a trace names containers, which may start later), else never.
-async fn sleep_until_opt(t: Option<tokio::time::Instant>) {
-    match t {
-        Some(t) => tokio::time::sleep_until(t).await,
-        None => std::future::pending().await,
-    }
-}
-
 async fn rescan_tick(active: bool) {
     if active {
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;

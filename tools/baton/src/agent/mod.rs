@@ -136,3 +136,12 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     tracing::info!("agent: stopped");
     result
 }
+
+/// Resolves at `t`, or never without one: a `select!` branch for an optional deadline (the gate's, the
+/// controller's next decision, the next launch lines).
+async fn sleep_until_opt(t: Option<tokio::time::Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}

@@ -18,6 +18,7 @@ use tokio::{
 use super::{
     core::{Command, Published, Resolved, What},
     server::{send_line, send_reply},
+    sleep_until_opt,
 };
 use crate::trace::now_monotonic_ns;
 
@@ -185,14 +186,6 @@ impl ShimCall {
 async fn next_step(call: Option<&mut ShimCall>) -> Option<Step> {
     match call.and_then(|c| c.steps.as_mut()) {
         Some(rx) => rx.recv().await,
-        None => std::future::pending().await,
-    }
-}
-
-/// Waits until `done` or the deadline.
-async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
         None => std::future::pending().await,
     }
 }

@@ -8,6 +8,8 @@ use baton_agent_api::{
 };
 use tokio::sync::{mpsc, oneshot};
 
+use crate::agent::sleep_until_opt;
+
 /// What the controller asks of a link.
 pub struct Want {
     /// Frozen or running.
@@ -60,13 +62,13 @@ impl Link {
     ) {
         let mut frozen = false;
         loop {
-            let renew = frozen.then(|| self.lease / 3);
+            let renew = frozen.then(|| tokio::time::Instant::now() + self.lease / 3);
             let first = tokio::select! {
                 w = wants.recv() => match w {
                     Some(w) => Some(w),
                     None => return,
                 },
-                () = sleep_opt(renew) => None,
+                () = sleep_until_opt(renew) => None,
             };
             let Some(first) = first else {
                 // Renew the lease; a failure is reported like any other.
@@ -138,12 +140,5 @@ impl Link {
             }
         }
         Err("unreachable shim".to_owned())
-    }
-}
-
-async fn sleep_opt(d: Option<Duration>) {
-    match d {
-        Some(d) => tokio::time::sleep(d).await,
-        None => std::future::pending().await,
     }
 }

@@ -27,7 +27,10 @@ use tokio::sync::{mpsc, oneshot};
 
 pub use plan::Bounds;
 
-use super::core::{Command, What};
+use super::{
+    core::{Command, What},
+    sleep_until_opt,
+};
 
 /// A watched container as the controller needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,13 +85,6 @@ impl Handle {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
-    }
-}
-
-async fn sleep_until_opt(t: Option<tokio::time::Instant>) {
-    match t {
-        Some(t) => tokio::time::sleep_until(t).await,
-        None => std::future::pending().await,
     }
 }
 
