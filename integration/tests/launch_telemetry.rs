@@ -9,7 +9,7 @@
 use std::{os::unix::fs::MetadataExt, path::Path, process::Command, time::Duration};
 
 use baton_integration::{
-    agent::AgentProcess,
+    agent::{AgentProcess, wait_until},
     skip,
     trace_env::{
         BatonTrace, TraceEnv, collect_until, fake_libcuda_in, missing_trace_prerequisite,
@@ -37,15 +37,22 @@ fn counts(kernel: u64, kernel_ex: u64, graph: u64) -> LaunchCounts {
     }
 }
 
-/// `baton-mock-cuda` flags: load `lib`, wait for the uprobes, then make `n` launches.
-fn launch_flags(lib: &Path, n: LaunchCounts) -> Vec<String> {
+/// `baton-mock-cuda` flags: load `lib`, wait until `go` exists (the test creates it once the tracer says its
+/// uprobes are attached), then make `n` launches.
+fn launch_flags(lib: &Path, n: LaunchCounts, go: &Path) -> Vec<String> {
     vec![
         "--libcuda".into(),
         lib.display().to_string(),
         "--launches".into(),
         format!("{},{},{}", n.kernel, n.kernel_ex, n.graph),
-        "--launch-when-probed".into(),
+        "--launch-when-exists".into(),
+        go.display().to_string(),
     ]
+}
+
+/// Lets the workloads waiting on `go` launch.
+fn let_launch(go: &Path) {
+    std::fs::write(go, b"go\n").unwrap();
 }
 
 /// The line the workload prints once it made the launches `n`.
@@ -74,17 +81,19 @@ async fn launches_of_a_watched_container_are_counted_exactly_and_an_unwatched_on
     let mut tracer = env.tracer().unwrap();
     tracer.watch_cgroup(watched).unwrap();
 
+    let go = dir.path().join("go");
     let n = counts(1000, 200, 30);
     let w = env
-        .spawn_workload_with("trainer", 64, 1, &launch_flags(&lib, n), &[])
+        .spawn_workload_with("trainer", 64, 1, &launch_flags(&lib, n, &go), &[])
         .unwrap();
     // The workload opens the mock device after loading the library: the tracer probes it then.
     until_probed(&mut tracer).await;
+    let_launch(&go);
     env.workload(w).wait_line(&launches_done(n), WAIT).unwrap();
     // The same file, so the uprobes fire in this process too; its cgroup is not watched.
     let m = counts(50, 40, 3);
     let u = env
-        .spawn_workload_with("other", 64, 1, &launch_flags(&lib, m), &[])
+        .spawn_workload_with("other", 64, 1, &launch_flags(&lib, m, &go), &[])
         .unwrap();
     env.workload(u).wait_line(&launches_done(m), WAIT).unwrap();
 
@@ -133,11 +142,13 @@ async fn a_libcuda_only_in_the_containers_mount_namespace_is_probed_through_its_
     let mut tracer = env.tracer().unwrap();
     tracer.watch_cgroup(cg).unwrap();
 
+    let go = host.path().join("go");
     let n = counts(300, 20, 10);
     let w = env
-        .spawn_workload_with("trainer", 64, 1, &launch_flags(&ns_lib, n), &wrapper)
+        .spawn_workload_with("trainer", 64, 1, &launch_flags(&ns_lib, n, &go), &wrapper)
         .unwrap();
     until_probed(&mut tracer).await;
+    let_launch(&go);
     env.workload(w).wait_line(&launches_done(n), WAIT).unwrap();
 
     assert!(
@@ -204,10 +215,24 @@ fn trace_shows_launches(name: &str, how: &[&str], agent: Option<&Path>) {
         command.env(baton_agent_api::SOCKET_ENV, socket);
     }
     let trace = BatonTrace::start(command, WAIT).unwrap();
+    let go = dir.path().join("go");
     let n = counts(700, 60, 9);
     let w = env
-        .spawn_workload_with("job", 64, 1, &launch_flags(&lib, n), &[])
+        .spawn_workload_with("job", 64, 1, &launch_flags(&lib, n, &go), &[])
         .unwrap();
+    // The trace says when launches through the library are counted; only then may the workload launch.
+    let probes_line = format!(
+        "pid {pid}: +++ launch uprobes on cuLaunchKernel cuLaunchKernelEx cuGraphLaunch of /proc/{pid}/root{} +++",
+        lib.display(),
+        pid = env.workload(w).pid()
+    );
+    assert!(
+        wait_until(WAIT, || std::fs::read_to_string(out.path())
+            .is_ok_and(|t| t.contains(&probes_line))),
+        "the trace never showed the launch uprobes: {probes_line}\n{}",
+        std::fs::read_to_string(out.path()).unwrap_or_default()
+    );
+    let_launch(&go);
     env.workload(w).wait_line(&launches_done(n), WAIT).unwrap();
     env.workload(w).finish().unwrap();
     // Ending the trace prints the launches since the last line, then the summary.
@@ -230,7 +255,13 @@ fn trace_shows_launches(name: &str, how: &[&str], agent: Option<&Path>) {
             *count += value.parse::<u64>().unwrap();
         }
     }
-    assert_eq!(shown, n, "the launch lines add up to the launches:\n{text}");
+    let launch_lines: Vec<&str> = text.lines().filter(|l| l.contains("launch")).collect();
+    assert_eq!(
+        shown,
+        n,
+        "the launch lines add up to the launches:\n{}",
+        launch_lines.join("\n")
+    );
     assert!(
         text.contains("launches: cuLaunchKernel 700, cuLaunchKernelEx 60, cuGraphLaunch 9"),
         "the summary has the totals:\n{text}"

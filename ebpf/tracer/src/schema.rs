@@ -202,3 +202,19 @@ pub struct LaunchWindow<'a> {
     #[serde(flatten)]
     pub launches: crate::LaunchCounts,
 }
+
+/// The launch uprobes were attached to a libcuda file, as `baton trace --json` prints it (`"event":
+/// "launch_probes"`): from then on the launches of every traced process that maps the file are counted.
+#[derive(Debug, Serialize)]
+pub struct LaunchProbes<'a> {
+    /// CLOCK_MONOTONIC time at which the trace saw it, ns.
+    pub ts_ns: u64,
+    /// Always `launch_probes`.
+    pub event: &'static str,
+    /// The process it was found through.
+    pub pid: u32,
+    /// The file, through that process's `/proc/PID/root`.
+    pub path: &'a std::path::Path,
+    /// The entry points probed (`cuLaunchKernel`, `cuLaunchKernelEx`, `cuGraphLaunch`).
+    pub entry_points: Vec<&'static str>,
+}

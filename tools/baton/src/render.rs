@@ -3,6 +3,7 @@ use baton_nvidia::fdkind;
 use baton_tracer::{
     LaunchCounts, LaunchFn,
     event::{Body, Event},
+    launch::LaunchLibrary,
     schema::status_name,
 };
 
@@ -26,6 +27,21 @@ pub fn launch_line(
         (t / 1000) % 1_000_000,
         interval_ns as f64 / 1e9,
         counts.join(" ")
+    )
+}
+
+/// Launch counting began for a libcuda file: `   0.038999 pid 4242: +++ launch uprobes on cuLaunchKernel
+/// cuLaunchKernelEx cuGraphLaunch of /proc/4242/root/usr/lib/libcuda.so.1 +++`.
+pub fn launch_probes_line(ts_ns: u64, lib: &LaunchLibrary, t0_ns: u64) -> String {
+    let t = ts_ns.saturating_sub(t0_ns);
+    let fns: Vec<&str> = lib.probed.iter().map(|f| f.symbol()).collect();
+    format!(
+        "{:>4}.{:06} pid {}: +++ launch uprobes on {} of {} +++",
+        t / 1_000_000_000,
+        (t / 1000) % 1_000_000,
+        lib.pid,
+        fns.join(" "),
+        lib.path.display()
     )
 }
 

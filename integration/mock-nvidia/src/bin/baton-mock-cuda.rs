@@ -6,7 +6,8 @@
 //! checkpoint, restore, unlock). Exits 0 only if every RM status was `NV_OK`. With `--libcuda PATH
 //! --launches N,M,K` it `dlopen`s a (fake) libcuda before the setup and, after it, calls cuLaunchKernel N,
 //! cuLaunchKernelEx M and cuGraphLaunch K times (printing `phase launches-done`), for the launch-telemetry
-//! tests; `--launch-when-probed` first waits until the tracer's uprobes sit on the three entry points.
+//! tests; `--launch-when-exists FILE` first waits until the test creates FILE (once the tracer reported its
+//! uprobes attached).
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -71,9 +72,11 @@ struct Args {
     /// times each (KERNEL,KERNEL_EX,GRAPH).
     #[arg(long, value_parser = Launches::parse, requires = "libcuda")]
     launches: Option<Launches>,
-    /// Before launching, wait (up to 60 s) until uprobes sit on the three entry points.
+    /// Before launching, wait (up to 60 s) until this file exists. A test creates it once the tracer says its
+    /// uprobes are attached: the process cannot tell by itself, as the kernel puts the breakpoints into its
+    /// code when a uprobe is opened, before the program is attached to it.
     #[arg(long, requires = "launches")]
-    launch_when_probed: bool,
+    launch_when_exists: Option<PathBuf>,
 }
 
 fn parse_action(name: &str) -> Result<Action, String> {
@@ -174,7 +177,7 @@ fn run(
         say("phase setup-done");
     }
     if let (Some(cuda), Some(n)) = (cuda, args.launches) {
-        launch(cuda, n, args.launch_when_probed)?;
+        launch(cuda, n, args.launch_when_exists.as_deref())?;
     }
     let mut main = MainThread {
         workload,
@@ -211,17 +214,29 @@ fn run(
     Ok(())
 }
 
-/// The launches of `--launches`, once the uprobes are there if asked.
-fn launch(cuda: &CudaLibrary, n: Launches, when_probed: bool) -> anyhow::Result<()> {
-    if when_probed {
-        cuda.wait_until_probed(Duration::from_secs(60))?;
-        say("phase probed");
+/// The launches of `--launches`, once `go` exists if asked.
+fn launch(cuda: &CudaLibrary, n: Launches, go: Option<&std::path::Path>) -> anyhow::Result<()> {
+    if let Some(go) = go {
+        say("phase waiting-to-launch");
+        wait_for_file(go, Duration::from_secs(60))?;
     }
     cuda.launch(n)?;
     say(&format!(
         "phase launches-done kernel={} kernel_ex={} graph={}",
         n.kernel, n.kernel_ex, n.graph
     ));
+    Ok(())
+}
+
+/// Waits until `path` exists (polled every millisecond), up to `timeout`.
+fn wait_for_file(path: &std::path::Path, timeout: Duration) -> anyhow::Result<()> {
+    let start = std::time::Instant::now();
+    while !path.exists() {
+        if start.elapsed() > timeout {
+            anyhow::bail!("{} did not appear within {timeout:?}", path.display());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
     Ok(())
 }
 

@@ -4,7 +4,6 @@
 use std::{
     ffi::c_void,
     path::{Path, PathBuf},
-    time::{Duration, Instant},
 };
 
 /// How many calls of each entry point to make.
@@ -58,18 +57,6 @@ pub enum LaunchError {
         /// What it returned.
         code: u32,
     },
-    /// The uprobes did not appear on the entry points in time.
-    #[error(
-        "no uprobe appeared on {symbol} within {waited:?}: the tracer has not attached to {path} (is its container watched?)"
-    )]
-    NotProbed {
-        /// The entry point.
-        symbol: &'static str,
-        /// The library.
-        path: PathBuf,
-        /// How long it waited.
-        waited: Duration,
-    },
 }
 
 type LaunchKernel = unsafe extern "C" fn(
@@ -94,7 +81,6 @@ const SYMBOLS: [&str; 3] = ["cuLaunchKernel", "cuLaunchKernelEx", "cuGraphLaunch
 
 /// An opened libcuda and its launch entry points.
 pub struct CudaLibrary {
-    path: PathBuf,
     launch_kernel: LaunchKernel,
     launch_kernel_ex: LaunchKernelEx,
     graph_launch: GraphLaunch,
@@ -124,45 +110,11 @@ impl CudaLibrary {
             )
         };
         Ok(Self {
-            path: path.to_owned(),
             launch_kernel,
             launch_kernel_ex,
             graph_launch,
             _lib: lib,
         })
-    }
-
-    /// Entry addresses of the three entry points.
-    fn entries(&self) -> [*const u8; 3] {
-        [
-            self.launch_kernel as *const u8,
-            self.launch_kernel_ex as *const u8,
-            self.graph_launch as *const u8,
-        ]
-    }
-
-    /// Waits up to `timeout` until a uprobe sits on each entry point: the kernel puts a breakpoint
-    /// instruction (x86's `int3`, 0xCC) on the probed address in every process that maps the file, which
-    /// the process itself reads back. The workload uses it to launch only once the tracer has attached, so
-    /// that a test can ask for exact counts.
-    pub fn wait_until_probed(&self, timeout: Duration) -> Result<(), LaunchError> {
-        const BREAKPOINT: u8 = 0xCC;
-        let start = Instant::now();
-        for (entry, symbol) in self.entries().into_iter().zip(SYMBOLS) {
-            // SAFETY: `entry` is the first byte of a function of the library, mapped readable and executable
-            // while `self` holds it; volatile, because the kernel changes it behind the compiler's back.
-            while unsafe { std::ptr::read_volatile(entry) } != BREAKPOINT {
-                if start.elapsed() > timeout {
-                    return Err(LaunchError::NotProbed {
-                        symbol,
-                        path: self.path.clone(),
-                        waited: timeout,
-                    });
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
-        Ok(())
     }
 
     /// One `cuLaunchKernel` call (a 1x1x1 grid of a null function, as the fake ignores its arguments).

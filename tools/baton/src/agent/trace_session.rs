@@ -112,6 +112,7 @@ impl TraceSession {
                 json: req.json,
                 quiet: req.quiet,
                 t0,
+                probes_shown: HashSet::new(),
             },
             all: req.all,
             summary: req.summary,

@@ -167,6 +167,7 @@ pub async fn run_until(
         json: args.json,
         quiet: args.quiet,
         t0: now_monotonic_ns(),
+        probes_shown: HashSet::new(),
     };
     let deadline = async {
         match args.duration {

@@ -5,9 +5,10 @@ use std::{collections::HashSet, io::Write};
 use baton_tracer::{
     LaunchCounts, Tracer, cgroups,
     event::Event,
-    schema::{LaunchWindow, TraceEvent},
+    schema::{LaunchProbes, LaunchWindow, TraceEvent},
 };
 
+use super::now_monotonic_ns;
 use crate::{render, summary::Summary};
 
 /// What the selection options resolve to.
@@ -67,6 +68,8 @@ pub struct Output<W: Write> {
     pub quiet: bool,
     /// Time origin of the text lines.
     pub t0: u64,
+    /// The libcuda files (device, inode) whose launch uprobes it has shown.
+    pub probes_shown: HashSet<(u64, u64)>,
 }
 
 impl<W: Write> Output<W> {
@@ -89,7 +92,38 @@ impl<W: Write> Output<W> {
                 emit(&mut self.out, e, tracer, self.json, self.t0)?;
             }
         }
+        self.show_new_launch_probes(tracer)?;
         self.out.flush()?;
+        Ok(())
+    }
+
+    /// Prints a line for each libcuda file the tracer attached launch uprobes to since the last call: launches
+    /// through it are counted from then on (and a workload that waits for this line launches only once they
+    /// are, since the breakpoints appear in its code before the programs are attached).
+    fn show_new_launch_probes(&mut self, tracer: &Tracer) -> anyhow::Result<()> {
+        let now = now_monotonic_ns();
+        for lib in tracer.launch_libraries() {
+            if !self.probes_shown.insert((lib.dev, lib.ino)) || self.quiet {
+                continue;
+            }
+            if self.json {
+                let probes = LaunchProbes {
+                    ts_ns: now,
+                    event: "launch_probes",
+                    pid: lib.pid,
+                    path: &lib.path,
+                    entry_points: lib.probed.iter().map(|f| f.symbol()).collect(),
+                };
+                serde_json::to_writer(&mut self.out, &probes)?;
+                writeln!(self.out)?;
+            } else {
+                writeln!(
+                    self.out,
+                    "{}",
+                    render::launch_probes_line(now, lib, self.t0)
+                )?;
+            }
+        }
         Ok(())
     }
 }
@@ -104,6 +138,7 @@ impl<W: Write> Output<W> {
         ts_ns: u64,
         interval_ns: u64,
     ) -> anyhow::Result<()> {
+        self.show_new_launch_probes(tracer)?;
         for (id, n) in deltas {
             self.summary.add_launches(*id, n);
             if self.quiet {
