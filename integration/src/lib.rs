@@ -10,6 +10,7 @@
 pub mod agent;
 pub mod analog;
 pub mod api;
+pub mod browser;
 pub mod cleanup;
 pub mod containerd;
 pub mod cuda;

@@ -10,6 +10,7 @@ mod node;
 mod preempt_cli;
 mod render;
 mod summary;
+mod timeline;
 mod trace;
 
 use clap::{Parser, Subcommand};
@@ -48,6 +49,8 @@ enum Cmd {
     Governor(control_cli::GovernorArgs),
     /// Trace calls into the NVIDIA kernel driver, per container, like strace.
     Trace(trace::TraceArgs),
+    /// Make the timelines of a saved `baton trace --json` file (Perfetto JSON, a self-contained HTML page).
+    Timeline(TimelineArgs),
     /// Start the mock NVIDIA driver, run a mock CUDA workload, and trace it live (real devices if present).
     Demo(demo::DemoArgs),
     /// Measure the probes' cost and throughput; prints figures, asserts nothing.
@@ -55,6 +58,15 @@ enum Cmd {
     /// The load `baton bench` runs in a child process.
     #[command(hide = true)]
     BenchWorker(bench::WorkerArgs),
+}
+
+/// Options of `baton timeline`.
+#[derive(clap::Args, Debug)]
+struct TimelineArgs {
+    /// A `baton trace --json` output (one object per line).
+    input: std::path::PathBuf,
+    #[command(flatten)]
+    outputs: trace::TimelineFiles,
 }
 
 fn main() -> std::process::ExitCode {
@@ -105,6 +117,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Duty(a) => control_cli::duty(a).await,
             Cmd::Governor(a) => control_cli::governor(a).await,
             Cmd::Trace(a) => trace::run(a).await,
+            Cmd::Timeline(a) => timeline::convert(&a.input, &a.outputs.into()),
             Cmd::Demo(a) => demo::run(a).await,
             Cmd::Bench(a) => bench::run(a).await,
             Cmd::BenchWorker(_) => Ok(()),

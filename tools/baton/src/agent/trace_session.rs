@@ -113,6 +113,8 @@ impl TraceSession {
                 quiet: req.quiet,
                 t0,
                 probes_shown: HashSet::new(),
+                // The client builds the timeline from the JSON objects it asks for.
+                timeline: None,
             },
             all: req.all,
             summary: req.summary,

@@ -9,7 +9,7 @@ use baton_tracer::{
 };
 
 use super::now_monotonic_ns;
-use crate::{render, summary::Summary};
+use crate::{render, summary::Summary, timeline::Timeline};
 
 /// What the selection options resolve to.
 pub struct Selection {
@@ -70,6 +70,8 @@ pub struct Output<W: Write> {
     pub t0: u64,
     /// The libcuda files (device, inode) whose launch uprobes it has shown.
     pub probes_shown: HashSet<(u64, u64)>,
+    /// The timeline being built (`--perfetto`, `--html`), from the same objects `--json` prints.
+    pub timeline: Option<Timeline>,
 }
 
 impl<W: Write> Output<W> {
@@ -88,8 +90,12 @@ impl<W: Write> Output<W> {
         }) {
             on_event(e);
             self.summary.add(e);
+            let name = tracer.container_name(e.cgroup_id);
+            if let Some(t) = &mut self.timeline {
+                t.add(&serde_json::to_value(TraceEvent::new(e, &name))?);
+            }
             if !self.quiet {
-                emit(&mut self.out, e, tracer, self.json, self.t0)?;
+                emit(&mut self.out, e, &name, self.json, self.t0)?;
             }
         }
         self.show_new_launch_probes(tracer)?;
@@ -141,19 +147,22 @@ impl<W: Write> Output<W> {
         self.show_new_launch_probes(tracer)?;
         for (id, n) in deltas {
             self.summary.add_launches(*id, n);
+            let name = tracer.container_name(*id);
+            let window = LaunchWindow {
+                ts_ns,
+                cgroup_id: *id,
+                container: &name,
+                event: "launches",
+                interval_ns,
+                launches: *n,
+            };
+            if let Some(t) = &mut self.timeline {
+                t.add(&serde_json::to_value(&window)?);
+            }
             if self.quiet {
                 continue;
             }
-            let name = tracer.container_name(*id);
             if self.json {
-                let window = LaunchWindow {
-                    ts_ns,
-                    cgroup_id: *id,
-                    container: &name,
-                    event: "launches",
-                    interval_ns,
-                    launches: *n,
-                };
                 serde_json::to_writer(&mut self.out, &window)?;
                 writeln!(self.out)?;
             } else {
@@ -166,19 +175,12 @@ impl<W: Write> Output<W> {
     }
 }
 
-fn emit(
-    out: &mut dyn Write,
-    e: &Event,
-    tracer: &mut Tracer,
-    json: bool,
-    t0: u64,
-) -> anyhow::Result<()> {
-    let name = tracer.container_name(e.cgroup_id);
+fn emit(out: &mut dyn Write, e: &Event, name: &str, json: bool, t0: u64) -> anyhow::Result<()> {
     if json {
-        serde_json::to_writer(&mut *out, &TraceEvent::new(e, &name))?;
+        serde_json::to_writer(&mut *out, &TraceEvent::new(e, name))?;
         writeln!(out)?;
     } else {
-        writeln!(out, "{}", render::line(e, &name, t0))?;
+        writeln!(out, "{}", render::line(e, name, t0))?;
     }
     Ok(())
 }

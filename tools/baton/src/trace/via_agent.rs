@@ -7,6 +7,7 @@ use anyhow::Context;
 use baton_agent_api::{Client, Request, TraceRequest};
 
 use super::{READY_LINE, TraceArgs};
+use crate::timeline::{self, Timeline};
 
 /// How long a ping of the agent may take before `baton trace` loads its own probes instead.
 const PING_TIMEOUT: Duration = Duration::from_secs(2);
@@ -36,8 +37,9 @@ pub async fn run(
         pids: args.pids.clone(),
         all: args.all,
         prefixes: args.prefixes.clone(),
-        json: args.json,
-        quiet: args.quiet,
+        // A timeline is built here from the JSON objects, whatever the lines shown.
+        json: args.json || args.timeline.wants(),
+        quiet: args.quiet && !args.timeline.wants(),
         summary: args.summary,
         launch_interval_ms: args.launch_interval.map(|s| (s * 1000.0).max(1.0) as u64),
     };
@@ -64,24 +66,53 @@ pub async fn run(
             None => std::future::pending().await,
         }
     };
+    let mut timeline = args.timeline.wants().then(Timeline::default);
+    if timeline.is_some() && !args.json {
+        eprintln!(
+            "baton trace: through the agent, a timeline run shows no text lines (the agent sends JSON for the timeline): add --json to see the objects, or --standalone for text lines"
+        );
+    }
+    let show = !args.quiet && (args.json || timeline.is_none());
+    let mut take = |l: &str, out: &mut dyn Write| -> anyhow::Result<()> {
+        if let Some(t) = &mut timeline
+            && l.starts_with('{')
+            && let Ok(v) = serde_json::from_str::<serde_json::Value>(l)
+        {
+            t.add(&v);
+            if !show {
+                return Ok(());
+            }
+        }
+        writeln!(out, "{l}")?;
+        Ok(())
+    };
     tokio::pin!(stop, deadline);
+    let mut agent_ended = false;
     loop {
         tokio::select! {
             _ = &mut stop => break,
             _ = &mut deadline => break,
             line = client.next_trace_line() => match line? {
                 Some(l) => {
-                    writeln!(out, "{l}")?;
+                    take(&l, &mut out)?;
                     out.flush()?;
                 }
-                None => return Ok(()),
+                None => {
+                    agent_ended = true;
+                    break;
+                }
             },
         }
     }
-    client.end_trace().await?;
-    while let Some(l) = client.next_trace_line().await? {
-        writeln!(out, "{l}")?;
+    if !agent_ended {
+        client.end_trace().await?;
+        while let Some(l) = client.next_trace_line().await? {
+            take(&l, &mut out)?;
+        }
     }
     out.flush()?;
+    if let Some(t) = &timeline {
+        timeline::Outputs::from(args.timeline.clone()).write(t)?;
+    }
     Ok(())
 }
