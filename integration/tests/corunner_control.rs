@@ -17,7 +17,7 @@ use baton_integration::{
     agent::{AgentConn, AgentProcess, wait_until},
     env::TestEnv,
     skip,
-    trace_env::{missing_trace_prerequisite, workspace_binary},
+    trace_env::{BatonTrace, missing_trace_prerequisite, workspace_binary},
 };
 use serde_json::{Value, json};
 
@@ -198,6 +198,69 @@ fn freeze_and_thaw_are_confirmed_and_a_latency_critical_container_is_never_froze
         "{out}"
     );
     assert_eq!(rig.co_runner("trainer")["freezes"], json!(1));
+}
+
+#[test]
+fn a_trace_through_the_agent_shows_the_controllers_freezes_and_its_timeline_draws_them() {
+    let Some(rig) = Rig::start("ctl-trace", &[]) else {
+        return;
+    };
+    rig.spinner("trainer", &[("baton.io/role", "co-runner")]);
+    let dir = tempfile::tempdir().unwrap();
+    let (jsonl, perfetto) = (dir.path().join("t.jsonl"), dir.path().join("t.json"));
+    let mut command = Command::new(workspace_binary("baton", "baton").unwrap());
+    command
+        .args(["trace", "--json", "--container", "trainer", "-o"])
+        .arg(&jsonl)
+        .arg("--perfetto")
+        .arg(&perfetto)
+        .env(
+            baton_agent_api::SOCKET_ENV,
+            rig.env.containerd().agent_socket(),
+        );
+    let trace = BatonTrace::start(command, WITHIN).unwrap();
+    for op in ["freeze", "thaw"] {
+        let (_, err, ok) = rig.baton(&[op, "trainer"]);
+        assert!(ok, "baton {op}: {err}");
+    }
+    // The thaw's line reaches the trace after the CLI's answer: wait for it before ending the trace.
+    assert!(
+        wait_until(WITHIN, || std::fs::read_to_string(&jsonl)
+            .is_ok_and(|t| t.contains(r#""event":"thawed""#))),
+        "no thawed object: {}",
+        std::fs::read_to_string(&jsonl).unwrap_or_default()
+    );
+    let (status, stderr) = trace.stop().unwrap();
+    assert!(status.success(), "{stderr}");
+    let objects: Vec<Value> = std::fs::read_to_string(&jsonl)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let states: Vec<&Value> = objects
+        .iter()
+        .filter(|o| o["event"] == "frozen" || o["event"] == "thawed")
+        .collect();
+    assert_eq!(states.len(), 2, "{states:?}");
+    assert_eq!(states[0]["event"], "frozen");
+    assert!(states[0]["latency_ns"].as_u64().unwrap() > 0, "{states:?}");
+    assert!(states[0]["container"].as_str().unwrap().contains("trainer"));
+    assert!(states[1]["ts_ns"].as_u64() > states[0]["ts_ns"].as_u64());
+    let doc: Value = serde_json::from_slice(&std::fs::read(&perfetto).unwrap()).unwrap();
+    let spans: Vec<&Value> = doc["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["cat"] == "state" && e["name"] == "frozen")
+        .collect();
+    assert_eq!(spans.len(), 1, "one frozen span: {spans:?}");
+    let want_us = (states[1]["ts_ns"].as_u64().unwrap() - states[0]["ts_ns"].as_u64().unwrap())
+        as f64
+        / 1000.0;
+    assert!(
+        (spans[0]["dur"].as_f64().unwrap() - want_us).abs() < 0.01,
+        "{spans:?} vs {want_us}"
+    );
 }
 
 #[test]

@@ -218,3 +218,26 @@ pub struct LaunchProbes<'a> {
     /// The entry points probed (`cuLaunchKernel`, `cuLaunchKernelEx`, `cuGraphLaunch`).
     pub entry_points: Vec<&'static str>,
 }
+
+/// A freeze, thaw or preemption step of a container, as `baton trace --json` prints it through the agent
+/// (`"event": "frozen" | "thawed" | "preemption"`).
+#[derive(Debug, Serialize)]
+pub struct StateChange<'a> {
+    /// CLOCK_MONOTONIC time, ns (the kernel's confirmation, for a freeze or a thaw).
+    pub ts_ns: u64,
+    /// cgroup v2 id.
+    pub cgroup_id: u64,
+    /// Container name derived from the cgroup path.
+    pub container: &'a str,
+    /// `frozen`, `thawed` or `preemption`.
+    pub event: &'static str,
+    /// The preemption step (`locked`, `gpu released`, `done`, ...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phase: Option<&'a str>,
+    /// What the step says.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<&'a str>,
+    /// From the write to the kernel's confirmation (freeze, thaw), ns.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub latency_ns: Option<u64>,
+}

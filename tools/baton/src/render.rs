@@ -4,7 +4,7 @@ use baton_tracer::{
     LaunchCounts, LaunchFn,
     event::{Body, Event},
     launch::LaunchLibrary,
-    schema::status_name,
+    schema::{StateChange, status_name},
 };
 
 /// A container's launches over an interval: `   3.000120 default/trainer launches/1.00s cuLaunchKernel=1000
@@ -42,6 +42,26 @@ pub fn launch_probes_line(ts_ns: u64, lib: &LaunchLibrary, t0_ns: u64) -> String
         lib.pid,
         fns.join(" "),
         lib.path.display()
+    )
+}
+
+/// A state change the agent made: `   1.204100 default/trainer +++ frozen (confirmed in 52 us) +++`, or
+/// `+++ preemption: GPU released (pid 42) +++`.
+pub fn state_line(c: &StateChange<'_>, t0_ns: u64) -> String {
+    let t = c.ts_ns.saturating_sub(t0_ns);
+    let what = match (c.phase, c.latency_ns) {
+        (Some(phase), _) => match c.detail {
+            Some(d) => format!("preemption: {phase} ({d})"),
+            None => format!("preemption: {phase}"),
+        },
+        (None, Some(ns)) if ns > 0 => format!("{} (confirmed in {} us)", c.event, ns / 1000),
+        _ => c.event.to_owned(),
+    };
+    format!(
+        "{:>4}.{:06} {} +++ {what} +++",
+        t / 1_000_000_000,
+        (t / 1000) % 1_000_000,
+        c.container
     )
 }
 

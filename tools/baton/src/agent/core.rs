@@ -62,6 +62,8 @@ pub enum What {
     },
     /// Kernel launches (libcuda uprobes) counted so far per watched container.
     Launches(oneshot::Sender<Vec<(ContainerRef, u64)>>),
+    /// A freeze, thaw or preemption step of a container, for the trace sessions that trace it.
+    Note(Note),
     /// A preemption changed a container's state.
     SetPreemption {
         /// Which container.
@@ -69,6 +71,52 @@ pub enum What {
         /// Its state now.
         state: Option<PreemptState>,
     },
+}
+
+/// Something the agent did to a container that its traces show (`+++ frozen +++`) and timelines draw.
+#[derive(Clone, Debug)]
+pub struct Note {
+    /// Which container.
+    pub container: ContainerRef,
+    /// CLOCK_MONOTONIC ns of it (the kernel's confirmation, for a freeze or a thaw).
+    pub t_ns: u64,
+    /// What happened.
+    pub kind: NoteKind,
+}
+
+/// What a [`Note`] says.
+#[derive(Clone, Debug)]
+pub enum NoteKind {
+    /// The controller froze it; the freeze took `latency_ns` to confirm.
+    Frozen {
+        /// Write to confirmation, ns.
+        latency_ns: u64,
+    },
+    /// The controller thawed it.
+    Thawed {
+        /// Write to confirmation, ns.
+        latency_ns: u64,
+    },
+    /// A step of a preemption, resume or handoff.
+    Preemption {
+        /// The step.
+        phase: baton_agent_api::Phase,
+        /// What the step says.
+        detail: String,
+    },
+}
+
+impl Note {
+    /// Hands the note to the core without waiting: a full inbox drops it (a trace line is not worth
+    /// stalling a freeze or a preemption for).
+    pub fn send(self, core: &mpsc::Sender<Command>) {
+        let (reply, _) = oneshot::channel();
+        let _ = core.try_send(Command {
+            what: What::Note(self),
+            peer_pid: 0,
+            reply,
+        });
+    }
 }
 
 /// A watched container as a preemption needs it.
@@ -206,6 +254,10 @@ impl Core {
                             }
                             What::Launches(answer) => {
                                 let _ = answer.send(self.launches());
+                                Reply::Unregistered { found: true }
+                            }
+                            What::Note(note) => {
+                                self.note(&note);
                                 Reply::Unregistered { found: true }
                             }
                             What::SetPreemption { container, state } => {
@@ -364,6 +416,18 @@ impl Core {
             })?,
         }
         Ok(())
+    }
+
+    /// Shows `note` to the trace sessions that trace its container.
+    fn note(&mut self, note: &Note) {
+        let (Some(t), Some(w)) = (self.tracer.as_mut(), self.watched.get(&note.container)) else {
+            return;
+        };
+        for s in self.traces.values_mut() {
+            if s.traces_cgroup(w.cgroup_id) {
+                s.note(w.cgroup_id, note, t);
+            }
+        }
     }
 
     fn unregister(&mut self, c: &ContainerRef) -> bool {

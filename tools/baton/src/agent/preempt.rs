@@ -16,7 +16,7 @@ use tokio::{
 };
 
 use super::{
-    core::{Command, Published, Resolved, What},
+    core::{Command, Note, NoteKind, Published, Resolved, What},
     server::{send_line, send_reply},
     sleep_until_opt,
 };
@@ -41,12 +41,15 @@ pub struct Ctx<'a> {
 struct Timeline<'w> {
     write: &'w mut OwnedWriteHalf,
     steps: Vec<Step>,
+    /// The core, which shows each step to the traces of its container.
+    core: mpsc::Sender<Command>,
 }
 
 impl<'w> Timeline<'w> {
     /// A timeline whose first step is the request (`asked` at `t_ns`), sent at once.
     async fn open(
         write: &'w mut OwnedWriteHalf,
+        core: &mpsc::Sender<Command>,
         c: &ContainerRef,
         t_ns: u64,
         detail: &str,
@@ -54,6 +57,7 @@ impl<'w> Timeline<'w> {
         let mut t = Self {
             write,
             steps: Vec::new(),
+            core: core.clone(),
         };
         t.agent_step(c, Phase::Asked, t_ns, None, detail.to_owned())
             .await?;
@@ -65,6 +69,15 @@ impl<'w> Timeline<'w> {
             v: PROTOCOL_VERSION,
             step: step.clone(),
         };
+        Note {
+            container: step.container.clone(),
+            t_ns: step.t_ns,
+            kind: NoteKind::Preemption {
+                phase: step.phase,
+                detail: step.detail.clone(),
+            },
+        }
+        .send(&self.core);
         self.steps.push(step);
         send_line(self.write, &line).await
     }
@@ -230,7 +243,8 @@ pub async fn preempt(
         Ok(c) => c,
         Err(error) => return send_reply(write, Reply::Error { error }).await,
     };
-    let mut timeline = Timeline::open(write, &a.container, asked, r.mode.label()).await?;
+    let mut timeline =
+        Timeline::open(write, ctx.commands, &a.container, asked, r.mode.label()).await?;
     let mut released = false;
     let mut grace: Option<tokio::time::Instant> = None;
     let mut outcome = None;
@@ -270,7 +284,9 @@ async fn finish(
     timeline: Timeline<'_>,
     outcome: Option<Result<Outcome, String>>,
 ) -> std::io::Result<()> {
-    let Timeline { write, mut steps } = timeline;
+    let Timeline {
+        write, mut steps, ..
+    } = timeline;
     steps.sort_by_key(|s| s.t_ns);
     let sorted = steps;
     match outcome {
@@ -348,7 +364,7 @@ pub async fn forward(
         Ok(c) => c,
         Err(error) => return send_reply(write, Reply::Error { error }).await,
     };
-    let mut timeline = Timeline::open(write, &r.container, asked, "").await?;
+    let mut timeline = Timeline::open(write, ctx.commands, &r.container, asked, "").await?;
     while let Some(s) = next_step(Some(&mut call)).await {
         timeline.push(s).await?;
     }
@@ -459,7 +475,8 @@ pub async fn handoff(
         h.mode.label(),
         run.b.container.id
     );
-    let mut timeline = Timeline::open(write, &run.a.container, asked, &detail).await?;
+    let mut timeline =
+        Timeline::open(write, ctx.commands, &run.a.container, asked, &detail).await?;
     while !run.finished() {
         tokio::select! {
             step = next_step(Some(&mut run.a_call)), if run.a_outcome.is_none() => match step {

@@ -7,9 +7,10 @@ use baton_agent_api::TraceRequest;
 use baton_tracer::{Tracer, cgroups, event::Event as Record};
 use tokio::sync::mpsc;
 
+use super::core::{Note, NoteKind};
 use crate::{
     summary::Summary,
-    trace::{Output, Selection, launches::LaunchMeter, now_monotonic_ns},
+    trace::{Output, Selection, StateKind, launches::LaunchMeter, now_monotonic_ns},
 };
 
 /// Lines a slow trace client may fall behind by before lines are dropped (and counted).
@@ -142,6 +143,25 @@ impl TraceSession {
     pub fn take(&mut self, records: &[Record], tracer: &mut Tracer) {
         let only = (!self.all).then_some(&self.selection.watched);
         if let Err(e) = self.output.take(records, tracer, &mut |_| {}, only) {
+            tracing::warn!("agent: trace: {e:#}");
+        }
+    }
+
+    /// Sends the line of a freeze, thaw or preemption step of container `cgroup_id`.
+    pub fn note(&mut self, cgroup_id: u64, note: &Note, tracer: &mut Tracer) {
+        let change = match &note.kind {
+            NoteKind::Frozen { latency_ns } => StateKind::Frozen {
+                latency_ns: *latency_ns,
+            },
+            NoteKind::Thawed { latency_ns } => StateKind::Thawed {
+                latency_ns: *latency_ns,
+            },
+            NoteKind::Preemption { phase, detail } => StateKind::Preemption {
+                phase: phase.label(),
+                detail,
+            },
+        };
+        if let Err(e) = self.output.state(cgroup_id, note.t_ns, change, tracer) {
             tracing::warn!("agent: trace: {e:#}");
         }
     }

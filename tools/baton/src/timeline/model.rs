@@ -230,7 +230,13 @@ impl Timeline {
             "preemption" => {
                 let phase = str_of(v, "phase").unwrap_or("phase");
                 c.close_span(SpanTrack::Preemption, ts);
-                if !matches!(phase, "done" | "resumed" | "failed") {
+                match phase {
+                    // A park ends frozen: the frozen span goes on until the resume's thaw.
+                    "frozen" => c.open_span(SpanTrack::Frozen, "frozen (preemption)", ts),
+                    "thawed" => c.close_span(SpanTrack::Frozen, ts),
+                    _ => {}
+                }
+                if phase != "done" {
                     c.open_span(SpanTrack::Preemption, phase, ts);
                 }
             }

@@ -13,7 +13,7 @@ use baton_tracer::{Tracer, TracerConfig, cgroups, event::Event};
 use clap::Args;
 
 use launches::LaunchMeter;
-pub use session::{Output, Selection};
+pub use session::{Output, Selection, StateKind};
 
 use crate::{
     summary::Summary,

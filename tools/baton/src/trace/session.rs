@@ -5,7 +5,7 @@ use std::{collections::HashSet, io::Write};
 use baton_tracer::{
     LaunchCounts, Tracer, cgroups,
     event::Event,
-    schema::{LaunchProbes, LaunchWindow, TraceEvent},
+    schema::{LaunchProbes, LaunchWindow, StateChange, TraceEvent},
 };
 
 use super::now_monotonic_ns;
@@ -134,7 +134,74 @@ impl<W: Write> Output<W> {
     }
 }
 
+/// A change of a container's state that the agent made (trace sessions through the agent show them).
+#[derive(Clone, Copy, Debug)]
+pub enum StateKind<'a> {
+    /// Frozen by the controller, confirmed after `latency_ns`.
+    Frozen {
+        /// Write to confirmation, ns.
+        latency_ns: u64,
+    },
+    /// Thawed by the controller.
+    Thawed {
+        /// Write to confirmation, ns.
+        latency_ns: u64,
+    },
+    /// A preemption step.
+    Preemption {
+        /// The step's name.
+        phase: &'a str,
+        /// What it says.
+        detail: &'a str,
+    },
+}
+
 impl<W: Write> Output<W> {
+    /// Takes a state change of container `cgroup_id` at `ts_ns`: printed (`+++ frozen (52 us) +++`) and
+    /// added to the timeline.
+    pub fn state(
+        &mut self,
+        cgroup_id: u64,
+        ts_ns: u64,
+        kind: StateKind<'_>,
+        tracer: &mut Tracer,
+    ) -> anyhow::Result<()> {
+        let name = tracer.container_name(cgroup_id);
+        let (event, phase, detail, latency_ns) = match kind {
+            StateKind::Frozen { latency_ns } => ("frozen", None, None, Some(latency_ns)),
+            StateKind::Thawed { latency_ns } => ("thawed", None, None, Some(latency_ns)),
+            StateKind::Preemption { phase, detail } => (
+                "preemption",
+                Some(phase),
+                Some(detail).filter(|d| !d.is_empty()),
+                None,
+            ),
+        };
+        let change = StateChange {
+            ts_ns,
+            cgroup_id,
+            container: &name,
+            event,
+            phase,
+            detail,
+            latency_ns,
+        };
+        if let Some(t) = &mut self.timeline {
+            t.add(&serde_json::to_value(&change)?);
+        }
+        if self.quiet {
+            return Ok(());
+        }
+        if self.json {
+            serde_json::to_writer(&mut self.out, &change)?;
+            writeln!(self.out)?;
+        } else {
+            writeln!(self.out, "{}", render::state_line(&change, self.t0))?;
+        }
+        self.out.flush()?;
+        Ok(())
+    }
+
     /// Takes the launches of an interval that ended at `ts_ns`: counted, and printed (one line or JSON object
     /// per container).
     pub fn launches(

@@ -28,7 +28,7 @@ use tokio::sync::{mpsc, oneshot};
 pub use plan::Bounds;
 
 use super::{
-    core::{Command, What},
+    core::{Command, Note, NoteKind, What},
     sleep_until_opt,
 };
 
@@ -101,6 +101,16 @@ pub fn spawn(bounds: Bounds, core: mpsc::Sender<Command>) -> Handle {
     let controller = Controller::new(bounds, status.clone(), core);
     tokio::spawn(controller.run(rx));
     Handle { tx, status }
+}
+
+/// Tells the core's trace sessions of a confirmed freeze or thaw.
+fn note(core: &mpsc::Sender<Command>, container: &ContainerRef, t_ns: u64, kind: NoteKind) {
+    Note {
+        container: container.clone(),
+        t_ns,
+        kind,
+    }
+    .send(core);
 }
 
 /// What the controller measured of a co-runner.
@@ -343,8 +353,24 @@ impl Controller {
                     (true, None) => {
                         stats.frozen_since = Some(t);
                         stats.freezes += 1;
+                        note(
+                            &self.core,
+                            &r.container,
+                            t,
+                            NoteKind::Frozen {
+                                latency_ns: f.latency_ns,
+                            },
+                        );
                     }
                     (false, Some(since)) => {
+                        note(
+                            &self.core,
+                            &r.container,
+                            t,
+                            NoteKind::Thawed {
+                                latency_ns: f.latency_ns,
+                            },
+                        );
                         let d = t.saturating_sub(since);
                         stats.frozen_ns += d;
                         stats.longest_ns = stats.longest_ns.max(d);
