@@ -6,7 +6,10 @@
     clippy::unwrap_used,
     reason = "test helpers fail the test by panicking"
 )]
-use baton_integration::cuda::{CudaRig, Trainer, WITHIN};
+use baton_integration::{
+    cuda::{CudaRig, Trainer, WITHIN},
+    trace_env::{BatonTrace, workspace_binary},
+};
 use serde_json::{Value, json};
 
 /// The phases of `steps`, in order.
@@ -132,6 +135,64 @@ fn park_releases_the_gpu_before_the_freeze_and_resume_restores_the_weights() {
     // Resuming a running container is refused.
     let (_, err, ok) = rig.baton(&["resume", "trainer"]);
     assert!(!ok && err.contains("not parked"), "{err}");
+}
+
+#[test]
+fn a_trace_through_the_agent_shows_each_step_of_a_park_and_a_resume() {
+    let Some(rig) = CudaRig::start("preempt-trace") else {
+        return;
+    };
+    let _trainer = rig.run("trainer", &Trainer::default(), &[]);
+    wait_held(&rig, "trainer", 1);
+    let dir = tempfile::tempdir().unwrap();
+    let jsonl = dir.path().join("trace.jsonl");
+    let mut command = std::process::Command::new(workspace_binary("baton", "baton").unwrap());
+    command
+        .args(["trace", "--json", "--container", "trainer", "-o"])
+        .arg(&jsonl)
+        .env(
+            baton_agent_api::SOCKET_ENV,
+            rig.gpu.env.containerd().agent_socket(),
+        );
+    let trace = BatonTrace::start(command, WITHIN).unwrap();
+    let (parked, _) = rig.baton_json(&["preempt", "trainer"]);
+    let (resumed, _) = rig.baton_json(&["resume", "trainer"]);
+    let want: Vec<String> = phases(&parked)
+        .into_iter()
+        .chain(phases(&resumed))
+        .collect();
+    let traced = || -> Vec<Value> {
+        std::fs::read_to_string(&jsonl)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|o| o["event"] == "preemption")
+            .collect()
+    };
+    assert!(
+        baton_integration::agent::wait_until(WITHIN, || traced().len() >= want.len()),
+        "the trace shows every step: {:?} of {want:?}",
+        traced()
+    );
+    let (status, stderr) = trace.stop().unwrap();
+    assert!(status.success(), "{stderr}");
+    // The same steps in the same order, named as the timeline names them.
+    let shown: Vec<String> = traced()
+        .iter()
+        .map(|o| {
+            o["phase"]
+                .as_str()
+                .unwrap()
+                .replace(' ', "_")
+                .to_lowercase()
+        })
+        .collect();
+    assert_eq!(shown, want);
+    assert!(traced().iter().all(|o| {
+        o["container"]
+            .as_str()
+            .is_some_and(|c| c.contains("trainer"))
+    }));
 }
 
 #[test]
