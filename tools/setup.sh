@@ -13,8 +13,9 @@ die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
 # Everything the tests use: tools/dev test runs them in strict mode, where a missing one fails its test.
 # python3: the dup/fork/exec tracing script; bsdutils: `script` (a tty for ctr -t); util-linux: setpriv.
 # chromium: the timeline test renders `baton trace --html` pages headless.
+# podman: integration/tests/oci_hooks.rs runs a container with podman and the example hooks.d of runc-hooks/.
 DEB_PKGS=(containerd runc fuse3 libfuse3-dev pkg-config busybox-static iproute2 procps protobuf-compiler criu
-  python3 bsdutils util-linux chromium)
+  python3 bsdutils util-linux chromium podman)
 missing=()
 for p in "${DEB_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

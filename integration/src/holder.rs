@@ -120,7 +120,7 @@ impl HolderContainer {
         flags.push("--rm".into());
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         let args = env.run_args(id, annotations, &flags, &[&holder, "--dev-dir", dev_dir]);
-        let mut child = env
+        let child = env
             .containerd()
             .ctr_command()
             .args(&args)
@@ -128,6 +128,13 @@ impl HolderContainer {
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()?;
+        Self::attach(id, child)
+    }
+
+    /// Drives holder container `id` through the piped stdin and stdout of `child` (a runtime run in the
+    /// foreground that passes the holder's stdio through: `ctr run`, `runc run`, `podman run -i`), and waits
+    /// until it answers.
+    pub fn attach(id: &str, mut child: Child) -> anyhow::Result<Self> {
         let stdin = child.stdin.take();
         let out = child
             .stdout

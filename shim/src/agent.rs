@@ -293,20 +293,7 @@ fn baton_binary() -> Option<PathBuf> {
 
 /// The NVIDIA device files in `dir` of the root of the container of `pid` (paths inside the container).
 fn nvidia_devices(pid: u32, dir: &str) -> Vec<String> {
-    let root = format!("/proc/{pid}/root{dir}");
-    let Ok(entries) = std::fs::read_dir(Path::new(&root)) else {
-        return Vec::new();
-    };
-    let mut found: Vec<String> = entries
-        .flatten()
-        .filter(|e| {
-            baton_nvidia::fdkind::classify_name(e.file_name().as_encoded_bytes())
-                .is_some_and(|(kind, _)| kind != baton_nvidia::fdkind::FdKind::Unknown)
-        })
-        .map(|e| format!("{dir}{}", e.file_name().to_string_lossy()))
-        .collect();
-    found.sort();
-    found
+    baton_agent_api::nvidia_devices_in(Path::new(&format!("/proc/{pid}/root{dir}")), dir)
 }
 
 /// The task that talks to the agent: registrations, and the watch stream of this shim's containers.

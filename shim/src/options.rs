@@ -16,7 +16,7 @@ use containerd_shim_protos::{
     shim::oci::Options as RuncOptions,
 };
 
-use baton_agent_api::{Role, RoleSpec};
+use baton_agent_api::{DURATION_SYNTAX, Role, RoleSpec, parse_duration};
 
 use crate::errors::{Result, ShimError};
 
@@ -157,14 +157,12 @@ impl BatonSettings {
                 self.trace_prefix = value.to_string();
             }
             "cuda_lock_timeout" => {
-                self.cuda_lock_timeout = parse_duration(value)
-                    .ok_or_else(|| invalid("a duration such as \"500ms\", \"20s\" or \"2m\""))?;
+                self.cuda_lock_timeout =
+                    parse_duration(value).ok_or_else(|| invalid(DURATION_SYNTAX))?;
             }
             "wait-gpu-free" => {
                 self.wait_gpu_free =
-                    Some(parse_duration(value).ok_or_else(|| {
-                        invalid("a duration such as \"500ms\", \"20s\" or \"2m\"")
-                    })?);
+                    Some(parse_duration(value).ok_or_else(|| invalid(DURATION_SYNTAX))?);
             }
             "role" => {
                 self.role = Some(
@@ -237,13 +235,6 @@ impl BatonSettings {
         }
         Ok((out, unknown))
     }
-}
-
-/// "500ms", "20s", "2m" (humantime's syntax); a zero duration is refused.
-fn parse_duration(value: &str) -> Option<std::time::Duration> {
-    humantime::parse_duration(value.trim())
-        .ok()
-        .filter(|d| !d.is_zero())
 }
 
 /// Everything a Create's `options` field says.

@@ -5,11 +5,15 @@
 //! nothing answers on a plain node.
 pub mod client;
 pub mod control;
+pub mod devices;
+pub mod duration;
 pub mod preempt;
 pub mod protocol;
 
 pub use client::{Client, ClientError, Endpoint, connect_or_start};
 pub use control::*;
+pub use devices::nvidia_devices_in;
+pub use duration::{DURATION_SYNTAX, parse_duration};
 pub use preempt::*;
 pub use protocol::*;
 
