@@ -5,6 +5,7 @@
 //! nothing answers on a plain node.
 pub mod client;
 pub mod control;
+pub mod option_keys;
 pub mod preempt;
 pub mod protocol;
 
