@@ -46,9 +46,8 @@ pub fn install(root: &Path, dry_run: bool) -> Result<Installed> {
     }
     if !dry_run {
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| {
-                anyhow::anyhow!("cannot create {}: {e}", dir.display())
-            })?;
+            std::fs::create_dir_all(dir)
+                .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
         }
         atomic_file::write(&path, UNIT.as_bytes(), 0o644)?;
     }

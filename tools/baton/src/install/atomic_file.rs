@@ -84,7 +84,9 @@ pub fn remove(path: &Path) -> Result<bool> {
         Ok(()) => {
             File::open(parent(path))
                 .and_then(|d| d.sync_all())
-                .with_context(|| format!("removed {} but cannot sync its directory", path.display()))?;
+                .with_context(|| {
+                    format!("removed {} but cannot sync its directory", path.display())
+                })?;
             Ok(true)
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),

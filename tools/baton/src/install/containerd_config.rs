@@ -122,12 +122,12 @@ pub struct Edit {
 
 /// Parses `text` (from `path`, for errors) and finds its version.
 fn parse(path: &Path, text: &str) -> Result<(DocumentMut, Version), ConfigError> {
-    let doc: DocumentMut = text.parse().map_err(|e: toml_edit::TomlError| {
-        ConfigError::NotToml {
-            path: path.to_owned(),
-            message: e.to_string().trim_end().to_owned(),
-        }
-    })?;
+    let doc: DocumentMut =
+        text.parse()
+            .map_err(|e: toml_edit::TomlError| ConfigError::NotToml {
+                path: path.to_owned(),
+                message: e.to_string().trim_end().to_owned(),
+            })?;
     let version = match doc.get("version").and_then(Item::as_integer) {
         Some(2) => Version::V2,
         Some(3) => Version::V3,
@@ -303,14 +303,13 @@ pub fn add_runtime(path: &Path, text: &str, settings: &EntrySettings) -> Result<
     let (mut doc, version) = parse(path, text)?;
     let warnings = warnings(&doc, version);
     let table_name = version.runtime_table();
-    let runtimes = runtimes_table(path, &mut doc, version, true)?.ok_or_else(|| {
-        ConfigError::NotATable {
+    let runtimes =
+        runtimes_table(path, &mut doc, version, true)?.ok_or_else(|| ConfigError::NotATable {
             path: path.to_owned(),
             key: "plugins".to_owned(),
             kind: "missing".to_owned(),
             table: table_name.clone(),
-        }
-    })?;
+        })?;
     let layout = Layout::from_sibling(runtimes);
     let runc = runc_settings(runtimes);
     let mut changes = Vec::new();
@@ -354,7 +353,11 @@ pub fn add_runtime(path: &Path, text: &str, settings: &EntrySettings) -> Result<
     if new_entry {
         changes = vec![format!(
             "added [{table_name}] (runtime_type, the baton.io/* annotations, options: {})",
-            options.iter().map(|(k, _)| k).collect::<Vec<_>>().join(", ")
+            options
+                .iter()
+                .map(|(k, _)| k)
+                .collect::<Vec<_>>()
+                .join(", ")
         )];
     }
     let text = if changes.is_empty() {
@@ -489,12 +492,7 @@ mod tests {
             assert_eq!(again.text, edit.text);
             let removed = remove_runtime(path(), &edit.text).unwrap();
             assert_eq!(removed.text, original);
-            assert!(
-                remove_runtime(path(), original)
-                    .unwrap()
-                    .changes
-                    .is_empty()
-            );
+            assert!(remove_runtime(path(), original).unwrap().changes.is_empty());
         }
     }
 
@@ -511,7 +509,8 @@ mod tests {
 
     #[test]
     fn a_config_without_the_cri_tables_gets_them_and_gives_them_back() {
-        let text = "# minimal\nversion = 3\n\n[grpc]\n  address = \"/run/containerd/containerd.sock\"\n";
+        let text =
+            "# minimal\nversion = 3\n\n[grpc]\n  address = \"/run/containerd/containerd.sock\"\n";
         let edit = add_runtime(path(), text, &settings()).unwrap();
         let doc: DocumentMut = edit.text.parse().unwrap();
         assert_eq!(
@@ -542,7 +541,10 @@ mod tests {
     fn version_1_and_no_version_say_what_to_do() {
         for text in ["[plugins.cri]\n", "version = 1\n", "version = \"2\"\n"] {
             let err = add_runtime(path(), text, &settings()).unwrap_err();
-            assert!(matches!(err, ConfigError::UnsupportedVersion { .. }), "{err}");
+            assert!(
+                matches!(err, ConfigError::UnsupportedVersion { .. }),
+                "{err}"
+            );
             let msg = err.to_string();
             assert!(msg.contains("/etc/containerd/config.toml"), "{msg}");
             assert!(msg.contains("containerd config migrate"), "{msg}");

@@ -115,14 +115,18 @@ fn apply(path: &Path, old: &str, edit: &containerd_config::Edit, dry_run: bool) 
     if edit.changes.is_empty() {
         return Ok(false);
     }
-    for c in &edit.changes {
-        note(format!("{}: {c}", path.display()));
-    }
+    let say_changes = || {
+        for c in &edit.changes {
+            note(format!("{}: {c}", path.display()));
+        }
+    };
     if dry_run {
+        say_changes();
         print_diff(path, old, &edit.text);
         note(format!("--dry-run: {} not written", path.display()));
     } else {
         let backup = atomic_file::replace_with_backup(path, old.as_bytes(), edit.text.as_bytes())?;
+        say_changes();
         note(format!(
             "wrote {} (version {}); the previous file is in {}",
             path.display(),
@@ -160,7 +164,9 @@ pub fn install(args: InstallArgs) -> Result<()> {
     if changed {
         note("restart containerd to load the runtime: systemctl restart containerd");
     }
-    note("the RuntimeClass follows on stdout; apply it once per cluster: baton install | kubectl apply -f -");
+    note(
+        "the RuntimeClass follows on stdout; apply it once per cluster: baton install | kubectl apply -f -",
+    );
     print!("{RUNTIME_CLASS}");
     Ok(())
 }
@@ -223,7 +229,8 @@ fn copy_binaries(dir: &Path, dry_run: bool) -> Result<()> {
     for src in own_binaries()? {
         let name = src.file_name().unwrap_or_default();
         let dst = dir.join(name);
-        let bytes = std::fs::read(&src).with_context(|| format!("cannot read {}", src.display()))?;
+        let bytes =
+            std::fs::read(&src).with_context(|| format!("cannot read {}", src.display()))?;
         if std::fs::read(&dst).is_ok_and(|b| b == bytes) {
             note(format!("{} is up to date", dst.display()));
         } else if dry_run {
@@ -247,10 +254,7 @@ pub fn uninstall(args: UninstallArgs) -> Result<()> {
             path.display()
         ));
     }
-    let link = args
-        .root
-        .join(UNIT_WANTS_LINK)
-        .join(agent_unit::UNIT_NAME);
+    let link = args.root.join(UNIT_WANTS_LINK).join(agent_unit::UNIT_NAME);
     if link.symlink_metadata().is_ok() && !args.dry_run {
         atomic_file::remove(&link)?;
     }
@@ -264,7 +268,13 @@ pub fn uninstall(args: UninstallArgs) -> Result<()> {
         None => {}
     }
     if let Some(dir) = &args.bin_dir {
-        for name in [agent_unit::AGENT_BINARY.rsplit('/').next().unwrap_or("baton"), SHIM_BINARY] {
+        for name in [
+            agent_unit::AGENT_BINARY
+                .rsplit('/')
+                .next()
+                .unwrap_or("baton"),
+            SHIM_BINARY,
+        ] {
             let p = dir.join(name);
             if args.dry_run {
                 note(format!("would remove {}", p.display()));
@@ -300,7 +310,15 @@ mod tests {
 
     #[test]
     fn both_versions_name_their_cri_plugin() {
-        assert!(Version::V2.runtime_table().contains("io.containerd.grpc.v1.cri"));
-        assert!(Version::V3.runtime_table().contains("io.containerd.cri.v1.runtime"));
+        assert!(
+            Version::V2
+                .runtime_table()
+                .contains("io.containerd.grpc.v1.cri")
+        );
+        assert!(
+            Version::V3
+                .runtime_table()
+                .contains("io.containerd.cri.v1.runtime")
+        );
     }
 }
