@@ -464,7 +464,7 @@ mod tests {
             .then(|| &added[prefix..added.len() - (original.len() - prefix)])
     }
 
-    fn entry<'d>(doc: &'d DocumentMut, version: Version) -> &'d Table {
+    fn entry(doc: &DocumentMut, version: Version) -> &Table {
         doc["plugins"][version.cri_plugin()]["containerd"]["runtimes"][RUNTIME_NAME]
             .as_table()
             .unwrap()
