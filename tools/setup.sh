@@ -11,11 +11,13 @@ die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || die "needs root (installs Debian packages, loads eBPF, mounts FUSE): run it with sudo"
 
 # Everything the tests use: tools/dev test runs them in strict mode, where a missing one fails its test.
-# python3: the dup/fork/exec tracing script; bsdutils: `script` (a tty for ctr -t); util-linux: setpriv.
+# python3: the dup/fork/exec tracing script; bsdutils: `script` (a tty for ctr -t); util-linux: setpriv,
+# unshare (tools/baton/tests/install.rs: a read-only bind mount); python3-venv: kubernetes-validate below;
+# systemd: systemd-analyze verify of the agent's unit (tools/baton/tests/install.rs).
 # chromium: the timeline test renders `baton trace --html` pages headless.
 # podman: integration/tests/oci_hooks.rs runs a container with podman and the example hooks.d of runc-hooks/.
 DEB_PKGS=(containerd runc fuse3 libfuse3-dev pkg-config busybox-static iproute2 procps protobuf-compiler criu
-  python3 bsdutils util-linux chromium podman)
+  python3 python3-venv bsdutils util-linux systemd chromium podman)
 missing=()
 for p in "${DEB_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -59,4 +61,17 @@ fi
 # A plain `cargo build` finds bpf-linker on PATH (cargo puts ~/.cargo/bin there).
 mkdir -p "$HOME/.cargo/bin"
 ln -sf "$LINKER_ROOT/bin/bpf-linker" "$HOME/.cargo/bin/bpf-linker"
+
+# kubernetes-validate (PyPI; it bundles the Kubernetes OpenAPI schemas and works offline) checks the manifests
+# under tools/kubernetes/ in tools/baton/tests/manifests.rs, since no cluster runs here. In a venv of its own,
+# on PATH beside bpf-linker.
+KUBERNETES_VALIDATE_VERSION=1.37.0
+KV_VENV="$BATON_CACHE/kubernetes-validate-$KUBERNETES_VALIDATE_VERSION"
+if [ ! -x "$KV_VENV/bin/kubernetes-validate" ]; then
+  say "installing kubernetes-validate $KUBERNETES_VALIDATE_VERSION (PyPI) into $KV_VENV"
+  python3 -m venv "$KV_VENV" || die "python3 -m venv failed: install python3-venv"
+  "$KV_VENV/bin/pip" install -q "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" >&2 \
+    || die "pip install kubernetes-validate==$KUBERNETES_VALIDATE_VERSION failed: needs PyPI"
+fi
+ln -sf "$KV_VENV/bin/kubernetes-validate" "$HOME/.cargo/bin/kubernetes-validate"
 echo "$LINKER_ROOT/bin"

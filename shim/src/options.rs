@@ -21,7 +21,7 @@ use baton_agent_api::{DURATION_SYNTAX, Role, RoleSpec, parse_duration};
 use crate::errors::{Result, ShimError};
 
 /// Prefix of Baton's annotations.
-pub const ANNOTATION_PREFIX: &str = "baton.io/";
+pub use baton_agent_api::option_keys::ANNOTATION_PREFIX;
 /// Annotation CRI puts on a pod's sandbox container.
 pub const CONTAINER_TYPE_ANNOTATION: &str = "io.kubernetes.cri.container-type";
 /// Annotation naming the pod sandbox a container belongs to.
@@ -91,24 +91,9 @@ impl Default for BatonSettings {
     }
 }
 
-/// The keys Baton knows, in TOML and (prefixed with `baton.io/`) in annotations.
-const BATON_KEYS: [&str; 11] = [
-    "ebpf",
-    "cuda_checkpoint_path",
-    "freezer",
-    "trace_prefix",
-    "agent_socket",
-    "agent_autostart",
-    "cuda_lock_timeout",
-    "wait-gpu-free",
-    "role",
-    "yields-to",
-    "launch-blocking",
-];
-
-/// The keys only the node's TOML may set: they name programs the shim (root) runs or the agent it
-/// trusts, and annotations come from whoever writes the pod spec.
-const NODE_ONLY_KEYS: [&str; 3] = ["cuda_checkpoint_path", "agent_socket", "agent_autostart"];
+// The keys Baton knows, in TOML and (prefixed with `baton.io/`) in annotations; the keys only the node's
+// TOML may set (one definition with `baton install`).
+use baton_agent_api::option_keys::{BATON_KEYS, NODE_ONLY_KEYS};
 
 impl BatonSettings {
     /// Sets `key` from its textual form; `origin` names where it came from for the error.

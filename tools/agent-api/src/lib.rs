@@ -7,6 +7,7 @@ pub mod client;
 pub mod control;
 pub mod devices;
 pub mod duration;
+pub mod option_keys;
 pub mod preempt;
 pub mod protocol;
 

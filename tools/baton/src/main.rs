@@ -1,11 +1,13 @@
 //! `baton`: the node agent (`baton agent`) and its clients (`baton status`, `baton events`, `baton freeze`,
 //! `baton preempt`, ...), strace for the
 //! NVIDIA driver per container (`baton trace`), a self-contained demo on the mock driver (`baton demo`), and
-//! the probe benchmarks (`baton bench`).
+//! the probe benchmarks (`baton bench`), and `baton install` / `baton uninstall` (containerd's config,
+//! the agent's unit).
 mod agent;
 mod bench;
 mod control_cli;
 mod demo;
+mod install;
 mod node;
 mod preempt_cli;
 mod render;
@@ -55,6 +57,11 @@ enum Cmd {
     Demo(demo::DemoArgs),
     /// Measure the probes' cost and throughput; prints figures, asserts nothing.
     Bench(bench::BenchArgs),
+    /// Add the Baton runtime to containerd's config, install the agent's systemd unit, print the
+    /// RuntimeClass.
+    Install(install::InstallArgs),
+    /// Remove what `baton install` added.
+    Uninstall(install::UninstallArgs),
     /// The load `baton bench` runs in a child process.
     #[command(hide = true)]
     BenchWorker(bench::WorkerArgs),
@@ -120,6 +127,8 @@ fn main() -> std::process::ExitCode {
             Cmd::Timeline(a) => timeline::convert(&a.input, &a.outputs.into()),
             Cmd::Demo(a) => demo::run(a).await,
             Cmd::Bench(a) => bench::run(a).await,
+            Cmd::Install(a) => install::install(a),
+            Cmd::Uninstall(a) => install::uninstall(a),
             Cmd::BenchWorker(_) => Ok(()),
         }
     });

@@ -1,0 +1,55 @@
+//! The names of the shim's settings, one definition for the shim that parses them (a runtime's TOML
+//! `options` table and `baton.io/` annotations) and `baton install`, which writes them into containerd's
+//! config.
+
+/// Prefix of Baton's annotations (`baton.io/role`, ...); CRI passes a pod's and a container's annotations
+/// with this prefix to the shim when the runtime's `pod_annotations` / `container_annotations` list it.
+pub const ANNOTATION_PREFIX: &str = "baton.io/";
+
+/// Trace the container's NVIDIA driver calls (true | false).
+pub const EBPF: &str = "ebpf";
+/// NVIDIA's cuda-checkpoint binary (node only).
+pub const CUDA_CHECKPOINT_PATH: &str = "cuda_checkpoint_path";
+/// How co-runners are paused ("cgroup" | "signal").
+pub const FREEZER: &str = "freezer";
+/// Where the container's NVIDIA device files are.
+pub const TRACE_PREFIX: &str = "trace_prefix";
+/// The node agent's socket (node only).
+pub const AGENT_SOCKET: &str = "agent_socket";
+/// Start an agent when nothing answers on its socket (node only; false where systemd or a DaemonSet runs it).
+pub const AGENT_AUTOSTART: &str = "agent_autostart";
+/// How long cuda-checkpoint's lock of each process may take.
+pub const CUDA_LOCK_TIMEOUT: &str = "cuda_lock_timeout";
+/// Start waits until no other container holds the GPU.
+pub const WAIT_GPU_FREE: &str = "wait-gpu-free";
+/// "latency-critical" | "co-runner".
+pub const ROLE: &str = "role";
+/// The servers a co-runner yields to.
+pub const YIELDS_TO: &str = "yields-to";
+/// `CUDA_LAUNCH_BLOCKING=1` for a co-runner.
+pub const LAUNCH_BLOCKING: &str = "launch-blocking";
+
+/// Every Baton key, in TOML and (prefixed with [`ANNOTATION_PREFIX`]) in annotations.
+pub const BATON_KEYS: [&str; 11] = [
+    EBPF,
+    CUDA_CHECKPOINT_PATH,
+    FREEZER,
+    TRACE_PREFIX,
+    AGENT_SOCKET,
+    AGENT_AUTOSTART,
+    CUDA_LOCK_TIMEOUT,
+    WAIT_GPU_FREE,
+    ROLE,
+    YIELDS_TO,
+    LAUNCH_BLOCKING,
+];
+
+/// The keys only the node's TOML may set: they name programs the shim (root) runs or the agent it trusts,
+/// and annotations come from whoever writes the pod spec.
+pub const NODE_ONLY_KEYS: [&str; 3] = [CUDA_CHECKPOINT_PATH, AGENT_SOCKET, AGENT_AUTOSTART];
+
+/// runc's `Options` keys (Go spelling) that `baton install` copies from the node's runc runtime, so that
+/// Baton's runc runs as the node's does: the cgroup driver must match the kubelet's.
+pub const RUNC_SYSTEMD_CGROUP: &str = "SystemdCgroup";
+/// The runc binary (empty: runc on PATH).
+pub const RUNC_BINARY_NAME: &str = "BinaryName";
