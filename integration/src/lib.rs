@@ -16,6 +16,7 @@ pub mod cuda;
 pub mod env;
 pub mod fifo;
 pub mod holder;
+pub mod metrics;
 pub mod procs;
 pub mod rootfs;
 pub mod shim_binary;

@@ -3,14 +3,26 @@
 //! when the controller freezes it, and the pod a container belongs to is read from CRI's annotations.
 use std::{collections::HashMap, path::Path};
 
+use baton_agent_api::KubernetesRef;
+
 use crate::errors::{Result, ShimError};
 
 /// The variable, and the value that makes every CUDA launch synchronous.
 pub const LAUNCH_BLOCKING: &str = "CUDA_LAUNCH_BLOCKING=1";
 
-/// CRI's annotations naming the pod of a container.
+/// CRI's annotations naming the pod of a container, and the container in it.
 const POD_NAME: &str = "io.kubernetes.cri.sandbox-name";
 const POD_NAMESPACE: &str = "io.kubernetes.cri.sandbox-namespace";
+const CONTAINER_NAME: &str = "io.kubernetes.cri.container-name";
+
+/// The container as Kubernetes names it (pod namespace, pod, container name), when CRI created it.
+pub fn kubernetes_of(annotations: &HashMap<String, String>) -> Option<KubernetesRef> {
+    Some(KubernetesRef {
+        namespace: annotations.get(POD_NAMESPACE).cloned(),
+        pod: annotations.get(POD_NAME)?.clone(),
+        container: annotations.get(CONTAINER_NAME).cloned(),
+    })
+}
 
 /// `pod-namespace/pod-name` from CRI's annotations, when they are there.
 pub fn pod_of(annotations: &HashMap<String, String>) -> Option<String> {
@@ -106,5 +118,17 @@ mod tests {
         .into();
         assert_eq!(pod_of(&a).as_deref(), Some("serving/llm-0"));
         assert_eq!(pod_of(&HashMap::new()), None);
+        let mut a = a;
+        a.insert(CONTAINER_NAME.to_string(), "server".to_string());
+        let k = kubernetes_of(&a).unwrap();
+        assert_eq!(
+            (
+                k.namespace.as_deref(),
+                k.pod.as_str(),
+                k.container.as_deref()
+            ),
+            (Some("serving"), "llm-0", Some("server"))
+        );
+        assert_eq!(kubernetes_of(&HashMap::new()), None);
     }
 }

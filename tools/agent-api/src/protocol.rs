@@ -149,6 +149,23 @@ pub struct Registration {
     /// Its role for the co-runner controller (`baton.io/role`), if it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<RoleSpec>,
+    /// Its pod and name under Kubernetes, from CRI's annotations (labels of the agent's metrics).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubernetes: Option<KubernetesRef>,
+}
+
+/// A container as Kubernetes names it (CRI's `io.kubernetes.cri.sandbox-namespace`, `sandbox-name` and
+/// `container-name` annotations).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KubernetesRef {
+    /// The pod's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// The pod's name.
+    pub pod: String,
+    /// The container's name in the pod spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
 }
 
 /// The settings of a watched container.
