@@ -149,9 +149,10 @@ pub struct Registration {
     /// Its role for the co-runner controller (`baton.io/role`), if it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<RoleSpec>,
-    /// Its pod and name under Kubernetes, from CRI's annotations (labels of the agent's metrics).
+    /// Its pod and name under Kubernetes, from CRI's annotations (labels of the agent's metrics); boxed,
+    /// so that a `Request` stays small.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kubernetes: Option<KubernetesRef>,
+    pub kubernetes: Option<Box<KubernetesRef>>,
 }
 
 /// A container as Kubernetes names it (CRI's `io.kubernetes.cri.sandbox-namespace`, `sandbox-name` and

@@ -36,11 +36,14 @@ pub const MAX_HEAD_BYTES: usize = 8192;
 /// The content type of the OpenMetrics text format `prometheus-client` writes.
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+/// An exposition and when it was made.
+type Made = Option<(Instant, Arc<String>)>;
+
 /// The last exposition, reused within [`super::snapshot::MIN_INTERVAL`].
 #[derive(Clone)]
 struct Endpoint {
     source: Source,
-    last: Arc<Mutex<Option<(Instant, Arc<String>)>>>,
+    last: Arc<Mutex<Made>>,
 }
 
 impl Endpoint {

@@ -158,7 +158,7 @@ impl ContainerSample {
         Self {
             labels: ContainerLabels::of(
                 &w.registration.container,
-                w.registration.kubernetes.as_ref(),
+                w.registration.kubernetes.as_deref(),
             ),
             container: w.registration.container.clone(),
             gpu_held: status.gpu == GpuHold::Held,
