@@ -71,13 +71,7 @@ pub struct EventMetrics {
     phases: Histograms<PhaseLabels>,
 }
 
-static EVENTS: LazyLock<EventMetrics> = LazyLock::new(|| EventMetrics {
-    release_confirm: Family::new_with_constructor(fast),
-    release_signal: Family::new_with_constructor(fast),
-    freeze_latency: Family::new_with_constructor(fast),
-    preemptions: Family::default(),
-    phases: Family::new_with_constructor(slow),
-});
+static EVENTS: LazyLock<EventMetrics> = LazyLock::new(EventMetrics::new);
 
 /// The agent's event metrics.
 pub fn events() -> &'static EventMetrics {
@@ -89,6 +83,16 @@ fn seconds(ns: u64) -> f64 {
 }
 
 impl EventMetrics {
+    fn new() -> Self {
+        Self {
+            release_confirm: Family::new_with_constructor(fast),
+            release_signal: Family::new_with_constructor(fast),
+            freeze_latency: Family::new_with_constructor(fast),
+            preemptions: Family::default(),
+            phases: Family::new_with_constructor(slow),
+        }
+    }
+
     /// A `released` event published at `published_ns`.
     pub fn released(&self, r: &Released, published_ns: u64) {
         let labels = ConfirmedBy {
@@ -175,6 +179,100 @@ impl EventMetrics {
             "Time from a preemption's request to each phase of its timeline (its first occurrence)",
             Unit::Seconds,
             self.phases.clone(),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use baton_agent_api::ContainerRef;
+
+    use super::*;
+
+    fn step(phase: Phase, t_ns: u64) -> Step {
+        Step {
+            t_ns,
+            container: ContainerRef {
+                id: "c".into(),
+                namespace: "n".into(),
+            },
+            phase,
+            pid: None,
+            detail: String::new(),
+        }
+    }
+
+    fn text(m: &EventMetrics) -> String {
+        let mut r = Registry::with_prefix("baton");
+        m.register(&mut r);
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &r).unwrap();
+        out
+    }
+
+    #[test]
+    fn a_preemption_counts_once_and_times_each_phase_from_the_request() {
+        let m = EventMetrics::new();
+        let steps = [
+            step(Phase::Asked, 1_000_000_000),
+            step(Phase::Locked, 1_010_000_000),
+            step(Phase::Checkpointed, 1_500_000_000),
+            step(Phase::Checkpointed, 1_600_000_000),
+            step(Phase::GpuReleased, 1_550_000_000),
+            step(Phase::Done, 1_700_000_000),
+        ];
+        m.preemption("preempt", "park", true, &steps);
+        m.preemption("resume", "", false, &[]);
+        let t = text(&m);
+        assert!(
+            t.contains(
+                r#"baton_preemptions_total{operation="preempt",mode="park",outcome="ok"} 1"#
+            ),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"baton_preemptions_total{operation="resume",mode="",outcome="error"} 1"#),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"baton_preemption_phase_seconds_count{operation="preempt",phase="checkpointed"} 1"#),
+            "the first checkpointed only: {t}"
+        );
+        assert!(
+            t.contains(r#"baton_preemption_phase_seconds_sum{operation="preempt",phase="gpu_released"} 0.55"#),
+            "{t}"
+        );
+        assert!(!t.contains(r#"phase="asked""#), "{t}");
+    }
+
+    #[test]
+    fn a_release_is_timed_from_the_last_removal() {
+        let m = EventMetrics::new();
+        let r = Released {
+            pids: vec![1],
+            t_last_close_ns: 1_000,
+            t_released_ns: 51_000,
+            confirmed_by: "syscall_return".into(),
+            objects_freed: 0,
+            bytes_freed: 0,
+            nvml: Default::default(),
+        };
+        m.released(&r, 101_000);
+        m.freeze_confirmed(true, 200_000);
+        let t = text(&m);
+        assert!(
+            t.contains(
+                r#"baton_release_confirm_seconds_sum{confirmed_by="syscall_return"} 0.00005"#
+            ),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"baton_release_signal_seconds_sum{confirmed_by="syscall_return"} 0.0001"#),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"baton_freeze_latency_seconds_count{op="freeze"} 1"#),
+            "{t}"
         );
     }
 }
