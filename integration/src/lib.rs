@@ -17,6 +17,7 @@ pub mod cuda;
 pub mod env;
 pub mod fifo;
 pub mod holder;
+pub mod metrics;
 pub mod oci_hooks;
 pub mod procs;
 pub mod rootfs;

@@ -136,6 +136,9 @@ pub fn registration_of(
         control_socket: None,
         preemption: None,
         role: None,
+        // CRI-O's (or containerd's) annotations name the pod, for the agent's metrics.
+        kubernetes: baton_agent_api::KubernetesRef::from_annotations(&state.annotations)
+            .map(Box::new),
     }))
 }
 

@@ -183,6 +183,7 @@ fn registration_of(c: &GpuContainer<'_>) -> Option<Registration> {
         control_socket: c.control_socket.map(|p| p.display().to_string()),
         preemption: c.preemption.cloned(),
         role,
+        kubernetes: c.settings.kubernetes.clone().map(Box::new),
     })
 }
 

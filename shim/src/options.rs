@@ -70,6 +70,8 @@ pub struct BatonSettings {
     pub launch_blocking: bool,
     /// The pod (`pod-namespace/pod-name`) from CRI's sandbox annotations; not a key.
     pub pod: Option<String>,
+    /// The pod and container names from CRI's annotations (for the agent's metrics); not a key.
+    pub kubernetes: Option<baton_agent_api::KubernetesRef>,
 }
 
 impl Default for BatonSettings {
@@ -87,6 +89,7 @@ impl Default for BatonSettings {
             yields_to: Vec::new(),
             launch_blocking: true,
             pod: None,
+            kubernetes: None,
         }
     }
 }

@@ -3,22 +3,21 @@
 //! when the controller freezes it, and the pod a container belongs to is read from CRI's annotations.
 use std::{collections::HashMap, path::Path};
 
+use baton_agent_api::KubernetesRef;
+
 use crate::errors::{Result, ShimError};
 
 /// The variable, and the value that makes every CUDA launch synchronous.
 pub const LAUNCH_BLOCKING: &str = "CUDA_LAUNCH_BLOCKING=1";
 
-/// CRI's annotations naming the pod of a container.
-const POD_NAME: &str = "io.kubernetes.cri.sandbox-name";
-const POD_NAMESPACE: &str = "io.kubernetes.cri.sandbox-namespace";
+/// The container as Kubernetes names it (pod namespace, pod, container name), when CRI created it.
+pub fn kubernetes_of(annotations: &HashMap<String, String>) -> Option<KubernetesRef> {
+    KubernetesRef::from_annotations(annotations)
+}
 
 /// `pod-namespace/pod-name` from CRI's annotations, when they are there.
 pub fn pod_of(annotations: &HashMap<String, String>) -> Option<String> {
-    let name = annotations.get(POD_NAME)?;
-    Some(match annotations.get(POD_NAMESPACE) {
-        Some(ns) => format!("{ns}/{name}"),
-        None => name.clone(),
-    })
+    kubernetes_of(annotations).map(|k| k.pod_path())
 }
 
 /// Adds `CUDA_LAUNCH_BLOCKING=1` to the process environment of the bundle's config.json. A value the
@@ -100,11 +99,32 @@ mod tests {
     #[test]
     fn the_pod_comes_from_cri_annotations() {
         let a: HashMap<String, String> = [
-            (POD_NAME.to_string(), "llm-0".to_string()),
-            (POD_NAMESPACE.to_string(), "serving".to_string()),
+            (
+                "io.kubernetes.cri.sandbox-name".to_string(),
+                "llm-0".to_string(),
+            ),
+            (
+                "io.kubernetes.cri.sandbox-namespace".to_string(),
+                "serving".to_string(),
+            ),
         ]
         .into();
         assert_eq!(pod_of(&a).as_deref(), Some("serving/llm-0"));
         assert_eq!(pod_of(&HashMap::new()), None);
+        let mut a = a;
+        a.insert(
+            "io.kubernetes.cri.container-name".to_string(),
+            "server".to_string(),
+        );
+        let k = kubernetes_of(&a).unwrap();
+        assert_eq!(
+            (
+                k.namespace.as_deref(),
+                k.pod.as_str(),
+                k.container.as_deref()
+            ),
+            (Some("serving"), "llm-0", Some("server"))
+        );
+        assert_eq!(kubernetes_of(&HashMap::new()), None);
     }
 }

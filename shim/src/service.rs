@@ -108,6 +108,7 @@ impl TaskService {
         let (mut settings, unknown) = base.with_annotations(&annotations, "container")?;
         warn_unknown("container annotation", &unknown);
         settings.pod = crate::roles::pod_of(&annotations);
+        settings.kubernetes = crate::roles::kubernetes_of(&annotations);
         Ok(settings)
     }
 

@@ -149,6 +149,59 @@ pub struct Registration {
     /// Its role for the co-runner controller (`baton.io/role`), if it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<RoleSpec>,
+    /// Its pod and name under Kubernetes, from CRI's annotations (labels of the agent's metrics); boxed,
+    /// so that a `Request` stays small.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubernetes: Option<Box<KubernetesRef>>,
+}
+
+/// A container as Kubernetes names it (CRI's `io.kubernetes.cri.sandbox-namespace`, `sandbox-name` and
+/// `container-name` annotations).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KubernetesRef {
+    /// The pod's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// The pod's name.
+    pub pod: String,
+    /// The container's name in the pod spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
+}
+
+/// The annotations that name a container's pod, its namespace and the container, as containerd's CRI plugin
+/// and CRI-O set them (in that order of preference).
+const POD_NAME_KEYS: [&str; 2] = ["io.kubernetes.cri.sandbox-name", "io.kubernetes.pod.name"];
+const POD_NAMESPACE_KEYS: [&str; 2] = [
+    "io.kubernetes.cri.sandbox-namespace",
+    "io.kubernetes.pod.namespace",
+];
+const CONTAINER_NAME_KEYS: [&str; 2] = [
+    "io.kubernetes.cri.container-name",
+    "io.kubernetes.container.name",
+];
+
+impl KubernetesRef {
+    /// The container as Kubernetes names it, from the annotations containerd's CRI plugin or CRI-O put on
+    /// it; `None` when no pod name is there (not a Kubernetes container).
+    pub fn from_annotations(
+        annotations: &std::collections::HashMap<String, String>,
+    ) -> Option<Self> {
+        let first = |keys: &[&str]| keys.iter().find_map(|k| annotations.get(*k).cloned());
+        Some(Self {
+            namespace: first(&POD_NAMESPACE_KEYS),
+            pod: first(&POD_NAME_KEYS)?,
+            container: first(&CONTAINER_NAME_KEYS),
+        })
+    }
+
+    /// `namespace/pod` (or `pod` without a namespace).
+    pub fn pod_path(&self) -> String {
+        match &self.namespace {
+            Some(ns) => format!("{ns}/{}", self.pod),
+            None => self.pod.clone(),
+        }
+    }
 }
 
 /// The settings of a watched container.
@@ -446,6 +499,31 @@ pub struct Released {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_pod_comes_from_containerds_or_cri_os_annotations() {
+        let of = |pairs: &[(&str, &str)]| {
+            let a = pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect();
+            KubernetesRef::from_annotations(&a)
+        };
+        let crio = of(&[
+            ("io.kubernetes.pod.name", "llm-0"),
+            ("io.kubernetes.pod.namespace", "serving"),
+            ("io.kubernetes.container.name", "server"),
+        ])
+        .unwrap();
+        assert_eq!(crio.pod_path(), "serving/llm-0");
+        assert_eq!(crio.container.as_deref(), Some("server"));
+        let containerd = of(&[("io.kubernetes.cri.sandbox-name", "p")]).unwrap();
+        assert_eq!(
+            (containerd.pod_path(), containerd.container),
+            ("p".to_owned(), None)
+        );
+        assert_eq!(of(&[("io.kubernetes.pod.namespace", "x")]), None);
+    }
 
     #[test]
     fn a_request_line_is_flat_json_with_version_and_op() {

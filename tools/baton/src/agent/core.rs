@@ -19,6 +19,10 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use super::{
     control,
     gate::{self, Waiter},
+    metrics::{
+        events::events,
+        snapshot::{ContainerSample, IoctlCounts, Snapshot, TracerTotals},
+    },
     sleep_until_opt,
     trace_session::TraceSession,
     watched::Watched,
@@ -64,6 +68,8 @@ pub enum What {
     Launches(oneshot::Sender<Vec<(ContainerRef, u64)>>),
     /// A freeze, thaw or preemption step of a container, for the trace sessions that trace it.
     Note(Note),
+    /// What the metrics endpoint shows (`agent/metrics`).
+    Metrics(oneshot::Sender<Snapshot>),
     /// A preemption changed a container's state.
     SetPreemption {
         /// Which container.
@@ -155,6 +161,10 @@ pub struct Core {
     members_sent: Vec<control::Member>,
     /// When the trace sessions' next launch lines are due (a deadline that records do not push back).
     launches_due: Option<tokio::time::Instant>,
+    /// Each watched cgroup's ioctls, for the metrics.
+    ioctls: HashMap<u64, IoctlCounts>,
+    /// The counters of the probe sets loaded before the current one.
+    retired: TracerTotals,
 }
 
 impl Core {
@@ -172,7 +182,36 @@ impl Core {
             controller,
             members_sent: Vec::new(),
             launches_due: None,
+            ioctls: HashMap::new(),
+            retired: TracerTotals::default(),
         }
+    }
+
+    /// What the metrics endpoint shows now.
+    fn metrics_snapshot(&self) -> Snapshot {
+        let containers = match &self.tracer {
+            Some(t) => self
+                .watched
+                .values()
+                .map(|w| ContainerSample::of(w, t, self.ioctls.get(&w.cgroup_id)))
+                .collect(),
+            None => Vec::new(),
+        };
+        Snapshot {
+            containers,
+            probes_attached: self.tracer.is_some(),
+            totals: self.retired.with(self.tracer.as_ref()),
+            controller: self.controller.status(),
+        }
+    }
+
+    /// Drops the probes, keeping their counters for the metrics.
+    fn retire_tracer(&mut self) -> bool {
+        let Some(t) = self.tracer.take() else {
+            return false;
+        };
+        self.retired = self.retired.with(Some(&t));
+        true
     }
 
     /// The next launch lines of the trace sessions, while there are sessions.
@@ -258,6 +297,10 @@ impl Core {
                             }
                             What::Note(note) => {
                                 self.note(&note);
+                                Reply::Unregistered { found: true }
+                            }
+                            What::Metrics(answer) => {
+                                let _ = answer.send(self.metrics_snapshot());
                                 Reply::Unregistered { found: true }
                             }
                             What::SetPreemption { container, state } => {
@@ -352,6 +395,7 @@ impl Core {
             w.registration.init_pid = reg.init_pid;
             w.registration.control_socket = reg.control_socket;
             w.registration.role = reg.role;
+            w.registration.kubernetes = reg.kubernetes;
             w.owner = owner;
             let tracer = self.tracer.as_ref().ok_or("the probes are not loaded")?;
             return Ok(w.status(tracer));
@@ -388,6 +432,7 @@ impl Core {
             partial: status.partial,
         };
         self.by_cgroup.insert(cgroup_id, key.clone());
+        self.ioctls.insert(cgroup_id, IoctlCounts::default());
         self.watched.insert(key.clone(), w);
         self.publish(&key, owner, body);
         Ok(status)
@@ -440,6 +485,7 @@ impl Core {
             return false;
         };
         self.by_cgroup.remove(&w.cgroup_id);
+        self.ioctls.remove(&w.cgroup_id);
         let body = match self.tracer.as_mut() {
             Some(t) => {
                 t.unwatch_cgroup(w.cgroup_id);
@@ -664,7 +710,7 @@ impl Core {
 
     /// Drops (detaches) the probes when no container is watched and no trace runs.
     fn drop_tracer_if_unused(&mut self) {
-        if self.watched.is_empty() && self.traces.is_empty() && self.tracer.take().is_some() {
+        if self.watched.is_empty() && self.traces.is_empty() && self.retire_tracer() {
             tracing::info!("agent: probes detached (no watched container or trace left)");
         }
     }
@@ -756,9 +802,10 @@ impl Core {
                 tracing::error!(
                     "agent: reading the probes failed ({e}); detaching them until the next registration"
                 );
-                self.tracer = None;
+                self.retire_tracer();
                 self.watched.clear();
                 self.by_cgroup.clear();
+                self.ioctls.clear();
                 self.traces.clear();
             }
         }
@@ -767,6 +814,7 @@ impl Core {
     /// Turns a batch of records into the containers' transitions. Only the containers the batch concerns are
     /// looked at (one pass over the records, not one per watched container), all of them after a resync.
     fn apply(&mut self, records: &[Record]) {
+        IoctlCounts::count(&mut self.ioctls, records);
         let Some(tracer) = self.tracer.as_ref() else {
             return;
         };
@@ -817,6 +865,9 @@ impl Core {
             container: c.clone(),
             body,
         };
+        if let EventBody::Released(r) = &event.body {
+            events().released(r, event.t_ns);
+        }
         // No watcher is not an error: the state is in `status`.
         let _ = self.events.send(Published { event, owner });
     }
@@ -899,6 +950,7 @@ mod tests {
             control_socket: None,
             preemption: None,
             role: None,
+            kubernetes: None,
         }
     }
 

@@ -8,6 +8,7 @@ mod control;
 mod core;
 mod daemon;
 mod gate;
+mod metrics;
 mod nvml;
 mod preempt;
 mod server;
@@ -50,6 +51,10 @@ pub struct AgentArgs {
     /// for this long (ms): an agent that hangs leaves nothing frozen for longer.
     #[arg(long, default_value_t = 2000)]
     freeze_lease_ms: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics (IP:PORT; port 0 picks a free one), or `off`. A port
+    /// that cannot be bound is logged and the agent runs without metrics.
+    #[arg(long, default_value = metrics::DEFAULT_ADDR)]
+    metrics_addr: metrics::MetricsAddr,
 }
 
 impl AgentArgs {
@@ -124,6 +129,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let (commands, rx) = mpsc::channel(64);
     let controller = control::spawn(bounds, commands.clone());
     let core = tokio::spawn(self::core::Core::new(events.clone(), controller.clone()).run(rx));
+    metrics::spawn(&args.metrics_addr, commands.clone());
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
     let result = tokio::select! {

@@ -17,6 +17,7 @@ use tokio::{
 
 use super::{
     core::{Command, Note, NoteKind, Published, Resolved, What},
+    metrics::events::events,
     server::{send_line, send_reply},
     sleep_until_opt,
 };
@@ -276,19 +277,34 @@ pub async fn preempt(
             break;
         }
     }
-    finish(ctx, timeline, outcome).await
+    let op = Operation {
+        name: "preempt",
+        mode: r.mode.label(),
+    };
+    finish(ctx, timeline, outcome, op).await
+}
+
+/// Which operation a timeline is of, for the metrics.
+struct Operation {
+    /// `preempt`, `resume`, `start` or `handoff`.
+    name: &'static str,
+    /// `park` or `snapshot`; empty for resume and start.
+    mode: &'static str,
 }
 
 async fn finish(
     ctx: &Ctx<'_>,
     timeline: Timeline<'_>,
     outcome: Option<Result<Outcome, String>>,
+    op: Operation,
 ) -> std::io::Result<()> {
     let Timeline {
         write, mut steps, ..
     } = timeline;
     steps.sort_by_key(|s| s.t_ns);
     let sorted = steps;
+    let ok = matches!(outcome, Some(Ok(_)));
+    events().preemption(op.name, op.mode, ok, &sorted);
     match outcome {
         Some(Ok(mut o)) => {
             ctx.set_preemption(&o).await;
@@ -379,7 +395,11 @@ pub async fn forward(
         })
         .await;
     }
-    finish(ctx, timeline, Some(outcome)).await
+    let op = Operation {
+        name: if is_resume { "resume" } else { "start" },
+        mode: "",
+    };
+    finish(ctx, timeline, Some(outcome), op).await
 }
 
 /// Where a handoff is.
@@ -551,5 +571,9 @@ pub async fn handoff(
         ))),
         (a, _) => a,
     };
-    finish(ctx, timeline, outcome).await
+    let op = Operation {
+        name: "handoff",
+        mode: h.mode.label(),
+    };
+    finish(ctx, timeline, outcome, op).await
 }

@@ -379,6 +379,7 @@ impl Controller {
                     _ => {}
                 }
                 if f.latency_ns > 0 {
+                    super::metrics::events::events().freeze_confirmed(r.freeze, f.latency_ns);
                     if r.freeze {
                         stats.last_freeze_ns = Some(f.latency_ns);
                     } else {

@@ -1,0 +1,200 @@
+//! A [`Snapshot`] and the event metrics as one OpenMetrics text exposition (`prometheus-client`'s encoder,
+//! on a registry built for the scrape: the containers' series are those watched now).
+use prometheus_client::{
+    encoding::{EncodeLabelSet, text::encode},
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    registry::{Registry, Unit},
+};
+
+use super::{
+    events::events,
+    snapshot::{ContainerLabels, Snapshot},
+};
+
+/// A container's labels and one more.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClassLabels {
+    #[prometheus(flatten)]
+    container: ContainerLabels,
+    /// The RM class name.
+    class: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EscapeLabels {
+    #[prometheus(flatten)]
+    container: ContainerLabels,
+    /// The escape or UVM command name.
+    escape: &'static str,
+}
+
+fn gauge(v: impl TryInto<i64>) -> i64 {
+    v.try_into().unwrap_or(i64::MAX)
+}
+
+/// The exposition of `s` and the event metrics.
+pub fn exposition(s: &Snapshot) -> Result<String, std::fmt::Error> {
+    let mut r = Registry::with_prefix("baton");
+    containers(&mut r, s);
+    co_runners(&mut r, s);
+    node(&mut r, s);
+    events().register(&mut r);
+    let mut text = String::new();
+    encode(&mut text, &r)?;
+    Ok(text)
+}
+
+/// A gauge family of the containers, one value each.
+fn per_container(
+    s: &Snapshot,
+    value: impl Fn(&super::snapshot::ContainerSample) -> i64,
+) -> Family<ContainerLabels, Gauge> {
+    let f = Family::<ContainerLabels, Gauge>::default();
+    for c in &s.containers {
+        f.get_or_create(&c.labels).set(value(c));
+    }
+    f
+}
+
+fn containers(r: &mut Registry, s: &Snapshot) {
+    r.register_with_unit(
+        "container_gpu_memory",
+        "Video memory of the container's live RM objects in the agent's ledger",
+        Unit::Bytes,
+        per_container(s, |c| gauge(c.vram_bytes)),
+    );
+    r.register_with_unit(
+        "container_gpu_memory_peak",
+        "The most video memory the container's ledger held since it was watched",
+        Unit::Bytes,
+        per_container(s, |c| gauge(c.peak_vram_bytes)),
+    );
+    r.register(
+        "container_gpu_held",
+        "1 while the container holds the GPU (an NVIDIA file or mapping, or a release not yet confirmed)",
+        per_container(s, |c| i64::from(c.gpu_held)),
+    );
+    r.register(
+        "container_nvidia_fds",
+        "NVIDIA device fds the container's processes hold",
+        per_container(s, |c| gauge(c.nvidia_fds)),
+    );
+    r.register(
+        "container_nvidia_mappings",
+        "Mappings of NVIDIA device files in the container's processes",
+        per_container(s, |c| gauge(c.mappings)),
+    );
+    r.register(
+        "container_ledger_partial",
+        "1 when the container's ledger misses calls (processes traced only after they allocated, or lost records)",
+        per_container(s, |c| i64::from(c.partial)),
+    );
+    let objects = Family::<ClassLabels, Gauge>::default();
+    let calls = Family::<EscapeLabels, Counter>::default();
+    let errors = Family::<EscapeLabels, Counter>::default();
+    let launches = Family::<ContainerLabels, Counter>::default();
+    for c in &s.containers {
+        for (class, n) in &c.objects_by_class {
+            let labels = ClassLabels {
+                container: c.labels.clone(),
+                class: class.clone(),
+            };
+            objects.get_or_create(&labels).set(gauge(*n));
+        }
+        for (escape, n) in &c.ioctls {
+            let labels = EscapeLabels {
+                container: c.labels.clone(),
+                escape,
+            };
+            calls.get_or_create(&labels).inc_by(n.calls);
+            if n.errors > 0 {
+                errors.get_or_create(&labels).inc_by(n.errors);
+            }
+        }
+        launches.get_or_create(&c.labels).inc_by(c.launches);
+    }
+    r.register(
+        "container_rm_objects",
+        "Live RM objects of the container in the agent's ledger, by class",
+        objects,
+    );
+    r.register(
+        "container_ioctls",
+        "NVIDIA driver ioctls the container made, by escape or UVM command (UNKNOWN: not in baton-nvidia)",
+        calls,
+    );
+    r.register(
+        "container_ioctl_errors",
+        "The container's ioctls that failed (a negative return, or an RM status other than NV_OK)",
+        errors,
+    );
+    r.register(
+        "container_cuda_launches",
+        "Kernel launches of the container counted by the libcuda uprobes",
+        launches,
+    );
+}
+
+fn co_runners(r: &mut Registry, s: &Snapshot) {
+    let labels = s.labels_by_container();
+    let freezes = Family::<ContainerLabels, Counter>::default();
+    let frozen_time = Family::<ContainerLabels, Counter<f64>>::default();
+    let frozen = Family::<ContainerLabels, Gauge>::default();
+    for co in &s.controller.co_runners {
+        let Some(l) = labels.get(&co.container) else {
+            continue;
+        };
+        freezes.get_or_create(l).inc_by(co.freezes);
+        frozen_time
+            .get_or_create(l)
+            .inc_by(co.frozen_ns as f64 / 1e9);
+        frozen.get_or_create(l).set(i64::from(co.frozen));
+    }
+    r.register(
+        "corunner_freezes",
+        "Freezes of the co-runner by the agent's controller, confirmed by its shim",
+        freezes,
+    );
+    r.register_with_unit(
+        "corunner_frozen",
+        "Time the co-runner spent frozen by the agent's controller",
+        Unit::Seconds,
+        frozen_time,
+    );
+    r.register(
+        "corunner_frozen_now",
+        "1 while the controller holds the co-runner frozen",
+        frozen,
+    );
+}
+
+fn node(r: &mut Registry, s: &Snapshot) {
+    let watched: Gauge = Gauge::default();
+    watched.set(gauge(s.containers.len()));
+    r.register(
+        "watched_containers",
+        "Containers the agent watches",
+        watched,
+    );
+    let attached: Gauge = Gauge::default();
+    attached.set(i64::from(s.probes_attached));
+    r.register(
+        "probes_attached",
+        "1 while the agent's eBPF probes are loaded (from the first watched container to the last)",
+        attached,
+    );
+    let lost: Counter = Counter::default();
+    lost.inc_by(s.totals.records_lost);
+    r.register(
+        "probe_records_lost",
+        "Probe records dropped because the ring buffer was full",
+        lost,
+    );
+    let resyncs: Counter = Counter::default();
+    resyncs.inc_by(s.totals.resyncs);
+    r.register(
+        "probe_resyncs",
+        "Times the agent rebuilt its fd mirror from /proc after lost records",
+        resyncs,
+    );
+}
