@@ -12,6 +12,7 @@ pub mod analog;
 pub mod api;
 pub mod cleanup;
 pub mod containerd;
+pub mod cri;
 pub mod cuda;
 pub mod env;
 pub mod fifo;
