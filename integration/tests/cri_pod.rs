@@ -153,13 +153,15 @@ fn a_baton_pod_runs_under_one_shim_with_its_options_and_annotations_and_is_watch
     if !prerequisites() {
         return;
     }
+    // The mock driver outlives the node (dropped after it): its devices are unmounted once no container
+    // holds them.
+    let mock_dir = tempfile::tempdir().unwrap();
+    let _mock = MockDriver::mount(MountOptions::new(mock_dir.path())).unwrap();
     let Some(node) = CriNode::start("cri-pod", |dir| vec![baton_handler(dir)]) else {
         return;
     };
     let cri = node.client();
     let workload = import_gpu_image(&node);
-    let mock_dir = tempfile::tempdir().unwrap();
-    let _mock = MockDriver::mount(MountOptions::new(mock_dir.path())).unwrap();
     let socket = agent_socket(node.dir());
     let _agent = AgentProcess::start(&socket, &node.dir().join("node-agent.log")).unwrap();
 
@@ -187,11 +189,11 @@ fn a_baton_pod_runs_under_one_shim_with_its_options_and_annotations_and_is_watch
     assert_eq!(ppid(sandbox_pid), shim.pid, "the sandbox's pause process");
     assert_eq!(ppid(container_pid), shim.pid, "the container's init");
 
-    // The options TOML reached the shim: runc state under its Root, the agent at its agent_socket (with
+    // The options TOML reached the shim: runc state under its Root (per namespace, as runc-v2 keeps it), the agent at its agent_socket (with
     // autostart off, only this agent can have been told of the container).
     for container in [&pod, &id] {
         assert!(
-            node.runc_root().join(container).is_dir(),
+            node.runc_root().join("k8s.io").join(container).is_dir(),
             "runc state of {container} under the handler's Root {}",
             node.runc_root().display()
         );
