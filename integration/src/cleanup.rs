@@ -120,8 +120,19 @@ fn remove_cgroups(namespace: &str) {
     }
 }
 
+/// `runc delete --force` for containers `ids` under `root` (those runc does not know are skipped).
+pub fn runc_delete(root: &Path, ids: &[String]) {
+    for id in ids.iter().filter(|id| root.join(id).exists()) {
+        let _ = Command::new("runc")
+            .arg("--root")
+            .arg(root)
+            .args(["delete", "--force", id])
+            .output();
+    }
+}
+
 /// `runc delete --force` for every container runc knows under `root`, then removes `root`.
-fn runc_delete_all(root: &Path) {
+pub fn runc_delete_all(root: &Path) {
     if !root.exists() {
         return;
     }

@@ -1,5 +1,6 @@
 //! A private containerd 1.6: its own root, state, socket and config in a temporary folder, the shim under test
-//! first on its PATH, the CRI plugin disabled (it is not needed and slows startup). Also runs `ctr` against it.
+//! first on its PATH, the CRI plugin disabled (it is not needed and slows startup) unless a test asks for it
+//! ([`Containerd::start_with_cri`]). Also runs `ctr` against it.
 //!
 //! `BATON_CONTAINERD=/path/to/containerd` and `BATON_CTR=/path/to/ctr` choose other binaries, e.g. a containerd
 //! 2.x build for a manual check; the config is written for the major version `containerd --version` reports.
@@ -18,6 +19,9 @@ use nix::unistd::Pid;
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long one `ctr` command may run before it is killed.
 pub const CTR_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The containerd namespace of the CRI plugin's pods and images.
+pub const CRI_NAMESPACE: &str = "k8s.io";
 
 /// Names the containerd binary the harness starts (default: `containerd` on PATH).
 pub const CONTAINERD_ENV: &str = "BATON_CONTAINERD";
@@ -146,6 +150,23 @@ impl Containerd {
         shim_dir: &Path,
         cgroups: CgroupMode,
     ) -> Result<Self, Error> {
+        Self::start_configured(dir, namespace, shim_dir, cgroups, None)
+    }
+
+    /// [`Containerd::start`] with the CRI plugin enabled and configured by `cri` (TOML tables under
+    /// `[plugins."io.containerd.grpc.v1.cri"]`, config format 2, which containerd 2.x migrates), for
+    /// namespace `k8s.io` (the only one CRI uses).
+    pub fn start_with_cri(dir: &Path, shim_dir: &Path, cri: &str) -> Result<Self, Error> {
+        Self::start_configured(dir, CRI_NAMESPACE, shim_dir, CgroupMode::Host, Some(cri))
+    }
+
+    fn start_configured(
+        dir: &Path,
+        namespace: &str,
+        shim_dir: &Path,
+        cgroups: CgroupMode,
+        cri: Option<&str>,
+    ) -> Result<Self, Error> {
         for sub in ["root", "state"] {
             std::fs::create_dir_all(dir.join(sub)).map_err(|source| Error::Io {
                 path: dir.join(sub),
@@ -153,11 +174,13 @@ impl Containerd {
             })?;
         }
         let config = dir.join("config.toml");
-        std::fs::write(&config, config_toml(dir, major_version()?)).map_err(|source| {
-            Error::Io {
-                path: config,
-                source,
-            }
+        let text = match cri {
+            None => config_toml(dir, major_version()?),
+            Some(cri) => cri_config_toml(dir, major_version()?, cri),
+        };
+        std::fs::write(&config, text).map_err(|source| Error::Io {
+            path: config,
+            source,
         })?;
         let path = format!(
             "{}:{}",
@@ -551,6 +574,34 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.b
 [debug]
   level = "info"
 "#
+    )
+}
+
+/// The config of a containerd with the CRI plugin on: format 2 (containerd 2.x migrates it), `cri` appended.
+/// On 2.x NRI stays off (its socket is machine-wide).
+fn cri_config_toml(dir: &Path, major: u32, cri: &str) -> String {
+    let nri = if major >= 2 {
+        r#", "io.containerd.nri.v1.nri""#
+    } else {
+        ""
+    };
+    let dir = dir.display();
+    format!(
+        r#"version = 2
+root = "{dir}/root"
+state = "{dir}/state"
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"{nri}]
+
+[grpc]
+  address = "{dir}/containerd.sock"
+
+[ttrpc]
+  address = "{dir}/containerd.sock.ttrpc"
+
+[debug]
+  level = "info"
+
+{cri}"#
     )
 }
 

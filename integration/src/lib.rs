@@ -13,6 +13,7 @@ pub mod api;
 pub mod browser;
 pub mod cleanup;
 pub mod containerd;
+pub mod cri;
 pub mod cuda;
 pub mod env;
 pub mod fifo;

@@ -6,8 +6,9 @@
 //!
 //! Layering rule for Baton settings: the TOML is the node default; the pod's annotations (those
 //! on the sandbox container, remembered by the shim that serves the pod) override it; a
-//! container's own annotations override the pod. A value that cannot be parsed fails Create with
-//! a message naming the key; unknown keys are returned so the caller can log a warning.
+//! container's own annotations override the pod. A value that cannot be parsed, or a key Baton does
+//! not know (a typo would otherwise be silently ignored), fails Create with a message naming the key
+//! and listing the known ones.
 
 use std::{collections::HashMap, path::PathBuf};
 
@@ -97,6 +98,25 @@ impl Default for BatonSettings {
 // The keys Baton knows, in TOML and (prefixed with `baton.io/`) in annotations; the keys only the node's
 // TOML may set (one definition with `baton install`).
 use baton_agent_api::option_keys::{BATON_KEYS, NODE_ONLY_KEYS};
+
+/// runc's `Options` keys in their Go spelling, as a runtime's options table spells them.
+const RUNC_KEYS: [&str; 10] = [
+    "BinaryName",
+    "Root",
+    "SystemdCgroup",
+    "NoPivotRoot",
+    "NoNewKeyring",
+    "IoUid",
+    "IoGid",
+    "ShimCgroup",
+    "CriuImagePath",
+    "CriuWorkPath",
+];
+
+/// Keys accepted in the options table and ignored: `runtimeoptions.v1.Options`' own fields (containerd
+/// reads them: `ConfigPath` names the file this TOML may come from) and runc's `CriuPath`, which containerd
+/// 1.6's default runc options still list (removed in containerd 2.0).
+const IGNORED_KEYS: [&str; 3] = ["TypeUrl", "ConfigPath", "CriuPath"];
 
 impl BatonSettings {
     /// Sets `key` from its textual form; `origin` names where it came from for the error.
@@ -195,14 +215,13 @@ impl BatonSettings {
     }
 
     /// Applies `baton.io/` annotations on top of `self`. `layer` ("pod" or "container") appears
-    /// in error messages. Returns the unknown `baton.io/` keys.
+    /// in error messages; a `baton.io/` key Baton does not know is an error listing the known ones.
     pub fn with_annotations(
         &self,
         annotations: &HashMap<String, String>,
         layer: &str,
-    ) -> Result<(Self, Vec<String>)> {
+    ) -> Result<Self> {
         let mut out = self.clone();
-        let mut unknown = Vec::new();
         let mut keys: Vec<_> = annotations.keys().collect();
         keys.sort();
         for full_key in keys {
@@ -218,11 +237,40 @@ impl BatonSettings {
                 )));
             }
             if !out.set(key, &annotations[full_key], &origin)? {
-                unknown.push(full_key.clone());
+                return Err(unknown_annotation(&origin, full_key));
             }
         }
-        Ok((out, unknown))
+        Ok(out)
     }
+}
+
+/// The error for a `baton.io/` annotation Baton does not know.
+fn unknown_annotation(origin: &str, full_key: &str) -> ShimError {
+    let known: Vec<String> = BATON_KEYS
+        .iter()
+        .filter(|key| !NODE_ONLY_KEYS.contains(key))
+        .map(|key| format!("{ANNOTATION_PREFIX}{key}"))
+        .collect();
+    ShimError::InvalidArgument(format!(
+        "{origin} {full_key:?}: unknown Baton key; known annotations are {}: fix the pod's or \
+         container's annotation",
+        known.join(", ")
+    ))
+}
+
+/// The error for an options-table key nobody knows.
+fn unknown_toml_key(origin: &str, key: &str) -> ShimError {
+    let known: Vec<&str> = RUNC_KEYS
+        .iter()
+        .chain(BATON_KEYS.iter())
+        .chain(IGNORED_KEYS.iter())
+        .copied()
+        .collect();
+    ShimError::InvalidArgument(format!(
+        "{origin}: unknown key {key:?}; known keys are {}: fix the runtime's options table in \
+         containerd's config (or the file its ConfigPath names)",
+        known.join(", ")
+    ))
 }
 
 /// Everything a Create's `options` field says.
@@ -232,7 +280,7 @@ pub struct RuntimeConfig {
     pub runc: RuncOptions,
     /// Baton's node defaults.
     pub baton: BatonSettings,
-    /// Options nobody honours: unknown TOML keys, unsupported legacy fields (logged as warnings).
+    /// Legacy `CreateOptions` fields nobody honours (logged as warnings).
     pub unknown_keys: Vec<String>,
 }
 
@@ -261,19 +309,7 @@ pub fn decode_options(any: Option<&Any>) -> Result<RuntimeConfig> {
         }
         RUNTIME_OPTIONS_TYPE => {
             let ro = decode_runtime_options(&any.value)?;
-            let body = if !ro.config_body.is_empty() {
-                ro.config_body
-            } else if !ro.config_path.is_empty() {
-                std::fs::read_to_string(&ro.config_path).map_err(|e| {
-                    ShimError::InvalidArgument(format!(
-                        "options: cannot read ConfigPath {}: {e}",
-                        ro.config_path
-                    ))
-                })?
-            } else {
-                String::new()
-            };
-            parse_toml_options(&body)
+            runtime_options_config(&ro)
         }
         LEGACY_CREATE_OPTIONS_TYPE => decode_legacy_create_options(&any.value),
         other => Err(ShimError::InvalidArgument(format!(
@@ -377,16 +413,44 @@ pub fn decode_legacy_create_options(bytes: &[u8]) -> Result<RuntimeConfig> {
     Ok(cfg)
 }
 
+/// The settings a `runtimeoptions.v1.Options` carries: the file `config_path` names (what containerd 1.6
+/// sends: its options table reaches the shim only through `ConfigPath`), then the TOML of `config_body`
+/// (containerd 2.x: the whole options table) on top.
+fn runtime_options_config(ro: &RuntimeOptionsMessage) -> Result<RuntimeConfig> {
+    let mut table = toml::Table::new();
+    if !ro.config_path.is_empty() {
+        let text = std::fs::read_to_string(&ro.config_path).map_err(|e| {
+            ShimError::InvalidArgument(format!(
+                "options: cannot read ConfigPath {}: {e}",
+                ro.config_path
+            ))
+        })?;
+        table = parse_table(&text, &format!("options file {}", ro.config_path))?;
+    }
+    if !ro.config_body.is_empty() {
+        table.extend(parse_table(&ro.config_body, "options TOML")?);
+    }
+    options_from_table(&table, "options TOML")
+}
+
+fn parse_table(text: &str, origin: &str) -> Result<toml::Table> {
+    text.parse()
+        .map_err(|e| ShimError::InvalidArgument(format!("{origin}: {e}")))
+}
+
 /// Parses the TOML `options` table of a Baton runtime: runc's keys in their Go spelling
 /// (`BinaryName`, `SystemdCgroup`, ...) plus Baton's (`ebpf`, `freezer`, ...).
-pub fn parse_toml_options(body: &str) -> Result<RuntimeConfig> {
-    let table: toml::Table = body
-        .parse()
-        .map_err(|e| ShimError::InvalidArgument(format!("options TOML: {e}")))?;
+#[cfg(test)]
+fn parse_toml_options(body: &str) -> Result<RuntimeConfig> {
+    options_from_table(&parse_table(body, "options TOML")?, "options TOML")
+}
+
+/// The settings of an options table; `origin` names it in errors.
+fn options_from_table(table: &toml::Table, origin: &str) -> Result<RuntimeConfig> {
     let mut cfg = RuntimeConfig::default();
-    for (key, value) in &table {
+    for (key, value) in table {
         let wrong = |what: &str| {
-            ShimError::InvalidArgument(format!("options TOML {key} = {value:?}: expected {what}"))
+            ShimError::InvalidArgument(format!("{origin} {key} = {value:?}: expected {what}"))
         };
         let string = || {
             value
@@ -417,9 +481,10 @@ pub fn parse_toml_options(body: &str) -> Result<RuntimeConfig> {
             "agent_autostart" => cfg.baton.agent_autostart = boolean()?,
             k if BATON_KEYS.contains(&k) => {
                 let text = string()?;
-                cfg.baton.set(k, &text, "options TOML")?;
+                cfg.baton.set(k, &text, origin)?;
             }
-            _ => cfg.unknown_keys.push(key.clone()),
+            k if IGNORED_KEYS.contains(&k) => {}
+            _ => return Err(unknown_toml_key(origin, key)),
         }
     }
     Ok(cfg)
@@ -469,7 +534,7 @@ mod tests {
     #[test]
     fn runtime_options_toml_body_carries_runc_and_baton_keys() {
         let body = "BinaryName = \"/opt/runc\"\nSystemdCgroup = true\nIoUid = 1000\n\
-                    ebpf = false\nfreezer = \"signal\"\ntrace_prefix = \"/dev/fake\"\nColour = 3\n";
+                    ebpf = false\nfreezer = \"signal\"\ntrace_prefix = \"/dev/fake\"\nCriuPath = \"\"\n";
         let cfg = decode_options(Some(&any(
             "type.googleapis.com/runtimeoptions.v1.Options",
             encode_runtime_options("", body),
@@ -482,7 +547,45 @@ mod tests {
         assert_eq!(cfg.baton.freezer, Freezer::Signal);
         assert_eq!(cfg.baton.role, None);
         assert_eq!(cfg.baton.trace_prefix, "/dev/fake");
-        assert_eq!(cfg.unknown_keys, vec!["Colour".to_string()]);
+        assert!(cfg.unknown_keys.is_empty());
+    }
+
+    #[test]
+    fn an_unknown_key_names_itself_and_the_known_ones() {
+        let body = encode_runtime_options("", "ebpf = true\nColour = 3\n");
+        let err = decode_options(Some(&any("runtimeoptions.v1.Options", body)))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("\"Colour\""), "{err}");
+        assert!(err.contains("known keys are BinaryName"), "{err}");
+        assert!(
+            err.contains("wait-gpu-free") && err.contains("SystemdCgroup"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_config_path_file_comes_first_and_the_body_overrides_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("baton.toml");
+        std::fs::write(&path, "freezer = \"signal\"\nebpf = false\n").unwrap();
+        let path = path.to_str().unwrap();
+        let body = format!("ConfigPath = \"{path}\"\nebpf = true\n");
+        let bytes = encode_runtime_options(path, &body);
+        let cfg = decode_options(Some(&any("runtimeoptions.v1.Options", bytes))).unwrap();
+        assert_eq!(cfg.baton.freezer, Freezer::Signal);
+        assert!(cfg.baton.ebpf);
+        std::fs::write(dir.path().join("baton.toml"), "Colour = 1\n").unwrap();
+        let err = decode_options(Some(&any(
+            "runtimeoptions.v1.Options",
+            encode_runtime_options(path, ""),
+        )))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains(&format!("options file {path}")) && err.contains("Colour"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -522,19 +625,35 @@ mod tests {
             ("baton.io/freezer".to_string(), "signal".to_string()),
         ]
         .into();
-        let (pod_settings, unknown) = node.with_annotations(&pod, "pod").unwrap();
-        assert!(unknown.is_empty());
+        let pod_settings = node.with_annotations(&pod, "pod").unwrap();
         assert!(!pod_settings.ebpf);
         let ctr: HashMap<String, String> = [
             ("baton.io/ebpf".to_string(), "true".to_string()),
-            ("baton.io/sparkle".to_string(), "1".to_string()),
             ("other.io/x".to_string(), "y".to_string()),
         ]
         .into();
-        let (c, unknown) = pod_settings.with_annotations(&ctr, "container").unwrap();
+        let c = pod_settings.with_annotations(&ctr, "container").unwrap();
         assert!(c.ebpf);
         assert_eq!(c.freezer, Freezer::Signal);
-        assert_eq!(unknown, vec!["baton.io/sparkle".to_string()]);
+    }
+
+    #[test]
+    fn an_unknown_annotation_names_itself_and_the_known_ones() {
+        let typo: HashMap<String, String> =
+            [("baton.io/sparkle".to_string(), "1".to_string())].into();
+        let err = BatonSettings::default()
+            .with_annotations(&typo, "pod")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("pod annotation \"baton.io/sparkle\""), "{err}");
+        assert!(
+            err.contains("baton.io/role") && err.contains("baton.io/ebpf"),
+            "{err}"
+        );
+        assert!(
+            !err.contains("baton.io/agent_socket"),
+            "node-only keys are not offered: {err}"
+        );
     }
 
     #[test]
@@ -547,10 +666,9 @@ mod tests {
             ),
         ]
         .into();
-        let (c, unknown) = BatonSettings::default()
+        let c = BatonSettings::default()
             .with_annotations(&a, "container")
             .unwrap();
-        assert!(unknown.is_empty());
         let spec = c.role_spec().unwrap();
         assert_eq!(spec.role, Role::CoRunner);
         assert_eq!(
@@ -560,11 +678,11 @@ mod tests {
         assert!(spec.launch_blocking);
         let opt_out: HashMap<String, String> =
             [("baton.io/launch-blocking".to_string(), "false".to_string())].into();
-        let (c, _) = c.with_annotations(&opt_out, "container").unwrap();
+        let c = c.with_annotations(&opt_out, "container").unwrap();
         assert!(!c.role_spec().unwrap().launch_blocking);
         let server: HashMap<String, String> =
             [("baton.io/role".to_string(), "latency-critical".to_string())].into();
-        let (s, _) = BatonSettings::default()
+        let s = BatonSettings::default()
             .with_annotations(&server, "container")
             .unwrap();
         let spec = s.role_spec().unwrap();

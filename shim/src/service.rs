@@ -98,15 +98,13 @@ impl TaskService {
             .is_some_and(|t| t == "sandbox");
         let mut pod = lock(&self.shared.pod_settings);
         let base = if is_sandbox {
-            let (pod_settings, unknown) = node.with_annotations(&annotations, "pod")?;
-            warn_unknown("pod annotation", &unknown);
+            let pod_settings = node.with_annotations(&annotations, "pod")?;
             *pod = Some(pod_settings.clone());
             return Ok(pod_settings);
         } else {
             pod.clone().unwrap_or_else(|| node.clone())
         };
-        let (mut settings, unknown) = base.with_annotations(&annotations, "container")?;
-        warn_unknown("container annotation", &unknown);
+        let mut settings = base.with_annotations(&annotations, "container")?;
         settings.pod = crate::roles::pod_of(&annotations);
         settings.kubernetes = crate::roles::kubernetes_of(&annotations);
         Ok(settings)
