@@ -425,7 +425,10 @@ fn runtime_options_config(ro: &RuntimeOptionsMessage) -> Result<RuntimeConfig> {
                 ro.config_path
             ))
         })?;
-        table = parse_table(&text, &format!("options file {}", ro.config_path))?;
+        let origin = format!("options file {}", ro.config_path);
+        table = parse_table(&text, &origin)?;
+        // Checked on its own first, so that an error names the file its key is in.
+        options_from_table(&table, &origin)?;
     }
     if !ro.config_body.is_empty() {
         table.extend(parse_table(&ro.config_body, "options TOML")?);
