@@ -31,6 +31,24 @@ pub fn missing_trace_prerequisite() -> Option<String> {
     None
 }
 
+/// Binaries `names` from the folder of the running program (a benchmark in `target/release` finds the
+/// release builds of `baton`, the mock holder, ... beside it), or what to build when one is missing.
+pub fn sibling_binaries<const N: usize>(names: [&str; N]) -> anyhow::Result<[PathBuf; N]> {
+    let exe = std::env::current_exe()?;
+    let dir = exe
+        .parent()
+        .ok_or_else(|| anyhow::anyhow!("{} has no folder", exe.display()))?;
+    let paths = names.map(|n| dir.join(n));
+    for bin in &paths {
+        anyhow::ensure!(
+            bin.is_file(),
+            "{} missing: cargo build --release --workspace --bins",
+            bin.display()
+        );
+    }
+    Ok(paths)
+}
+
 /// A workspace binary from `<target>/debug`, built with `cargo build -p package` if it is not there.
 pub fn workspace_binary(package: &str, name: &str) -> anyhow::Result<PathBuf> {
     let path = target_dir().join("debug").join(name);

@@ -22,7 +22,7 @@ use anyhow::{Context, Result, bail};
 use baton_integration::{
     agent::{AgentConn, AgentProcess},
     metrics::{client, get, url_from_log},
-    trace_env::missing_trace_prerequisite,
+    trace_env::{missing_trace_prerequisite, sibling_binaries},
 };
 use baton_mock_nvidia::driver::{MockDriver, MountOptions};
 use baton_tracer::cgroups;
@@ -37,19 +37,7 @@ fn main() -> Result<()> {
     if let Some(reason) = missing_trace_prerequisite() {
         bail!("cannot benchmark: {reason}");
     }
-    let dir = std::env::current_exe()?
-        .parent()
-        .context("no binary folder")?
-        .to_owned();
-    let (baton, holder) = (dir.join("baton"), dir.join("baton-mock-holder"));
-    for bin in [&baton, &holder] {
-        if !bin.is_file() {
-            bail!(
-                "{} missing: cargo build --release --workspace --bins",
-                bin.display()
-            );
-        }
-    }
+    let [baton, holder] = sibling_binaries(["baton", "baton-mock-holder"])?;
     let work = tempfile::tempdir()?;
     let mock_dir = work.path().join("dev");
     std::fs::create_dir(&mock_dir)?;
