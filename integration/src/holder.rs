@@ -155,6 +155,12 @@ impl HolderContainer {
         &self.id
     }
 
+    /// The pid of the child it drives (the holder itself when it was started directly, not through a
+    /// runtime).
+    pub fn child_pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Sends one command and returns the words of its `ok` reply; an error for `err` or no reply.
     pub fn cmd(&mut self, line: &str) -> anyhow::Result<Vec<String>> {
         let stdin = self

@@ -8,9 +8,8 @@
 //!
 //! Run as root: `cargo build --release --workspace --bins && target/release/baton-metrics-bench`.
 use std::{
-    io::{BufRead, BufReader, Write},
     path::Path,
-    process::{Child, ChildStdin, Stdio},
+    process::Stdio,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -18,9 +17,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use baton_integration::{
     agent::{AgentConn, AgentProcess},
+    holder::HolderContainer,
     metrics::{client, get, url_from_log},
     trace_env::{missing_trace_prerequisite, sibling_binaries},
 };
@@ -60,15 +60,15 @@ fn main() -> Result<()> {
         "| watched containers | scrape p50 | scrape p99 | exposition | status p50 | status p50 while scraping | ratio |"
     );
     println!("|---|---|---|---|---|---|---|");
-    let mut holders: Vec<Holder> = Vec::new();
+    let mut holders: Vec<HolderContainer> = Vec::new();
     for count in [1usize, 10, 100] {
         while holders.len() < count {
             let i = holders.len();
             let cg = cgroups::create(&root, &format!("{bench_cg}/c{i}"))?;
-            let h = Holder::start(&holder, &mock_dir, &cg)?;
+            let h = start_holder(&holder, &mock_dir, &cg, &format!("c{i}"))?;
             conn.call(json!({
                 "op": "register", "id": format!("c{i}"), "namespace": "bench",
-                "cgroup": format!("/{bench_cg}/c{i}"), "init_pid": h.child.id(),
+                "cgroup": format!("/{bench_cg}/c{i}"), "init_pid": h.child_pid(),
                 "devices": [mock_dir.join("nvidiactl")],
                 "settings": {"trace_prefix": format!("{}/nvidia", mock_dir.display())},
                 "kubernetes": {"namespace": "bench", "pod": format!("pod-{i}"), "container": "main"},
@@ -133,40 +133,17 @@ fn percentile(samples: &[Duration], p: usize) -> Duration {
         .unwrap_or_default()
 }
 
-/// A scripted holder with nvidiactl open, in a cgroup of its own.
-struct Holder {
-    child: Child,
-    _stdin: ChildStdin,
-}
-
-impl Holder {
-    fn start(program: &Path, dev: &Path, cgroup: &Path) -> Result<Self> {
-        let mut child = cgroups::command_in(
-            cgroup,
-            program,
-            &["--dev-dir".to_owned(), dev.display().to_string()],
-        )
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()?;
-        let mut stdin = child.stdin.take().context("stdin")?;
-        let mut out = BufReader::new(child.stdout.take().context("stdout")?);
-        writeln!(stdin, "open nvidiactl")?;
-        let mut reply = String::new();
-        out.read_line(&mut reply)?;
-        if !reply.starts_with("ok") {
-            bail!("holder: open nvidiactl: {reply}");
-        }
-        Ok(Self {
-            child,
-            _stdin: stdin,
-        })
-    }
-}
-
-impl Drop for Holder {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A scripted holder with nvidiactl open, in cgroup `cgroup`.
+fn start_holder(program: &Path, dev: &Path, cgroup: &Path, id: &str) -> Result<HolderContainer> {
+    let child = cgroups::command_in(
+        cgroup,
+        program,
+        &["--dev-dir".to_owned(), dev.display().to_string()],
+    )
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .spawn()?;
+    let mut h = HolderContainer::attach(id, child)?;
+    h.cmd("open nvidiactl")?;
+    Ok(h)
 }
