@@ -142,20 +142,26 @@ pub struct Api {
     namespace: String,
 }
 
+/// A gRPC channel to containerd's socket and the one-worker runtime that blocking clients drive it on.
+pub fn blocking_channel(socket: &Path) -> Result<(tokio::runtime::Runtime, Channel), Error> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(Error::Runtime)?;
+    let channel = runtime
+        .block_on(containerd_client::connect(socket))
+        .map_err(|error| Error::Connect {
+            socket: socket.display().to_string(),
+            detail: error.to_string(),
+        })?;
+    Ok((runtime, channel))
+}
+
 impl Api {
     /// Connects to containerd's socket for `namespace`.
     pub fn connect(socket: &Path, namespace: &str) -> Result<Self, Error> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .map_err(Error::Runtime)?;
-        let channel = runtime
-            .block_on(containerd_client::connect(socket))
-            .map_err(|error| Error::Connect {
-                socket: socket.display().to_string(),
-                detail: error.to_string(),
-            })?;
+        let (runtime, channel) = blocking_channel(socket)?;
         Ok(Self {
             runtime,
             channel,

@@ -558,22 +558,11 @@ fn config_toml(dir: &Path, major: u32) -> String {
     } else {
         (2, "")
     };
-    let dir = dir.display();
-    format!(
-        r#"version = {format}
-root = "{dir}/root"
-state = "{dir}/state"
-disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"{extra_disabled}]
-
-[grpc]
-  address = "{dir}/containerd.sock"
-
-[ttrpc]
-  address = "{dir}/containerd.sock.ttrpc"
-
-[debug]
-  level = "info"
-"#
+    config_with(
+        dir,
+        format,
+        &format!(r#""io.containerd.grpc.v1.cri", {SNAPSHOTTERS_OFF}{extra_disabled}"#),
+        "",
     )
 }
 
@@ -585,12 +574,26 @@ fn cri_config_toml(dir: &Path, major: u32, cri: &str) -> String {
     } else {
         ""
     };
+    config_with(
+        dir,
+        2,
+        &format!("{SNAPSHOTTERS_OFF}{nri}"),
+        &format!("\n{cri}"),
+    )
+}
+
+/// The snapshotters no test uses (they probe for their backing stores at start).
+const SNAPSHOTTERS_OFF: &str = r#""io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs""#;
+
+/// A config of format `format` with its root, state and sockets under `dir`, plugins `disabled` (a TOML
+/// list's items) off, and `tail` appended.
+fn config_with(dir: &Path, format: u32, disabled: &str, tail: &str) -> String {
     let dir = dir.display();
     format!(
-        r#"version = 2
+        r#"version = {format}
 root = "{dir}/root"
 state = "{dir}/state"
-disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"{nri}]
+disabled_plugins = [{disabled}]
 
 [grpc]
   address = "{dir}/containerd.sock"
@@ -600,8 +603,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 
 [debug]
   level = "info"
-
-{cri}"#
+{tail}"#
     )
 }
 

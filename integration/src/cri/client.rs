@@ -19,17 +19,9 @@ use tonic::transport::Channel;
 /// Errors from the CRI client.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The tokio runtime could not be built.
-    #[error("building a tokio runtime: {0}")]
-    Runtime(std::io::Error),
-    /// The socket could not be reached.
-    #[error("connecting to the CRI socket {socket}: {detail}")]
-    Connect {
-        /// The socket.
-        socket: String,
-        /// The cause.
-        detail: String,
-    },
+    /// The runtime or the connection to the socket could not be set up.
+    #[error("the CRI socket: {0}")]
+    Connect(#[from] crate::api::Error),
     /// A call returned an error status.
     #[error("CRI {call} {target}: {}", status.message())]
     Rpc {
@@ -80,17 +72,7 @@ fn rpc(call: &'static str, target: &str) -> impl FnOnce(tonic::Status) -> Error 
 impl CriClient {
     /// Connects to the CRI service on `socket` (containerd's gRPC socket).
     pub fn connect(socket: &Path) -> Result<Self, Error> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .map_err(Error::Runtime)?;
-        let channel = runtime
-            .block_on(containerd_client::connect(socket))
-            .map_err(|error| Error::Connect {
-                socket: socket.display().to_string(),
-                detail: error.to_string(),
-            })?;
+        let (runtime, channel) = crate::api::blocking_channel(socket)?;
         Ok(Self { runtime, channel })
     }
 
