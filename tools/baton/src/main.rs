@@ -73,7 +73,7 @@ struct TimelineArgs {
     /// A `baton trace --json` output (one object per line).
     input: std::path::PathBuf,
     #[command(flatten)]
-    outputs: trace::TimelineFiles,
+    outputs: timeline::Outputs,
 }
 
 fn main() -> std::process::ExitCode {
@@ -124,7 +124,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Duty(a) => control_cli::duty(a).await,
             Cmd::Governor(a) => control_cli::governor(a).await,
             Cmd::Trace(a) => trace::run(a).await,
-            Cmd::Timeline(a) => timeline::convert(&a.input, &a.outputs.into()),
+            Cmd::Timeline(a) => timeline::convert(&a.input, &a.outputs),
             Cmd::Demo(a) => demo::run(a).await,
             Cmd::Bench(a) => bench::run(a).await,
             Cmd::Install(a) => install::install(a),

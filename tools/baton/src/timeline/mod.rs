@@ -14,12 +14,16 @@ use anyhow::Context;
 
 pub use model::Timeline;
 
-/// Where to write the timelines of a trace.
-#[derive(Clone, Debug, Default)]
+/// Where to write the timelines of a trace: `--perfetto FILE` and `--html FILE`.
+#[derive(clap::Args, Clone, Debug, Default)]
 pub struct Outputs {
-    /// Chrome trace-event JSON.
+    /// Write a timeline of the trace in Chrome trace-event JSON here (open it in the Perfetto UI or
+    /// chrome://tracing): per container, its threads' ioctls, the GPU held, frozen/thawed, preemption phases
+    /// and its CUDA launches.
+    #[arg(long, value_name = "FILE")]
     pub perfetto: Option<PathBuf>,
-    /// Self-contained HTML.
+    /// Write the same timeline as a self-contained HTML page here.
+    #[arg(long, value_name = "FILE")]
     pub html: Option<PathBuf>,
 }
 

@@ -66,40 +66,11 @@ pub struct TraceArgs {
     pub launch_interval: Option<f64>,
     /// Timelines to write when tracing ends.
     #[command(flatten)]
-    pub timeline: TimelineFiles,
+    pub timeline: timeline::Outputs,
     /// Load a probe set of its own even when a `baton agent` runs (by default the agent's set traces, so
     /// that the node pays for one; `--driver-version` and `--cgroup-root` imply this).
     #[arg(long)]
     pub standalone: bool,
-}
-
-/// `--perfetto FILE` and `--html FILE`.
-#[derive(Args, Clone, Debug, Default)]
-pub struct TimelineFiles {
-    /// Write a timeline of the trace in Chrome trace-event JSON here (open it in the Perfetto UI or
-    /// chrome://tracing): per container, its threads' ioctls, the GPU held, frozen/thawed, preemption phases
-    /// and its CUDA launches.
-    #[arg(long, value_name = "FILE")]
-    pub perfetto: Option<PathBuf>,
-    /// Write the same timeline as a self-contained HTML page here.
-    #[arg(long, value_name = "FILE")]
-    pub html: Option<PathBuf>,
-}
-
-impl TimelineFiles {
-    /// Whether a timeline is asked for.
-    pub fn wants(&self) -> bool {
-        self.perfetto.is_some() || self.html.is_some()
-    }
-}
-
-impl From<TimelineFiles> for timeline::Outputs {
-    fn from(f: TimelineFiles) -> Self {
-        Self {
-            perfetto: f.perfetto,
-            html: f.html,
-        }
-    }
 }
 
 fn parse_interval(s: &str) -> Result<f64, String> {
@@ -203,7 +174,7 @@ pub async fn run_until(
         quiet: args.quiet,
         t0: now_monotonic_ns(),
         probes_shown: HashSet::new(),
-        timeline: args.timeline.wants().then(Timeline::default),
+        timeline: args.timeline.any().then(Timeline::default),
     };
     let deadline = async {
         match args.duration {
@@ -249,7 +220,7 @@ pub async fn run_until(
     }
     output.out.flush()?;
     if let Some(t) = &output.timeline {
-        timeline::Outputs::from(args.timeline.clone()).write(t)?;
+        args.timeline.write(t)?;
     }
     Ok(())
 }

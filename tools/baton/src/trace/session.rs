@@ -90,6 +90,9 @@ impl<W: Write> Output<W> {
         }) {
             on_event(e);
             self.summary.add(e);
+            if self.quiet && self.timeline.is_none() {
+                continue;
+            }
             let name = tracer.container_name(e.cgroup_id);
             if let Some(t) = &mut self.timeline {
                 t.add(&serde_json::to_value(TraceEvent::new(e, &name))?);

@@ -7,7 +7,7 @@ use anyhow::Context;
 use baton_agent_api::{Client, Request, TraceRequest};
 
 use super::{READY_LINE, TraceArgs};
-use crate::timeline::{self, Timeline};
+use crate::timeline::Timeline;
 
 /// How long a ping of the agent may take before `baton trace` loads its own probes instead.
 const PING_TIMEOUT: Duration = Duration::from_secs(2);
@@ -38,8 +38,8 @@ pub async fn run(
         all: args.all,
         prefixes: args.prefixes.clone(),
         // A timeline is built here from the JSON objects, whatever the lines shown.
-        json: args.json || args.timeline.wants(),
-        quiet: args.quiet && !args.timeline.wants(),
+        json: args.json || args.timeline.any(),
+        quiet: args.quiet && !args.timeline.any(),
         summary: args.summary,
         launch_interval_ms: args.launch_interval.map(|s| (s * 1000.0).max(1.0) as u64),
     };
@@ -66,7 +66,7 @@ pub async fn run(
             None => std::future::pending().await,
         }
     };
-    let mut timeline = args.timeline.wants().then(Timeline::default);
+    let mut timeline = args.timeline.any().then(Timeline::default);
     if timeline.is_some() && !args.json {
         eprintln!(
             "baton trace: through the agent, a timeline run shows no text lines (the agent sends JSON for the timeline): add --json to see the objects, or --standalone for text lines"
@@ -112,7 +112,7 @@ pub async fn run(
     }
     out.flush()?;
     if let Some(t) = &timeline {
-        timeline::Outputs::from(args.timeline.clone()).write(t)?;
+        args.timeline.write(t)?;
     }
     Ok(())
 }
