@@ -80,7 +80,12 @@ impl IoctlCounts {
             };
             let c = counts.0.entry(name).or_default();
             c.calls += 1;
-            if io.ret < 0 || io.decoded.status.is_some_and(|s| s != 0) {
+            if io.ret < 0
+                || io
+                    .decoded
+                    .status
+                    .is_some_and(|s| s != baton_nvidia::status::NV_OK)
+            {
                 c.errors += 1;
             }
         }
