@@ -230,6 +230,12 @@ impl Tracer {
             .collect()
     }
 
+    /// The folder of watched cgroup `id` under the v2 mount, when its path is known.
+    pub fn cgroup_dir(&mut self, id: u64) -> Option<PathBuf> {
+        let path = self.cgroups.path_of(id)?.to_owned();
+        Some(self.cgroups.root().join(path.trim_start_matches('/')))
+    }
+
     /// Stops tracing cgroup `id` (fds already followed stay followed until closed).
     pub fn unwatch_cgroup(&mut self, id: u64) {
         let _ = self.probes.watched.remove(&id);

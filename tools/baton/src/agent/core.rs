@@ -19,6 +19,7 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use super::{
     control,
     gate::{self, Waiter},
+    holders::{Classifier, Exempt, Holding, node_gpu_holders},
     metrics::{
         events::events,
         snapshot::{ContainerSample, IoctlCounts, Snapshot, TracerTotals},
@@ -165,12 +166,28 @@ pub struct Core {
     ioctls: HashMap<u64, IoctlCounts>,
     /// The counters of the probe sets loaded before the current one.
     retired: TracerTotals,
+    /// Tells NVIDIA files apart in /proc (the hidden-holder checks).
+    classifier: Classifier,
+    /// The node's own processes, which never count as holders.
+    exempt: Exempt,
+    /// When to look at /proc again for holders the probes cannot see (a release or a gate waits for one).
+    recheck_due: Option<tokio::time::Instant>,
+    /// The delay before the next such look (grows while nothing changes).
+    recheck_every: std::time::Duration,
 }
+
+/// The first delay before /proc is read again for a hidden holder, and the longest.
+const RECHECK_FIRST: std::time::Duration = std::time::Duration::from_millis(5);
+const RECHECK_MAX: std::time::Duration = std::time::Duration::from_millis(200);
 
 impl Core {
     /// A core with nothing watched, publishing on `events`; the co-runner controller learns the watched
     /// containers' roles from it.
-    pub fn new(events: broadcast::Sender<Published>, controller: control::Handle) -> Self {
+    pub fn new(
+        events: broadcast::Sender<Published>,
+        controller: control::Handle,
+        exempt: Exempt,
+    ) -> Self {
         Self {
             tracer: None,
             watched: BTreeMap::new(),
@@ -184,6 +201,10 @@ impl Core {
             launches_due: None,
             ioctls: HashMap::new(),
             retired: TracerTotals::default(),
+            classifier: Classifier::new(),
+            exempt,
+            recheck_due: None,
+            recheck_every: RECHECK_FIRST,
         }
     }
 
@@ -327,6 +348,7 @@ impl Core {
                     self.expire_gates();
                 }
                 () = sleep_until_opt(launches_due) => self.trace_launches(),
+                () = sleep_until_opt(self.recheck_due) => self.recheck(),
                 _ = rescan_tick(self.traces.values().any(TraceSession::has_names)) => {
                     if let Some(t) = self.tracer.as_mut() {
                         for s in self.traces.values_mut() {
@@ -591,8 +613,11 @@ impl Core {
         };
         let devices = gate::devices_seen(w.registration.init_pid, &w.registration.devices);
         let timeout = std::time::Duration::from_millis(request.timeout_ms);
+        let cgroup = w.registration.cgroup.clone();
         self.waiters.push(Waiter {
             container: request.container,
+            cgroup,
+            hidden_logged: false,
             devices,
             asked_ns: now_monotonic_ns(),
             deadline: tokio::time::Instant::now() + timeout,
@@ -618,11 +643,34 @@ impl Core {
                 if devices.is_empty() {
                     !held.is_empty()
                 } else {
-                    held.iter().any(|d| devices.contains(d))
+                    held.iter()
+                        .any(|d| devices.iter().any(|w| w.same_device(d)))
                 }
             })
             .map(|(_, w)| w)
             .collect()
+    }
+
+    /// Who keeps waiter `w` from starting: the other watched containers the probes see holding one of its
+    /// devices and, once those are gone, every process /proc shows holding one (in any container, watched
+    /// or not: a file passed over a socket, a mapping kept after its fd was closed, a container Baton does
+    /// not watch). Both empty when its GPU is free.
+    fn gate_holders(&self, w: &Waiter) -> (Vec<String>, Vec<Holding>) {
+        let watched: Vec<String> = self
+            .holders(&w.container, &w.devices)
+            .iter()
+            .map(|h| {
+                format!(
+                    "container {} (namespace {})",
+                    h.registration.container.id, h.registration.container.namespace
+                )
+            })
+            .collect();
+        if !watched.is_empty() {
+            return (watched, Vec::new());
+        }
+        let hidden = node_gpu_holders(&self.classifier, &self.exempt, &w.devices, Some(&w.cgroup));
+        (watched, hidden)
     }
 
     /// Answers every waiter whose devices nobody else holds now.
@@ -631,8 +679,10 @@ impl Core {
             return;
         }
         let waiters = std::mem::take(&mut self.waiters);
-        for w in waiters {
-            if self.holders(&w.container, &w.devices).is_empty() {
+        let mut hidden_wait = false;
+        for mut w in waiters {
+            let (watched, hidden) = self.gate_holders(&w);
+            if watched.is_empty() && hidden.is_empty() {
                 let now = now_monotonic_ns();
                 tracing::info!(
                     id = w.container.id,
@@ -642,9 +692,59 @@ impl Core {
                     waited_ns: now.saturating_sub(w.asked_ns),
                     t_free_ns: now,
                 });
-            } else {
-                self.waiters.push(w);
+                continue;
             }
+            if !hidden.is_empty() {
+                hidden_wait = true;
+                if !w.hidden_logged {
+                    w.hidden_logged = true;
+                    tracing::warn!(
+                        id = w.container.id,
+                        "agent: the gate stays shut: {}",
+                        describe_hidden(&hidden)
+                    );
+                }
+            }
+            self.waiters.push(w);
+        }
+        if hidden_wait {
+            self.schedule_recheck();
+        }
+    }
+
+    /// Looks at /proc again in a while: a release or a gate waits for a holder the probes cannot see.
+    fn schedule_recheck(&mut self) {
+        if self.recheck_due.is_none() {
+            self.recheck_due = Some(tokio::time::Instant::now() + self.recheck_every);
+            self.recheck_every = (self.recheck_every * 2).min(RECHECK_MAX);
+        }
+    }
+
+    /// The look at /proc [`Core::schedule_recheck`] asked for: the releases that wait for hidden holders,
+    /// then the gates.
+    fn recheck(&mut self) {
+        self.recheck_due = None;
+        let mut out = Vec::new();
+        if let Some(tracer) = self.tracer.as_mut() {
+            for (c, w) in self
+                .watched
+                .iter_mut()
+                .filter(|(_, w)| w.awaits_hidden_holders())
+            {
+                for body in w.update(tracer, &[], &self.classifier) {
+                    out.push((c.clone(), w.owner, body));
+                }
+            }
+        }
+        for (c, owner, body) in out {
+            self.publish(&c, owner, body);
+        }
+        self.check_gates();
+        if self.watched.values().any(Watched::awaits_hidden_holders) {
+            self.schedule_recheck();
+        }
+        if self.recheck_due.is_none() {
+            self.recheck_every = RECHECK_FIRST;
         }
     }
 
@@ -657,25 +757,21 @@ impl Core {
                 self.waiters.push(w);
                 continue;
             }
-            let holders: Vec<String> = self
-                .holders(&w.container, &w.devices)
-                .iter()
-                .map(|h| {
-                    format!(
-                        "{} (namespace {})",
-                        h.registration.container.id, h.registration.container.namespace
-                    )
-                })
-                .collect();
+            let (watched, hidden) = self.gate_holders(&w);
             let waited =
                 std::time::Duration::from_nanos(now_monotonic_ns().saturating_sub(w.asked_ns));
-            let error = if holders.is_empty() {
-                format!("the GPU was not free within {waited:?}")
-            } else {
+            let error = if !watched.is_empty() {
                 format!(
-                    "the GPU is still held by container {} after {waited:?}",
-                    holders.join(", ")
+                    "the GPU is still held by {} after {waited:?}",
+                    watched.join(", ")
                 )
+            } else if !hidden.is_empty() {
+                format!(
+                    "the GPU is still held after {waited:?}: {}",
+                    describe_hidden(&hidden)
+                )
+            } else {
+                format!("the GPU was not free within {waited:?}")
             };
             let _ = w.reply.send(Reply::Error { error });
         }
@@ -798,15 +894,38 @@ impl Core {
                     }
                 }
             }
-            Err(e) => {
+            Err(e) => self.probes_failed(&e.to_string()),
+        }
+    }
+
+    /// Reading the probes failed: the gate fails closed (every waiting Start gets an error, never "free"),
+    /// the probes are loaded again and every container is watched again as its shim registered it (its
+    /// fds and mappings re-read from /proc); one that cannot be is dropped with an error in the log.
+    fn probes_failed(&mut self, error: &str) {
+        tracing::error!("agent: reading the probes failed ({error}); loading them again");
+        let refusal = format!(
+            "the agent's probes failed ({error}): whether the GPU is free cannot be told, so the gate stays \
+             shut; start the container again"
+        );
+        for w in std::mem::take(&mut self.waiters) {
+            let _ = w.reply.send(Reply::Error {
+                error: refusal.clone(),
+            });
+        }
+        self.retire_tracer();
+        self.traces.clear();
+        self.by_cgroup.clear();
+        self.ioctls.clear();
+        let watched = std::mem::take(&mut self.watched);
+        for (c, w) in watched {
+            let mut reg = w.registration;
+            reg.preemption = w.preemption;
+            if let Err(e) = self.register(reg, w.owner) {
                 tracing::error!(
-                    "agent: reading the probes failed ({e}); detaching them until the next registration"
+                    id = c.id,
+                    namespace = c.namespace,
+                    "agent: container no longer watched after the probes failed: {e}"
                 );
-                self.retire_tracer();
-                self.watched.clear();
-                self.by_cgroup.clear();
-                self.ioctls.clear();
-                self.traces.clear();
             }
         }
     }
@@ -815,7 +934,7 @@ impl Core {
     /// looked at (one pass over the records, not one per watched container), all of them after a resync.
     fn apply(&mut self, records: &[Record]) {
         IoctlCounts::count(&mut self.ioctls, records);
-        let Some(tracer) = self.tracer.as_ref() else {
+        let Some(tracer) = self.tracer.as_mut() else {
             return;
         };
         let resynced = records
@@ -835,12 +954,15 @@ impl Core {
             let Some(w) = self.watched.get_mut(c) else {
                 continue;
             };
-            for body in w.update(tracer, records) {
+            for body in w.update(tracer, records, &self.classifier) {
                 out.push((c.clone(), w.owner, body));
             }
         }
         for (c, owner, body) in out {
             self.publish(&c, owner, body);
+        }
+        if self.watched.values().any(Watched::awaits_hidden_holders) {
+            self.schedule_recheck();
         }
     }
 
@@ -871,6 +993,27 @@ impl Core {
         // No watcher is not an error: the state is in `status`.
         let _ = self.events.send(Published { event, owner });
     }
+}
+
+/// The processes of `hidden` and what they hold, for a log line or an error: each with its cgroup, since
+/// the probes may not know its container.
+fn describe_hidden(hidden: &[Holding]) -> String {
+    let mut pids: Vec<u32> = hidden.iter().map(|h| h.pid).collect();
+    pids.dedup();
+    let each: Vec<String> = hidden
+        .iter()
+        .take(8)
+        .map(|h| {
+            let cgroup = baton_tracer::cgroups::v2_path_of_pid(h.pid)
+                .unwrap_or_else(|| "an unknown cgroup".to_owned());
+            format!("{h} in cgroup {cgroup}")
+        })
+        .collect();
+    format!(
+        "{} process(es) hold its device files as /proc shows: {}",
+        pids.len(),
+        each.join("; ")
+    )
 }
 
 /// Every 500 ms while `active` (a trace names containers, which may start later), else never.

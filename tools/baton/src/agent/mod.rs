@@ -8,6 +8,7 @@ mod control;
 mod core;
 mod daemon;
 mod gate;
+mod holders;
 mod metrics;
 mod nvml;
 mod preempt;
@@ -55,6 +56,11 @@ pub struct AgentArgs {
     /// that cannot be bound is logged and the agent runs without metrics.
     #[arg(long, default_value = metrics::DEFAULT_ADDR)]
     metrics_addr: metrics::MetricsAddr,
+    /// A cgroup v2 path whose processes (and those of the cgroups below it) are the node's own GPU daemons
+    /// (DCGM, a device plugin) and never count as holders of a GPU; repeatable. Processes outside any
+    /// container (in the node's mount namespace) never count anyway.
+    #[arg(long = "exempt-cgroup", value_name = "PATH")]
+    exempt_cgroups: Vec<String>,
 }
 
 impl AgentArgs {
@@ -128,7 +134,11 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let (events, _) = broadcast::channel(4096);
     let (commands, rx) = mpsc::channel(64);
     let controller = control::spawn(bounds, commands.clone());
-    let core = tokio::spawn(self::core::Core::new(events.clone(), controller.clone()).run(rx));
+    let exempt = holders::Exempt {
+        cgroups: args.exempt_cgroups.clone(),
+    };
+    let core =
+        tokio::spawn(self::core::Core::new(events.clone(), controller.clone(), exempt).run(rx));
     metrics::spawn(&args.metrics_addr, commands.clone());
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
