@@ -106,6 +106,33 @@ fn a_file_taken_with_pidfd_getfd_keeps_the_container_held_until_the_taker_closes
     expect_release_after(&mut w, "pidfd", before, t);
 }
 
+#[test]
+fn a_file_registered_in_io_uring_keeps_the_container_held_until_the_ring_goes() {
+    let Some(rig) = Rig::start("hidden-ring") else {
+        return;
+    };
+    let mut h = rig.holder("ring");
+    let mut w = rig.watch("ring");
+    let fd = h.num("open nvidiactl").unwrap();
+    expect_transition(&mut w, "ring", "acquired");
+    let ring = h.num(&format!("ring-file {fd}")).unwrap();
+    h.num(&format!("close {fd}")).unwrap();
+    // The close is applied (no fd left in the mirror) and still no release: the ring holds the file.
+    assert!(wait_until(WITHIN, || rig.status("ring")["nvidia_fds"] == json!(0)));
+    let early: Vec<Value> = w
+        .drain_for(Duration::from_millis(300))
+        .into_iter()
+        .filter(|e| e["kind"] == json!("released"))
+        .collect();
+    assert!(
+        early.is_empty(),
+        "released while io_uring holds the file: {early:?}"
+    );
+    assert_eq!(rig.status("ring")["gpu"], json!("held"));
+    h.num(&format!("close {ring}")).unwrap();
+    expect_transition(&mut w, "ring", "released");
+}
+
 /// Starts holder container `id` behind the gate.
 fn start_behind_gate(rig: &Rig, id: &str) -> anyhow::Result<HolderContainer> {
     HolderContainer::start(

@@ -14,7 +14,8 @@
 //! ioctls), `flood-dup FD N` (N dups of FD, each closed) -> `ok`; `fork-receiver` (a child forked before
 //! any open, driven over a socket pair: `workload::receiver`) -> `ok PID`; `send-fd PID FD` (FD passed to it
 //! with SCM_RIGHTS) -> `ok N`; `child-open PID NAME` -> `ok FD` (of the child); `child-close PID` (the child
-//! closes all it holds) -> `ok T`; `grab-fd PID FD` (pidfd_getfd of the child's FD) -> `ok NEWFD`; `exec-map PATH` (re-executes; the new program maps PATH before anything else) ->
+//! closes all it holds) -> `ok T`; `grab-fd PID FD` (pidfd_getfd of the child's FD) -> `ok NEWFD`; `ring-file FD`
+//! (FD registered as a fixed file of a new io_uring) -> `ok RINGFD`; `exec-map PATH` (re-executes; the new program maps PATH before anything else) ->
 //! `ok T ADDR`.
 use std::{
     collections::HashMap,
@@ -193,6 +194,7 @@ impl Holder {
             "child-open" => self.receiver(num(1)?)?.ask(&format!("open {}", arg(2)?))?,
             "child-close" => self.receiver(num(1)?)?.ask("close")?,
             "grab-fd" => receiver::grab_fd(num(1)? as i32, num(2)? as RawFd)?.to_string(),
+            "ring-file" => receiver::ring_with_file(num(1)? as RawFd)?.to_string(),
             "child-exit" => {
                 let pid = num(1)? as i32;
                 self.children

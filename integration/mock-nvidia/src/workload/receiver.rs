@@ -165,6 +165,39 @@ fn run(command: &str, held: &mut Vec<OwnedFd>, dev_dir: &Path) -> anyhow::Result
     }
 }
 
+/// Registers `fd` as a fixed file of a new io_uring instance (no submission queue is ever used); the
+/// ring's fd. The ring keeps the file after `fd` is closed, in no fd table.
+pub fn ring_with_file(fd: RawFd) -> anyhow::Result<RawFd> {
+    /// `sizeof(struct io_uring_params)`.
+    const PARAMS_BYTES: usize = 120;
+    /// `IORING_REGISTER_FILES`.
+    const REGISTER_FILES: u32 = 2;
+    let mut params = [0u8; PARAMS_BYTES];
+    // SAFETY: io_uring_setup reads and writes `params`, a live buffer of the struct's size.
+    let ring = unsafe { libc::syscall(libc::SYS_io_uring_setup, 1u32, params.as_mut_ptr()) };
+    if ring < 0 {
+        bail!("io_uring_setup: {}", std::io::Error::last_os_error());
+    }
+    let fds = [fd];
+    // SAFETY: IORING_REGISTER_FILES reads `fds`, an array of the count given.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_io_uring_register,
+            ring as RawFd,
+            REGISTER_FILES,
+            fds.as_ptr(),
+            1u32,
+        )
+    };
+    if r < 0 {
+        bail!(
+            "io_uring_register(FILES): {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(ring as RawFd)
+}
+
 /// CLOCK_MONOTONIC now, ns (the clock of the probes' records).
 pub fn now_ns() -> u64 {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)

@@ -76,7 +76,9 @@ impl DeviceKey {
                     ino: ino2,
                     ..
                 },
-            ) => dev == dev2 && ino == ino2,
+            ) if (*dev, *ino) != (0, 0) && (*dev2, *ino2) != (0, 0) => dev == dev2 && ino == ino2,
+            // Known by name only (a file registered in io_uring): any device of that name.
+            (Self::File { name, .. }, Self::File { name: name2, .. }) => name == name2,
             _ => false,
         }
     }

@@ -37,6 +37,8 @@ pub enum Via {
     Fd(i32),
     /// Mapped at this address.
     Map(u64),
+    /// Registered in the io_uring instance open as this fd (a fixed file, in no fd table).
+    Ring(i32),
 }
 
 impl std::fmt::Display for Holding {
@@ -44,6 +46,7 @@ impl std::fmt::Display for Holding {
         let how = match self.via {
             Via::Fd(fd) => format!("fd {fd}"),
             Via::Map(addr) => format!("a mapping at 0x{addr:x}"),
+            Via::Ring(fd) => format!("a file registered in io_uring fd {fd}"),
         };
         write!(f, "process {} ({how} of {})", self.pid, self.key)
     }
@@ -107,6 +110,11 @@ impl Classifier {
         };
         let mut out = Vec::new();
         for fd in proc.fd().into_iter().flatten().flatten() {
+            if matches!(&fd.target, procfs::process::FDTarget::AnonInode(a) if a.contains("io_uring"))
+            {
+                out.extend(ring_holdings(pid, fd.fd));
+                continue;
+            }
             let procfs::process::FDTarget::Path(target) = &fd.target else {
                 continue;
             };
@@ -151,6 +159,41 @@ impl Classifier {
             .flat_map(|pid| self.holdings_cached(pid, &mut cache))
             .collect()
     }
+}
+
+/// The NVIDIA files registered in io_uring instance `fd` of `pid` (its fdinfo lists them under `UserFiles:`,
+/// one `INDEX: PATH` line each). They are known by name only: the key carries no file identity, and the
+/// gate matches it with any device of that name.
+fn ring_holdings(pid: u32, fd: i32) -> Vec<Holding> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).unwrap_or_default();
+    registered_files(&text)
+        .filter_map(|path| {
+            let name = path.rsplit('/').next().unwrap_or(path);
+            let (kind, _) = fdkind::classify_name(name.as_bytes())?;
+            (kind != FdKind::Unknown).then(|| Holding {
+                pid,
+                kind,
+                key: DeviceKey::File {
+                    dev: 0,
+                    ino: 0,
+                    name: name.to_owned(),
+                },
+                via: Via::Ring(fd),
+            })
+        })
+        .collect()
+}
+
+/// The paths of the `UserFiles:` section of an io_uring fdinfo.
+fn registered_files(fdinfo: &str) -> impl Iterator<Item = &str> {
+    fdinfo
+        .lines()
+        .skip_while(|l| !l.starts_with("UserFiles:"))
+        .skip(1)
+        .map_while(|l| {
+            let (index, path) = l.split_once(": ")?;
+            index.trim().parse::<u32>().ok().map(|_| path.trim())
+        })
 }
 
 /// The major named `name` in the text of /proc/devices.
@@ -269,6 +312,14 @@ mod tests {
         assert_eq!(major_named(text, "nvidia-uvm"), Some(508));
         assert_eq!(major_named(text, "sd"), None);
         assert_eq!(major_named(text, "nvidia-caps"), None);
+    }
+
+    #[test]
+    fn io_uring_registered_files_are_read_from_its_fdinfo() {
+        let text = "pos:\t0\nflags:\t02000002\nSqMask:\t0x0\nUserFiles:\t2\n    0: /dev/nvidiactl\n    1: /tmp/x\nUserBufs:\t0\n";
+        let files: Vec<&str> = registered_files(text).collect();
+        assert_eq!(files, ["/dev/nvidiactl", "/tmp/x"]);
+        assert_eq!(registered_files("UserFiles:\t0\nUserBufs:\t0\n").count(), 0);
     }
 
     #[test]
