@@ -669,6 +669,11 @@ impl Core {
         if !watched.is_empty() {
             return (watched, Vec::new());
         }
+        // A container whose GPU devices could not be resolved (its root not set up yet, under a hook) waits
+        // for the watched holders only: "any GPU on the node" would make it wait for every other GPU.
+        if w.devices.is_empty() {
+            return (watched, Vec::new());
+        }
         let hidden = node_gpu_holders(&self.classifier, &self.exempt, &w.devices, Some(&w.cgroup));
         (watched, hidden)
     }

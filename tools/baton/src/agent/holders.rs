@@ -6,7 +6,9 @@
 //!
 //! A file is an NVIDIA file when it is a character device with NVIDIA's numbers (`baton_nvidia::fdkind`),
 //! or, for a file that is not a device (the FUSE mock driver), when its name is an NVIDIA device's. Each
-//! distinct mapped file is looked at once per scan.
+//! distinct mapped file is looked at once per scan, and only shared mappings and those named as an NVIDIA
+//! device are looked at: device memory is mapped shared, and a CUDA process has hundreds of private library
+//! mappings (a private mapping of a device node of another name is not seen; see the README).
 use std::{
     collections::{BTreeSet, HashMap},
     os::unix::fs::{FileTypeExt, MetadataExt},
@@ -132,7 +134,17 @@ impl Classifier {
             let procfs::process::MMapPath::Path(target) = &m.pathname else {
                 continue;
             };
-            if m.inode == 0 {
+            // Device memory is mapped shared; a private mapping is looked at only when its name is an
+            // NVIDIA device's (a library's private mappings, most of a process's, cost nothing here).
+            let shared = m.perms.contains(procfs::process::MMPermissions::SHARED);
+            let named = fdkind::classify_name(
+                target
+                    .file_name()
+                    .map(|n| n.as_encoded_bytes())
+                    .unwrap_or_default(),
+            )
+            .is_some();
+            if m.inode == 0 || !(shared || named) {
                 continue;
             }
             let dev = nix::sys::stat::makedev(m.dev.0 as u64, m.dev.1 as u64);
