@@ -624,3 +624,44 @@ fn a_task_created_from_a_checkpoint_gets_its_cuda_processes_restored_and_unlocke
     restored.wait_line("unlocked");
     wait_held(&rig, "restored", 1);
 }
+
+#[test]
+fn a_park_whose_client_went_away_midway_is_still_known_to_the_agent_as_parked() {
+    let Some(rig) = CudaRig::start("preempt-client-gone") else {
+        return;
+    };
+    // A slow copy (256 MiB at 128 MiB/s: 2 s), so that the client is gone long before the park ends.
+    let slow = Trainer {
+        copy_mib_per_s: 128,
+        ..Trainer::default()
+    };
+    let _trainer = rig.run("trainer", &slow, &[]);
+    wait_held(&rig, "trainer", 1);
+    let mut client = std::process::Command::new(workspace_binary("baton", "baton").unwrap())
+        .args(["preempt", "trainer", "--json", "--socket"])
+        .arg(rig.gpu.env.containerd().agent_socket())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The first step line: the park is under way. Then the client goes, as a Ctrl-C'd `baton preempt`.
+    let mut first = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(client.stdout.take().unwrap()),
+        &mut first,
+    )
+    .unwrap();
+    assert!(first.contains("\"phase\""), "a step line: {first}");
+    client.kill().unwrap();
+    client.wait().unwrap();
+    // The shim finishes the park and tells the agent, which owns no copy of its own to get wrong.
+    assert!(
+        baton_integration::agent::wait_until(WITHIN, || preemption_state(&rig, "trainer")
+            == json!("parked")),
+        "the agent shows the park the shim finished: {}",
+        rig.gpu.status("trainer")
+    );
+    assert_eq!(rig.task_status("trainer").as_deref(), Some("PAUSED"));
+    // And it can be resumed, which needs the agent to know it is parked.
+    let (_, outcome) = rig.baton_json(&["resume", "trainer"]);
+    assert_eq!(outcome["preemption"], Value::Null, "{outcome}");
+}

@@ -16,8 +16,8 @@ use std::{
 };
 
 use baton_agent_api::{
-    Client, ContainerRef, Endpoint, EventBody, Filter, GateRequest, PreemptState, Registration,
-    Reply, Request, WatchSettings,
+    Client, ContainerRef, Endpoint, EventBody, Filter, GateRequest, PreemptState, PreemptionUpdate,
+    Registration, Reply, Request, WatchSettings,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -361,8 +361,26 @@ impl Link {
                 }
             }
             LinkMsg::Preemption(c, state) => {
-                if let Some(r) = self.registered.get_mut(&c) {
-                    r.preemption = state;
+                let Some(r) = self.registered.get_mut(&c) else {
+                    return;
+                };
+                if r.preemption == state {
+                    return;
+                }
+                r.preemption = state.clone();
+                // The shim owns the state: the agent learns each change from here, whoever asked for it
+                // and whether or not that client is still there.
+                if let Some(client) = self.control.as_mut() {
+                    let update = PreemptionUpdate {
+                        container: c.clone(),
+                        state,
+                    };
+                    let call = client.call(Request::Preemption(update));
+                    match tokio::time::timeout(UNREGISTER_TIMEOUT, call).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => self.lost(&e.to_string()),
+                        Err(_) => self.lost("pushing the preemption state timed out"),
+                    }
                 }
             }
             LinkMsg::Unregister(c) => {

@@ -382,9 +382,15 @@ impl Task for TaskService {
     }
 
     async fn kill(&self, _: &TtrpcContext, req: KillRequest) -> TtrpcResult<Empty> {
-        self.container(&req.id)?
-            .kill(&req.exec_id, req.signal, req.all)
-            .await?;
+        let c = self.container(&req.id)?;
+        let was = c.preemption();
+        c.kill(&req.exec_id, req.signal, req.all).await?;
+        // A fatal signal to a parked container ends its parking: the agent learns it from the shim.
+        if c.preemption() != was {
+            self.shared
+                .gpu
+                .preemption_changed(&c.id, &self.shared.namespace, c.preemption());
+        }
         Ok(Empty::new())
     }
 

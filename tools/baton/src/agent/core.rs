@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use baton_agent_api::{
     ContainerRef, ContainerStatus, Event, EventBody, Filter, GateRequest, NodeStatus, Pong,
-    PreemptState, Registration, Reply, Target, TraceRequest,
+    PreemptState, PreemptionUpdate, Registration, Reply, Target, TraceRequest,
 };
 use baton_tracer::cgroups::process_gone;
 use baton_tracer::{
@@ -375,6 +375,7 @@ impl Core {
             R::Unregister(c) => Reply::Unregistered {
                 found: self.unregister(&c),
             },
+            R::Preemption(update) => self.preemption_pushed(update, peer),
             R::Status(filter) => {
                 self.prune_orphans();
                 Reply::Status(self.status(&filter, peer))
@@ -589,6 +590,23 @@ impl Core {
             pids,
             preemption: w.preemption.clone(),
         })
+    }
+
+    /// The shim that registered a container pushes its preemption state (it owns it): kept as it says.
+    fn preemption_pushed(&mut self, update: PreemptionUpdate, peer: u32) -> Reply {
+        let Some(w) = self.watched.get_mut(&update.container) else {
+            return Reply::Unregistered { found: false };
+        };
+        if w.owner != peer {
+            return Reply::Error {
+                error: format!(
+                    "only the shim that registered container {} (pid {}) sets its preemption state",
+                    update.container.id, w.owner
+                ),
+            };
+        }
+        w.preemption = update.state;
+        Reply::Unregistered { found: true }
     }
 
     fn set_preemption(&mut self, c: &ContainerRef, state: Option<PreemptState>) -> bool {
