@@ -3,10 +3,13 @@
 //! N times (default 200). For each release it measures, from the moment the last close returned to user space
 //! (the holder's CLOCK_MONOTONIC stamp), when the release reached:
 //! (a) a `watch` subscriber on the agent socket, (b) a `ctr events` subscriber (through the shim and
-//! containerd), and, side by side in the same run, pollers that ask the agent for the container's GPU state
-//! every 100 ms and every 10 ms (what the 000 seed did with GPU memory, and what NVML-based tools do). It
-//! also reports the confirmation gap: from the last close's syscall to the kernel being past its release.
-//! Figures only (no assertions); ratios are against the same run.
+//! containerd), and, side by side in the same run, two *agent-status pollers*: clients that send the agent
+//! `{"op":"status","container":"bench"}` every 100 ms and every 10 ms and take a release as seen when the
+//! reply's `containers[0].gpu` is `"released"` with a `since_ns` they have not seen before. They poll
+//! Baton's own verdict, so they measure what polling instead of subscribing costs (the period, on top of the
+//! same signal), not what a tool without Baton would see; no NVML or nvidia-smi poller is run (there is no
+//! GPU here). It also reports the confirmation gap: from the last close's syscall to the kernel being past its
+//! release. Figures only (no assertions); ratios are against the same run.
 //!
 //! Run as root: `cargo run --release -p baton-integration --bin baton-signal-bench [-- CYCLES]`
 //! (`tools/dev bench` runs it).
@@ -127,8 +130,8 @@ impl Latencies {
         let rows: [(&str, &mut Vec<u64>); 4] = [
             ("(a) agent `watch` subscriber", &mut self.watch),
             ("(b) `ctr events` subscriber", &mut self.ctr),
-            ("poller, every 10 ms", &mut self.fast),
-            ("poller, every 100 ms", &mut self.slow),
+            ("agent `status` poller, every 10 ms", &mut self.fast),
+            ("agent `status` poller, every 100 ms", &mut self.slow),
         ];
         println!("release signal, {cycles} cycles: from the last close's return to receipt");
         println!("| receiver | p50 | p99 | max |");
@@ -148,8 +151,8 @@ impl Latencies {
         );
         let ratio = |a: u64, b: u64| a as f64 / b.max(1) as f64;
         println!(
-            "p50 ratios: 100 ms poller / watch = {:.0}x, 10 ms poller / watch = {:.0}x, 100 ms poller / ctr \
-             events = {:.0}x",
+            "p50 ratios: 100 ms status poller / watch = {:.0}x, 10 ms status poller / watch = {:.0}x, 100 ms \
+             status poller / ctr events = {:.0}x",
             ratio(p50s[3], p50s[0]),
             ratio(p50s[2], p50s[0]),
             ratio(p50s[3], p50s[1])
@@ -252,8 +255,9 @@ fn next_line_within(
     }
 }
 
-/// A poller of the agent's status of container `id` every `every`: for each release it sees, (when the
-/// release happened, when the poll saw it).
+/// An agent-status poller: sends `status` for container `id` every `every` and compares the reply's
+/// `containers[0].gpu` with `"released"` and its `since_ns` with the last one seen; for each release it
+/// sees, (when the release happened, when the poll saw it).
 fn poller(
     socket: &Path,
     id: &str,
