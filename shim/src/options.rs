@@ -69,6 +69,9 @@ pub struct BatonSettings {
     /// Put `CUDA_LAUNCH_BLOCKING=1` in a co-runner's environment, so that at most one of its kernels is in
     /// flight when it is frozen (`launch-blocking`, default true for a co-runner, ignored otherwise).
     pub launch_blocking: bool,
+    /// Where snapshot images go by default, in a folder per namespace and container (`snapshot_dir`, node
+    /// only, absolute; default /var/lib/baton/snapshots).
+    pub snapshot_dir: PathBuf,
     /// The pod (`pod-namespace/pod-name`) from CRI's sandbox annotations; not a key.
     pub pod: Option<String>,
     /// The pod and container names from CRI's annotations (for the agent's metrics); not a key.
@@ -89,6 +92,7 @@ impl Default for BatonSettings {
             role: None,
             yields_to: Vec::new(),
             launch_blocking: true,
+            snapshot_dir: PathBuf::from(baton_agent_api::DEFAULT_SNAPSHOT_DIR),
             pod: None,
             kubernetes: None,
         }
@@ -192,6 +196,12 @@ impl BatonSettings {
                     "false" | "0" | "no" => false,
                     _ => return Err(invalid("true or false")),
                 }
+            }
+            "snapshot_dir" => {
+                if !value.starts_with('/') {
+                    return Err(invalid("an absolute directory"));
+                }
+                self.snapshot_dir = PathBuf::from(value);
             }
             _ => return Ok(false),
         }
@@ -729,6 +739,33 @@ mod tests {
             cfg.baton.cuda_checkpoint_path,
             PathBuf::from("/opt/cuda-checkpoint")
         );
+    }
+
+    #[test]
+    fn the_snapshot_dir_is_a_node_default_on_disk_absolute_and_node_only() {
+        assert_eq!(
+            BatonSettings::default().snapshot_dir,
+            PathBuf::from("/var/lib/baton/snapshots")
+        );
+        let cfg = parse_toml_options("snapshot_dir = \"/data/baton-snapshots\"\n").unwrap();
+        assert_eq!(
+            cfg.baton.snapshot_dir,
+            PathBuf::from("/data/baton-snapshots")
+        );
+        let err = parse_toml_options("snapshot_dir = \"snapshots\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("snapshot_dir") && err.contains("absolute"),
+            "{err}"
+        );
+        let tenant: HashMap<String, String> =
+            [("baton.io/snapshot_dir".to_string(), "/tmp/x".to_string())].into();
+        let err = BatonSettings::default()
+            .with_annotations(&tenant, "container")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("baton.io/snapshot_dir"), "{err}");
     }
 
     #[test]

@@ -28,9 +28,12 @@ pub const ROLE: &str = "role";
 pub const YIELDS_TO: &str = "yields-to";
 /// `CUDA_LAUNCH_BLOCKING=1` for a co-runner.
 pub const LAUNCH_BLOCKING: &str = "launch-blocking";
+/// Where snapshot preemptions put their images by default, one folder per namespace and container (node
+/// only; default [`crate::DEFAULT_SNAPSHOT_DIR`]).
+pub const SNAPSHOT_DIR: &str = "snapshot_dir";
 
 /// Every Baton key, in TOML and (prefixed with [`ANNOTATION_PREFIX`]) in annotations.
-pub const BATON_KEYS: [&str; 11] = [
+pub const BATON_KEYS: [&str; 12] = [
     EBPF,
     CUDA_CHECKPOINT_PATH,
     FREEZER,
@@ -42,11 +45,17 @@ pub const BATON_KEYS: [&str; 11] = [
     ROLE,
     YIELDS_TO,
     LAUNCH_BLOCKING,
+    SNAPSHOT_DIR,
 ];
 
 /// The keys only the node's TOML may set: they name programs the shim (root) runs or the agent it trusts,
 /// and annotations come from whoever writes the pod spec.
-pub const NODE_ONLY_KEYS: [&str; 3] = [CUDA_CHECKPOINT_PATH, AGENT_SOCKET, AGENT_AUTOSTART];
+pub const NODE_ONLY_KEYS: [&str; 4] = [
+    CUDA_CHECKPOINT_PATH,
+    AGENT_SOCKET,
+    AGENT_AUTOSTART,
+    SNAPSHOT_DIR,
+];
 
 /// runc's `Options` keys (Go spelling) that `baton install` copies from the node's runc runtime, so that
 /// Baton's runc runs as the node's does: the cgroup driver must match the kubelet's.

@@ -300,11 +300,11 @@ impl Tracer {
         });
     }
 
-    /// Attaches the launch uprobes to every libcuda file process `pid` maps that is not probed yet (resolved
-    /// through its `/proc/PID/root`, once per file); returns how many files it probed now. The tracer calls
-    /// it when a traced process opens an NVIDIA device and when it seeds one from /proc; a caller that knows
-    /// a process of a watched container loaded libcuda later can call it too. A file that cannot be probed
-    /// is logged and not tried again.
+    /// Attaches the launch uprobes to every libcuda file process `pid` maps that is not probed yet (opened
+    /// through its `/proc/PID/map_files` and checked against its maps entry, once per file); returns how many
+    /// files it probed now. The tracer calls it when a traced process opens an NVIDIA device and when it
+    /// seeds one from /proc; a caller that knows a process of a watched container loaded libcuda later can
+    /// call it too. A file that cannot be probed is logged and not tried again.
     pub fn probe_launches_of(&mut self, pid: u32) -> usize {
         let files = launch::libcuda_files(pid);
         if files.is_empty() {
@@ -312,25 +312,25 @@ impl Tracer {
         }
         self.launch_libs.saw_pid(pid);
         let mut probed = 0;
-        for (path, file) in files {
-            if self.launch_libs.known(file) {
+        for lib in files {
+            if self.launch_libs.known(lib.id) {
                 continue;
             }
-            match self.probes.attach_launch_probes(&path) {
+            match self.probes.attach_launch_probes(&lib.file, &lib.path) {
                 Ok(fns) => {
-                    tracing::debug!(pid, library = %path.display(), "launch uprobes attached");
+                    tracing::debug!(pid, library = %lib.path.display(), "launch uprobes attached");
                     probed += 1;
                     self.launch_libs.add(LaunchLibrary {
-                        path,
+                        path: lib.path,
                         pid,
-                        dev: file.0,
-                        ino: file.1,
+                        dev: lib.id.0,
+                        ino: lib.id.1,
                         probed: fns,
                     });
                 }
                 Err(e) => {
                     tracing::warn!("{e}: launches through it are not counted");
-                    self.launch_libs.add_failed(file);
+                    self.launch_libs.add_failed(lib.id);
                 }
             }
         }

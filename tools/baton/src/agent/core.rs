@@ -1069,27 +1069,33 @@ fn check_cgroup_is_its_own(reg: &Registration, owner: u32) -> Result<(), String>
 }
 
 /// [`check_cgroup_is_its_own`] on paths already read: the registering process's and the init's cgroup.
+/// Every path is compared in its one spelling (`/.`, `//` and `/a/./b` are `/`, `/` and `/a/b`); a path
+/// with `..` is refused.
 fn check_cgroup_paths(
     reg: &Registration,
     owner_cgroup: Option<&str>,
     init_cgroup: Option<&str>,
 ) -> Result<(), String> {
     let id = &reg.container.id;
-    let path = reg.cgroup.trim_end_matches('/');
-    if path.is_empty() {
+    let canonical = baton_tracer::cgroups::canonical_path;
+    let path =
+        canonical(&reg.cgroup).map_err(|e| format!("refusing to watch container {id}: {e}"))?;
+    if baton_tracer::cgroups::is_root(&path) {
         return Err(format!(
             "refusing to watch container {id}: its cgroup v2 path is the root, which every process on \
              the node shares (is runc putting containers into cgroup v2 here?)"
         ));
     }
-    if owner_cgroup.is_some_and(|p| p.trim_end_matches('/') == path) {
+    // Paths the kernel wrote (/proc/PID/cgroup) have no `..`; one that does not parse matches nothing.
+    let same = |other: &str| canonical(other).is_ok_and(|o| o == path);
+    if owner_cgroup.is_some_and(same) {
         return Err(format!(
             "refusing to watch container {id}: its cgroup v2 path {path} is its shim's, so its calls \
              could not be told from the shim's (runc did not give it a cgroup v2 of its own)"
         ));
     }
     if let Some(actual) = init_cgroup
-        && actual.trim_end_matches('/') != path
+        && !same(actual)
     {
         return Err(format!(
             "refusing to watch container {id}: its init (pid {}) is in cgroup {actual}, not {path}",
@@ -1130,5 +1136,22 @@ mod tests {
             .unwrap_err();
         assert!(e.contains("not /elsewhere"), "{e}");
         check_cgroup_paths(&reg("/pods/c1", 7), Some("/pods/shim"), Some("/pods/c1")).unwrap();
+    }
+
+    #[test]
+    fn cgroup_paths_are_compared_in_one_spelling() {
+        for root in ["/.", "//", "/./", "/a/../"] {
+            let e = check_cgroup_paths(&reg(root, 0), None, None).unwrap_err();
+            assert!(e.contains("root") || e.contains("`..`"), "{root}: {e}");
+        }
+        let e = check_cgroup_paths(&reg("/a/../", 0), None, None).unwrap_err();
+        assert!(e.contains("`..`"), "{e}");
+        let e = check_cgroup_paths(&reg("/pods/./c1/../shim", 7), None, Some("/pods/shim"))
+            .unwrap_err();
+        assert!(e.contains("`..`"), "{e}");
+        let e = check_cgroup_paths(&reg("/pods//shim", 0), Some("/pods/shim"), None).unwrap_err();
+        assert!(e.contains("shim's"), "{e}");
+        check_cgroup_paths(&reg("/pods/./c1", 7), Some("/pods/shim"), Some("/pods/c1")).unwrap();
+        check_cgroup_paths(&reg("//pods/c1/", 7), Some("/pods/shim"), Some("/pods/c1")).unwrap();
     }
 }

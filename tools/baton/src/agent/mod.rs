@@ -16,6 +16,8 @@ mod server;
 mod trace_session;
 mod watched;
 
+pub use daemon::log_writer;
+
 use std::{os::unix::fs::PermissionsExt, path::PathBuf};
 
 use anyhow::{Context, bail};
@@ -37,6 +39,10 @@ pub struct AgentArgs {
     /// The log file under --daemon (default: agent.log next to the socket).
     #[arg(long)]
     log_file: Option<PathBuf>,
+    /// Under --daemon, the log file's size cap in bytes (at least 65536): before a line would pass it, the
+    /// file becomes <log>.1 (replacing the older one) and a new one starts.
+    #[arg(long, default_value_t = 8 << 20, value_parser = clap::value_parser!(u64).range(65536..))]
+    log_max_bytes: u64,
     /// Co-runner controller: never keep a co-runner frozen longer than this at a stretch (ms).
     #[arg(long, default_value_t = 1000)]
     max_frozen_ms: u64,
@@ -98,7 +104,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     if args.daemon {
         let log = args.log_file.unwrap_or_else(|| dir.join("agent.log"));
-        daemon::detach(&log)?;
+        daemon::detach(&log, args.log_max_bytes)?;
     }
     let _lock = match daemon::take_lock(&socket)? {
         daemon::LockOutcome::Taken(lock) => lock,
