@@ -664,6 +664,7 @@ fn a_park_whose_client_went_away_midway_is_still_known_to_the_agent_as_parked() 
     // And it can be resumed, which needs the agent to know it is parked.
     let (_, outcome) = rig.baton_json(&["resume", "trainer"]);
     assert_eq!(outcome["preemption"], Value::Null, "{outcome}");
+}
 
 /// Sends `request` to the agent on `socket` and returns its reply line (step lines skipped).
 fn agent_reply(socket: &std::path::Path, mut request: Value) -> Value {
