@@ -1,7 +1,7 @@
 //! Process exits, in the Go shim's order: an exec's TaskExit after its TaskExecStarted; the
 //! init's TaskExit after TaskStart, after any TaskOOM, and after the TaskExit of every exec
 //! process that was starting or running (in a container without a pid namespace of its own
-//! they are killed first, `runc kill --all`). A process's exit becomes visible (State, Wait)
+//! they are killed first, `runc kill --all`; a paused container is thawed before that). A process's exit becomes visible (State, Wait)
 //! only once its TaskExit is queued, so a client's Delete, and so TaskDelete, always comes after.
 //! Nothing here holds the event gate or the process table while waiting.
 
@@ -95,6 +95,7 @@ impl TaskService {
             procs.init_exit_seen = true;
             procs.init.pid
         };
+        c.thaw_after_init_exit().await;
         c.kill_all_after_init_exit().await;
         let mut running = c.running_execs.subscribe();
         if tokio::time::timeout(EXEC_EXITS_WAIT, running.wait_for(|n| *n == 0))
