@@ -430,8 +430,11 @@ impl Container {
             return Err(ShimError::FailedPrecondition {
                 id: self.id.clone(),
                 action: "update",
-                state: "created from a checkpoint and not restored yet: runc has no container to update until                         Start restores it; update it after Start"
-                    .into(),
+                state: concat!(
+                    "created from a checkpoint and not restored yet: runc has no container to update ",
+                    "until Start restores it; update it after Start"
+                )
+                .into(),
             });
         }
         self.procs.lock().await.init.check(Op::Update)?;
