@@ -392,6 +392,41 @@ pub fn start_console_copies(
 mod tests {
     use super::*;
 
+    /// An exit waits until every tracked copy ended (its reader dropped, after the last bytes were written
+    /// out), and gives up once nothing flowed for OUTPUT_STALL.
+    #[tokio::test]
+    async fn output_drain_waits_for_the_copies_or_a_stall() {
+        let drain = OutputDrain::default();
+        assert!(drain.drained().await, "nothing tracked: drained at once");
+
+        let (mut process, pipe) = tokio::io::duplex(64);
+        let mut reader = drain.track(pipe);
+        let copy = tokio::spawn(async move {
+            tokio::io::copy(&mut reader, &mut tokio::io::sink())
+                .await
+                .unwrap()
+        });
+        let exit = tokio::spawn({
+            let drain = drain.clone();
+            async move { drain.drained().await }
+        });
+        process.write_all(b"the tail").await.unwrap();
+        tokio::task::yield_now().await;
+        assert!(!exit.is_finished(), "drained while the copy runs");
+        drop(process);
+        assert!(exit.await.unwrap(), "the copy ended");
+        assert_eq!(copy.await.unwrap(), 8);
+        assert_eq!(drain.bytes(), 8);
+
+        let (_unread, pipe) = tokio::io::duplex(64);
+        let stalled = drain.track(pipe);
+        let t0 = tokio::time::Instant::now();
+        assert!(!drain.drained().await, "a stalled stream is given up");
+        assert!(t0.elapsed() >= OUTPUT_STALL);
+        drop(stalled);
+        assert!(drain.drained().await);
+    }
+
     #[test]
     fn output_uris() {
         assert_eq!(parse_output("").unwrap(), OutputTarget::Null);
