@@ -115,9 +115,23 @@ impl HolderContainer {
         annotations: &[(&str, &str)],
         dev_dir: &str,
     ) -> anyhow::Result<Self> {
+        Self::start_with(env, id, mock_dir, annotations, dev_dir, &[])
+    }
+
+    /// [`HolderContainer::start_at`] with more `ctr run` flags (the node's options TOML, see
+    /// [`TestEnv::node_options_flags`]).
+    pub fn start_with(
+        env: &TestEnv,
+        id: &str,
+        mock_dir: &Path,
+        annotations: &[(&str, &str)],
+        dev_dir: &str,
+        more_flags: &[String],
+    ) -> anyhow::Result<Self> {
         let holder = install_mock_binary(env.rootfs(), "baton-mock-holder")?;
         let mut flags = device_mounts_at(mock_dir, dev_dir);
         flags.push("--rm".into());
+        flags.extend(more_flags.iter().cloned());
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         let args = env.run_args(id, annotations, &flags, &[&holder, "--dev-dir", dev_dir]);
         let child = env
