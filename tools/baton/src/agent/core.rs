@@ -968,10 +968,11 @@ async fn next_batch(tracer: Option<&mut Tracer>) -> Result<Vec<Record>, baton_tr
     }
 }
 
-/// Refuses a re-registration of `key`, watched as `w`, from another process than the one that registered
-/// it (`owner`), or for another cgroup (`cgroup_id`): either would let a peer take over where the
+/// Refuses a re-registration of `key`, watched as `w`, for another cgroup (`cgroup_id`), or from another
+/// process (`owner`) while the one that registered it lives: either would let a peer take over where the
 /// container's freezes and preemptions go. An agent restarted since has no entry, so its shims register
-/// afresh; a shim giving a restored container's new init at Start is the same owner, same cgroup.
+/// afresh; a shim giving a restored container's new init at Start is the same owner, same cgroup; an OCI
+/// hook registers and exits, so the next hook of the same container (same cgroup) takes its place.
 fn check_same_registrant(
     key: &ContainerRef,
     w: &Watched,
@@ -985,7 +986,7 @@ fn check_same_registrant(
             key.id, key.namespace, w.registration.cgroup, w.cgroup_id
         ));
     }
-    if w.owner != owner {
+    if w.owner != owner && !process_gone(w.owner) {
         return Err(format!(
             "refusing to register container {} (namespace {}) again from pid {owner}: pid {} registered \
              it, and only that process may change where its freezes and preemptions go",
