@@ -802,6 +802,25 @@ fn a_freeze_without_a_lease_ends_by_itself_and_a_preemption_acts_on_the_containe
     );
     assert!(!frozen(co), "the failed preemption left it running");
     assert_eq!(env.task_status("trainer").as_deref(), Some("RUNNING"));
+
+    // A line without end on another connection: the shim reads at most its bound, answers, closes that
+    // connection, and keeps serving this one.
+    let shim: u32 = std::path::Path::new(&control)
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .and_then(|s| s.parse().ok())
+        .unwrap();
+    let before = rss_kib(shim);
+    let (sent, back) = endless_line(std::path::Path::new(&control));
+    let grown = rss_kib(shim).saturating_sub(before);
+    assert!(
+        grown < 16 * 1024 && sent < 64,
+        "the shim grew by {grown} KiB reading a line without end ({sent} MiB sent); it answered {back:?}"
+    );
+    let r = call_on(&mut stream, json!({"op": "freeze", "id": "trainer"}));
+    assert_eq!(r["frozen"], json!(true), "{r}");
+    let r = call_on(&mut stream, json!({"op": "thaw", "id": "trainer"}));
+    assert_eq!(r["frozen"], json!(false), "{r}");
 }
 
 #[test]
@@ -829,6 +848,22 @@ fn device_folders_no_container_uses_any_more_free_their_probe_slots() {
     rig.spinner_with_node_toml("c5", &role, &folder(5));
 }
 
+/// Writes 64 MiB without a newline to `socket`, as fast as the other end takes it (stopping when it closes);
+/// how many MiB went, and what came back.
+fn endless_line(socket: &std::path::Path) -> (usize, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    let chunk = vec![b'x'; 1 << 20];
+    let mut sent = 0;
+    while sent < 64 && stream.write_all(&chunk).is_ok() {
+        sent += 1;
+    }
+    stream.set_read_timeout(Some(WITHIN)).unwrap();
+    let mut back = Vec::new();
+    let _ = stream.read_to_end(&mut back);
+    (sent, String::from_utf8_lossy(&back).into_owned())
+}
+
 /// The resident memory of process `pid`, in KiB.
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -846,21 +881,8 @@ fn an_endless_line_does_not_grow_the_agent_and_other_clients_are_still_answered(
     };
     let agent = rig.agent.as_ref().unwrap().pid();
     let before = rss_kib(agent);
-    // 64 MiB without a newline, written as fast as the agent takes it.
     let socket = rig.env.containerd().agent_socket();
-    let writer = std::thread::spawn(move || {
-        use std::io::{Read, Write};
-        let mut stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
-        let chunk = vec![b'x'; 1 << 20];
-        let mut sent = 0;
-        while sent < 64 && stream.write_all(&chunk).is_ok() {
-            sent += 1;
-        }
-        stream.set_read_timeout(Some(WITHIN)).unwrap();
-        let mut back = Vec::new();
-        let _ = stream.read_to_end(&mut back);
-        (sent, String::from_utf8_lossy(&back).into_owned())
-    });
+    let writer = std::thread::spawn(move || endless_line(&socket));
     // Another client is answered meanwhile, and after.
     assert_eq!(rig.status()["agent_pid"], json!(agent));
     let (sent, back) = writer.join().unwrap();
