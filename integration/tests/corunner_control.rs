@@ -24,6 +24,8 @@ use serde_json::{Value, json};
 /// Long enough for a loaded CI machine.
 const WITHIN: Duration = Duration::from_secs(20);
 const SPIN: &[&str] = &["/bin/sh", "-c", "while :; do :; done"];
+/// A container that takes no CPU (where the test needs no running work).
+const SLEEP: &[&str] = &["/bin/sleep", "600"];
 
 struct Rig {
     env: TestEnv,
@@ -58,8 +60,9 @@ impl Rig {
         self.watched_pid(id)
     }
 
-    /// [`Rig::spinner`] with the node options TOML `toml` (its own, as a runtime handler's).
-    fn spinner_with_node_toml(&self, id: &str, annotations: &[(&str, &str)], toml: &str) -> u32 {
+    /// A sleeping container (no CPU taken from a loaded machine) with `annotations` and the node options
+    /// TOML `toml` (its own, as a runtime handler's); its init pid once the agent watches it.
+    fn sleeper_with_node_toml(&self, id: &str, annotations: &[(&str, &str)], toml: &str) -> u32 {
         let mut flags = vec!["-d".to_owned(), "--null-io".to_owned()];
         flags.extend(
             self.env
@@ -67,7 +70,7 @@ impl Rig {
                 .unwrap(),
         );
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-        let args = self.env.run_args(id, annotations, &flags, SPIN);
+        let args = self.env.run_args(id, annotations, &flags, SLEEP);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         self.env.ctr_ok(&args).unwrap();
         self.watched_pid(id)
@@ -745,7 +748,7 @@ fn a_freeze_without_a_lease_ends_by_itself_and_a_preemption_acts_on_the_containe
         .unwrap(),
     );
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let args = env.run_args("trainer", &[("baton.io/role", "co-runner")], &flags, SPIN);
+    let args = env.run_args("trainer", &[("baton.io/role", "co-runner")], &flags, SLEEP);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     env.ctr_ok(&args).unwrap();
     let registration = agent
@@ -832,7 +835,7 @@ fn device_folders_no_container_uses_any_more_free_their_probe_slots() {
     let folder = |i: u32| format!("trace_prefix = \"/gpu{i}/nvidia\"\n");
     // The probes follow at most 4 device folders: four containers, each the node's TOML of its own.
     for i in 1..=4 {
-        rig.spinner_with_node_toml(&format!("c{i}"), &role, &folder(i));
+        rig.sleeper_with_node_toml(&format!("c{i}"), &role, &folder(i));
     }
     rig.env.ctr_ok(&["task", "rm", "-f", "c1"]).unwrap();
     assert!(
@@ -845,7 +848,7 @@ fn device_folders_no_container_uses_any_more_free_their_probe_slots() {
         rig.status()
     );
     // Its folder's slot is free again: a fifth folder is followed.
-    rig.spinner_with_node_toml("c5", &role, &folder(5));
+    rig.sleeper_with_node_toml("c5", &role, &folder(5));
 }
 
 /// Writes 64 MiB without a newline to `socket`, as fast as the other end takes it (stopping when it closes);
