@@ -115,7 +115,7 @@ impl HolderContainer {
         mock_dir: &Path,
         runtime: &str,
     ) -> anyhow::Result<Self> {
-        Self::spawn(env, id, mock_dir, &[], "/dev", Some(runtime))
+        Self::spawn(env, id, mock_dir, &[], "/dev", &[], Some(runtime))
     }
 
     /// [`HolderContainer::start`] with the device files in folder `dev_dir` of the container.
@@ -126,7 +126,20 @@ impl HolderContainer {
         annotations: &[(&str, &str)],
         dev_dir: &str,
     ) -> anyhow::Result<Self> {
-        Self::spawn(env, id, mock_dir, annotations, dev_dir, None)
+        Self::start_with(env, id, mock_dir, annotations, dev_dir, &[])
+    }
+
+    /// [`HolderContainer::start_at`] with more `ctr run` flags (the node's options TOML, see
+    /// [`TestEnv::node_options_flags`]).
+    pub fn start_with(
+        env: &TestEnv,
+        id: &str,
+        mock_dir: &Path,
+        annotations: &[(&str, &str)],
+        dev_dir: &str,
+        more_flags: &[String],
+    ) -> anyhow::Result<Self> {
+        Self::spawn(env, id, mock_dir, annotations, dev_dir, more_flags, None)
     }
 
     fn spawn(
@@ -135,11 +148,13 @@ impl HolderContainer {
         mock_dir: &Path,
         annotations: &[(&str, &str)],
         dev_dir: &str,
+        more_flags: &[String],
         runtime: Option<&str>,
     ) -> anyhow::Result<Self> {
         let holder = install_mock_binary(env.rootfs(), "baton-mock-holder")?;
         let mut flags = device_mounts_at(mock_dir, dev_dir);
         flags.push("--rm".into());
+        flags.extend(more_flags.iter().cloned());
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         let mut args = env.run_args(id, annotations, &flags, &[&holder, "--dev-dir", dev_dir]);
         if let Some(runtime) = runtime {

@@ -17,7 +17,7 @@ use containerd_shim_protos::{
     shim::oci::Options as RuncOptions,
 };
 
-use baton_agent_api::{DURATION_SYNTAX, Role, RoleSpec, parse_duration};
+use baton_agent_api::{DURATION_SYNTAX, MAX_WAIT_GPU_FREE, Role, RoleSpec, parse_duration};
 
 use crate::errors::{Result, ShimError};
 
@@ -173,8 +173,12 @@ impl BatonSettings {
                     parse_duration(value).ok_or_else(|| invalid(DURATION_SYNTAX))?;
             }
             "wait-gpu-free" => {
-                self.wait_gpu_free =
-                    Some(parse_duration(value).ok_or_else(|| invalid(DURATION_SYNTAX))?);
+                let within = parse_duration(value).ok_or_else(|| invalid(DURATION_SYNTAX))?;
+                if within > MAX_WAIT_GPU_FREE {
+                    let hours = MAX_WAIT_GPU_FREE.as_secs() / 3600;
+                    return Err(invalid(&format!("a duration of at most {hours}h")));
+                }
+                self.wait_gpu_free = Some(within);
             }
             "role" => {
                 self.role = Some(
@@ -242,8 +246,9 @@ impl BatonSettings {
             if NODE_ONLY_KEYS.contains(&key) {
                 return Err(ShimError::InvalidArgument(format!(
                     "{origin} {full_key}: not allowed in annotations (they come from pod specs, and \
-                     {key} names a program the shim runs as root): set {key} in the runtime's \
-                     options TOML on the node instead"
+                     {key} is the node's to decide: it names a program the shim runs as root or the \
+                     agent it trusts, or what the GPU probes see): set {key} in the runtime's options \
+                     TOML on the node instead"
                 )));
             }
             if !out.set(key, &annotations[full_key], &origin)? {
@@ -634,19 +639,19 @@ mod tests {
     fn container_annotations_override_pod_which_overrides_node() {
         let node = BatonSettings::default();
         let pod: HashMap<String, String> = [
-            ("baton.io/ebpf".to_string(), "false".to_string()),
+            ("baton.io/launch-blocking".to_string(), "false".to_string()),
             ("baton.io/freezer".to_string(), "signal".to_string()),
         ]
         .into();
         let pod_settings = node.with_annotations(&pod, "pod").unwrap();
-        assert!(!pod_settings.ebpf);
+        assert!(!pod_settings.launch_blocking);
         let ctr: HashMap<String, String> = [
-            ("baton.io/ebpf".to_string(), "true".to_string()),
+            ("baton.io/launch-blocking".to_string(), "true".to_string()),
             ("other.io/x".to_string(), "y".to_string()),
         ]
         .into();
         let c = pod_settings.with_annotations(&ctr, "container").unwrap();
-        assert!(c.ebpf);
+        assert!(c.launch_blocking);
         assert_eq!(c.freezer, Freezer::Signal);
     }
 
@@ -660,11 +665,11 @@ mod tests {
             .to_string();
         assert!(err.contains("pod annotation \"baton.io/sparkle\""), "{err}");
         assert!(
-            err.contains("baton.io/role") && err.contains("baton.io/ebpf"),
+            err.contains("baton.io/role") && err.contains("baton.io/freezer"),
             "{err}"
         );
         assert!(
-            !err.contains("baton.io/agent_socket"),
+            !err.contains("baton.io/agent_socket") && !err.contains("baton.io/ebpf"),
             "node-only keys are not offered: {err}"
         );
     }
@@ -712,11 +717,52 @@ mod tests {
     #[test]
     fn unparsable_annotation_names_the_key() {
         let bad: HashMap<String, String> =
-            [("baton.io/ebpf".to_string(), "perhaps".to_string())].into();
+            [("baton.io/freezer".to_string(), "perhaps".to_string())].into();
         let err = BatonSettings::default()
             .with_annotations(&bad, "container")
             .unwrap_err();
-        assert!(err.to_string().contains("ebpf") && err.to_string().contains("container"));
+        assert!(err.to_string().contains("freezer") && err.to_string().contains("container"));
+    }
+
+    #[test]
+    fn what_the_probes_see_is_the_nodes_to_decide() {
+        for (key, value) in [
+            ("baton.io/ebpf", "false"),
+            ("baton.io/trace_prefix", "/elsewhere/nvidia"),
+        ] {
+            let a: HashMap<String, String> = [(key.to_string(), value.to_string())].into();
+            let err = BatonSettings::default()
+                .with_annotations(&a, "pod")
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(key) && err.contains("options TOML"), "{err}");
+        }
+        let cfg = parse_toml_options("ebpf = false\ntrace_prefix = \"/gpu/nvidia\"\n").unwrap();
+        assert!(!cfg.baton.ebpf);
+        assert_eq!(cfg.baton.trace_prefix, "/gpu/nvidia");
+    }
+
+    #[test]
+    fn a_wait_for_a_free_gpu_is_bounded() {
+        let huge: HashMap<String, String> = [(
+            "baton.io/wait-gpu-free".to_string(),
+            "18446744073709551615s".to_string(),
+        )]
+        .into();
+        let err = BatonSettings::default()
+            .with_annotations(&huge, "container")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("wait-gpu-free") && err.contains("24h"),
+            "{err}"
+        );
+        let day: HashMap<String, String> =
+            [("baton.io/wait-gpu-free".to_string(), "24h".to_string())].into();
+        let ok = BatonSettings::default()
+            .with_annotations(&day, "container")
+            .unwrap();
+        assert_eq!(ok.wait_gpu_free, Some(MAX_WAIT_GPU_FREE));
     }
 
     #[test]

@@ -148,14 +148,20 @@ impl Container {
         self.set_preemption(None);
     }
 
-    fn cuda_checkpoint(&self) -> Result<CudaCheckpoint> {
-        CudaCheckpoint::find(&self.settings.cuda_checkpoint_path).map_err(|e| {
-            ShimError::FailedPrecondition {
+    /// The container's cuda-checkpoint, acting only on processes in the cgroups of its init `init`.
+    fn cuda_checkpoint(&self, init: u32) -> Result<CudaCheckpoint> {
+        CudaCheckpoint::find(&self.settings.cuda_checkpoint_path)
+            .map(|c| c.confined_to(&self.id, init))
+            .map_err(|e| ShimError::FailedPrecondition {
                 id: self.id.clone(),
                 action: "preempt",
                 state: e.to_string(),
-            }
-        })
+            })
+    }
+
+    /// The pid of the container's init now.
+    async fn init_pid(&self) -> u32 {
+        self.procs.lock().await.init.pid
     }
 
     fn busy(&self) -> ShimError {
@@ -188,7 +194,7 @@ impl Container {
         let _op = self.preempt_op.try_lock().map_err(|_| self.busy())?;
         self.check_preemptible(pids).await?;
         self.end_hold_for("a preemption").await;
-        let cuda = self.cuda_checkpoint()?;
+        let cuda = self.cuda_checkpoint(self.init_pid().await)?;
         let since_ns = now_monotonic_ns();
         let mut state = PreemptState {
             state: PreemptPhase::Preempting,
@@ -372,7 +378,7 @@ impl Container {
                 });
             }
         };
-        let cuda = self.cuda_checkpoint()?;
+        let cuda = self.cuda_checkpoint(self.init_pid().await)?;
         self.set_preemption(Some(PreemptState {
             state: PreemptPhase::Resuming,
             since_ns: now_monotonic_ns(),

@@ -48,13 +48,17 @@ pub const BATON_KEYS: [&str; 12] = [
     SNAPSHOT_DIR,
 ];
 
-/// The keys only the node's TOML may set: they name programs the shim (root) runs or the agent it trusts,
-/// and annotations come from whoever writes the pod spec.
-pub const NODE_ONLY_KEYS: [&str; 4] = [
+/// The keys only the node's TOML may set, as annotations come from whoever writes the pod spec: they name
+/// programs the shim (root) runs, the agent it trusts or where it writes, or decide what the probes see (a
+/// container that turned `ebpf` off, or moved `trace_prefix` elsewhere, would hold a GPU no other
+/// container's gate sees, and distinct prefixes would use up the probe set's few slots for the whole node).
+pub const NODE_ONLY_KEYS: [&str; 6] = [
     CUDA_CHECKPOINT_PATH,
     AGENT_SOCKET,
     AGENT_AUTOSTART,
     SNAPSHOT_DIR,
+    EBPF,
+    TRACE_PREFIX,
 ];
 
 /// runc's `Options` keys (Go spelling) that `baton install` copies from the node's runc runtime, so that

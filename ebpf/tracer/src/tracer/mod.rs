@@ -426,6 +426,16 @@ impl Tracer {
         Ok(self.probes.add_prefix(prefix)?)
     }
 
+    /// Stops following opens under `prefix` (freeing one of the probe set's few prefix slots).
+    pub fn remove_prefix(&mut self, prefix: &str) -> Result<(), TracerError> {
+        Ok(self.probes.remove_prefix(prefix)?)
+    }
+
+    /// The device-directory prefixes followed now.
+    pub fn prefixes(&self) -> &[String] {
+        self.probes.prefixes()
+    }
+
     /// eBPF programs attached by this tracer.
     pub fn programs_attached(&self) -> usize {
         self.probes.programs()

@@ -71,6 +71,8 @@ pub enum What {
     Note(Note),
     /// What the metrics endpoint shows (`agent/metrics`).
     Metrics(oneshot::Sender<Snapshot>),
+    /// Whether the connection's peer may ask anything: a process inside a watched container may not.
+    CheckPeer(oneshot::Sender<Result<(), String>>),
     /// A preemption changed a container's state.
     SetPreemption {
         /// Which container.
@@ -324,6 +326,10 @@ impl Core {
                                 let _ = answer.send(self.metrics_snapshot());
                                 Reply::Unregistered { found: true }
                             }
+                            What::CheckPeer(answer) => {
+                                let _ = answer.send(self.check_peer(c.peer_pid));
+                                Reply::Unregistered { found: true }
+                            }
                             What::SetPreemption { container, state } => {
                                 let found = self.set_preemption(&container, state);
                                 Reply::Unregistered { found }
@@ -400,10 +406,36 @@ impl Core {
         }
     }
 
+    /// Refuses peer `pid` when it sits in a watched container's cgroup (or below it): the agent commands
+    /// freezes, preemptions and gates of every container on the node, and a tenant's process is not to.
+    fn check_peer(&self, pid: u32) -> Result<(), String> {
+        if pid == 0 || self.watched.is_empty() {
+            return Ok(());
+        }
+        let Some(path) = baton_tracer::cgroups::v2_path_of_pid(pid) else {
+            return Ok(());
+        };
+        let path = path.trim_end_matches('/');
+        let inside = self.watched.values().find(|w| {
+            let cg = w.registration.cgroup.trim_end_matches('/');
+            !cg.is_empty()
+                && (path == cg || path.strip_prefix(cg).is_some_and(|r| r.starts_with('/')))
+        });
+        match inside {
+            Some(w) => Err(format!(
+                "the baton agent does not serve processes inside a watched container: pid {pid} is in \
+                 cgroup {path}, container {} (namespace {})",
+                w.registration.container.id, w.registration.container.namespace
+            )),
+            None => Ok(()),
+        }
+    }
+
     fn register_reply(&mut self, reg: Registration, owner: u32) -> Reply {
         match self.register(reg, owner) {
             Ok(container) => Reply::Registered { container },
             Err(error) => {
+                self.free_unused_prefixes();
                 self.drop_tracer_if_unused();
                 Reply::Error { error }
             }
@@ -414,7 +446,14 @@ impl Core {
         check_cgroup_is_its_own(&reg, owner)?;
         let key = reg.container.clone();
         if let Some(w) = self.watched.get_mut(&key) {
-            // A shim re-registering (after a reconnect) or giving a restored container's new pid.
+            // A shim re-registering (after a reconnect) or giving a restored container's new pid: only the
+            // process that registered it, for the same cgroup (its init checked to be in it above).
+            let tracer = self.tracer.as_mut().ok_or("the probes are not loaded")?;
+            let cgroup_id = tracer
+                .cgroups_mut()
+                .id_of_path(std::path::Path::new(&reg.cgroup))
+                .map_err(|e| format!("cannot watch container {}: {e}", key.id))?;
+            check_same_registrant(&key, w, cgroup_id, owner)?;
             w.registration.init_pid = reg.init_pid;
             w.registration.control_socket = reg.control_socket;
             w.registration.role = reg.role;
@@ -536,6 +575,7 @@ impl Core {
             );
         }
         self.publish(c, w.owner, body);
+        self.free_unused_prefixes();
         self.drop_tracer_if_unused();
         self.check_gates();
         true
@@ -827,6 +867,42 @@ impl Core {
         orphans.len()
     }
 
+    /// Frees the probe set's device-directory slots (at most 4) that no watched container and no trace
+    /// follows any more, so that containers come and go without using them up for the node.
+    fn free_unused_prefixes(&mut self) {
+        let in_use: std::collections::BTreeSet<String> = self
+            .watched
+            .values()
+            .map(|w| baton_agent_api::device_dir(&w.registration.settings.trace_prefix).to_owned())
+            .chain(
+                self.traces
+                    .values()
+                    .flat_map(|s| s.prefixes.iter().cloned()),
+            )
+            .collect();
+        let Some(t) = self.tracer.as_mut() else {
+            return;
+        };
+        let unused: Vec<String> = t
+            .prefixes()
+            .iter()
+            .filter(|p| !in_use.contains(*p))
+            .cloned()
+            .collect();
+        // The probes keep one directory while they are loaded (they go with the last user anyway).
+        if unused.len() == t.prefixes().len() {
+            return;
+        }
+        for dir in unused {
+            match t.remove_prefix(&dir) {
+                Ok(()) => tracing::info!("agent: no longer following device directory {dir}"),
+                Err(e) => {
+                    tracing::warn!("agent: cannot stop following device directory {dir}: {e}")
+                }
+            }
+        }
+    }
+
     /// Drops (detaches) the probes when no container is watched and no trace runs.
     fn drop_tracer_if_unused(&mut self) {
         if self.watched.is_empty() && self.traces.is_empty() && self.retire_tracer() {
@@ -840,7 +916,7 @@ impl Core {
         request: &TraceRequest,
         lines: mpsc::Sender<String>,
     ) -> Reply {
-        let default_dir = ["/dev/".to_owned()];
+        let default_dir = [super::trace_session::DEFAULT_DEVICE_DIR.to_owned()];
         let first_dir = request.prefixes.first().unwrap_or(&default_dir[0]);
         let started = self.load_tracer_for(first_dir).and_then(|()| {
             let tracer = self.tracer.as_mut().ok_or("the probes are not loaded")?;
@@ -855,6 +931,7 @@ impl Core {
                 }
             }
             Err(error) => {
+                self.free_unused_prefixes();
                 self.drop_tracer_if_unused();
                 Reply::Error { error }
             }
@@ -880,6 +957,7 @@ impl Core {
             }
         }
         tracing::info!(session, "agent: trace ended");
+        self.free_unused_prefixes();
         self.drop_tracer_if_unused();
         Reply::Unregistered { found: true }
     }
@@ -1054,6 +1132,34 @@ async fn next_batch(tracer: Option<&mut Tracer>) -> Result<Vec<Record>, baton_tr
         Some(t) => t.next_events().await,
         None => std::future::pending().await,
     }
+}
+
+/// Refuses a re-registration of `key`, watched as `w`, for another cgroup (`cgroup_id`), or from another
+/// process (`owner`) while the one that registered it lives: either would let a peer take over where the
+/// container's freezes and preemptions go. An agent restarted since has no entry, so its shims register
+/// afresh; a shim giving a restored container's new init at Start is the same owner, same cgroup; an OCI
+/// hook registers and exits, so the next hook of the same container (same cgroup) takes its place.
+fn check_same_registrant(
+    key: &ContainerRef,
+    w: &Watched,
+    cgroup_id: u64,
+    owner: u32,
+) -> Result<(), String> {
+    if w.cgroup_id != cgroup_id {
+        return Err(format!(
+            "refusing to register container {} (namespace {}) again for another cgroup: it is watched in \
+             cgroup {} (id {}), not id {cgroup_id}; delete the container first",
+            key.id, key.namespace, w.registration.cgroup, w.cgroup_id
+        ));
+    }
+    if w.owner != owner && !process_gone(w.owner) {
+        return Err(format!(
+            "refusing to register container {} (namespace {}) again from pid {owner}: pid {} registered \
+             it, and only that process may change where its freezes and preemptions go",
+            key.id, key.namespace, w.owner
+        ));
+    }
+    Ok(())
 }
 
 /// Refuses a cgroup that is not the container's own: the root, or the registering process's (on a host

@@ -56,7 +56,7 @@ pub struct AgentArgs {
     input_silence_ms: u64,
     /// Co-runner controller: a shim thaws a co-runner by itself when the agent has not renewed its freeze
     /// for this long (ms): an agent that hangs leaves nothing frozen for longer.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = baton_agent_api::DEFAULT_FREEZE_LEASE_MS)]
     freeze_lease_ms: u64,
     /// Serve Prometheus metrics at http://ADDR/metrics (IP:PORT; port 0 picks a free one), or `off`. A port
     /// that cannot be bound is logged and the agent runs without metrics.
@@ -75,9 +75,14 @@ impl AgentArgs {
         if !(0.0..0.9).contains(&self.min_run_share) {
             bail!("--min-run-share must be at least 0 and below 0.9");
         }
-        if self.max_frozen_ms == 0 || self.input_silence_ms == 0 || self.freeze_lease_ms < 30 {
+        let lease_max = baton_agent_api::MAX_FREEZE_LEASE_MS;
+        if self.max_frozen_ms == 0
+            || self.input_silence_ms == 0
+            || !(30..=lease_max).contains(&self.freeze_lease_ms)
+        {
             bail!(
-                "--max-frozen-ms and --input-silence-ms must be > 0, --freeze-lease-ms at least 30"
+                "--max-frozen-ms and --input-silence-ms must be > 0, --freeze-lease-ms from 30 to \
+                 {lease_max} (the longest lease a shim grants)"
             );
         }
         Ok(control::Bounds {
