@@ -5,7 +5,7 @@
 //! created from a checkpoint but not yet restored is refused with the reason.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use baton_integration::api::StdioPaths;
 use baton_integration::containerd::CgroupMode;
@@ -20,15 +20,8 @@ const WAIT: Duration = Duration::from_secs(20);
 const GO_ZERO_TIME_SECONDS: i64 = -62_135_596_800;
 
 /// Polls `done` until it holds or `WAIT` passes; returns whether it held.
-fn eventually(mut done: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + WAIT;
-    while Instant::now() < deadline {
-        if done() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    done()
+fn eventually(done: impl FnMut() -> bool) -> bool {
+    baton_integration::agent::wait_until(WAIT, done)
 }
 
 /// The bundle containerd made for task `id`.
