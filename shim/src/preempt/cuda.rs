@@ -6,7 +6,7 @@ use std::{
     time::Duration,
 };
 
-use crate::runtime;
+use crate::runtime::{self, ProgramError};
 
 pub use baton_nvidia::cuda_checkpoint::Action;
 
@@ -34,6 +34,21 @@ pub enum CudaError {
         /// What it printed.
         output: String,
     },
+    /// It ran past `cuda_checkpoint_timeout` and was stopped.
+    #[error(
+        "cuda-checkpoint --action {action} --pid {pid} did not finish within {after:?} \
+         (cuda_checkpoint_timeout): stopped it{output}"
+    )]
+    TimedOut {
+        /// The action.
+        action: &'static str,
+        /// The process.
+        pid: u32,
+        /// The limit it ran past.
+        after: Duration,
+        /// What it had printed (": ..." or empty).
+        output: String,
+    },
     /// It could not be run.
     #[error("cannot run {path}: {message}")]
     Spawn {
@@ -48,7 +63,7 @@ impl CudaError {
     /// The process the error concerns, if one.
     pub fn pid(&self) -> Option<u32> {
         match self {
-            CudaError::Failed { pid, .. } => Some(*pid),
+            CudaError::Failed { pid, .. } | CudaError::TimedOut { pid, .. } => Some(*pid),
             _ => None,
         }
     }
@@ -58,6 +73,8 @@ impl CudaError {
 #[derive(Clone, Debug)]
 pub struct CudaCheckpoint {
     path: PathBuf,
+    /// How long one run may take before it is stopped.
+    limit: Option<Duration>,
 }
 
 impl CudaCheckpoint {
@@ -72,9 +89,20 @@ impl CudaCheckpoint {
                     .find(|p| p.is_file())
             })
         };
-        found.map(|path| Self { path }).ok_or(CudaError::NotFound {
-            path: configured.to_path_buf(),
-        })
+        found
+            .map(|path| Self { path, limit: None })
+            .ok_or(CudaError::NotFound {
+                path: configured.to_path_buf(),
+            })
+    }
+
+    /// The same program, each run stopped (and failed) after `limit`: a wedged process, or one frozen
+    /// meanwhile, never holds a preemption for good.
+    pub fn within(self, limit: Duration) -> Self {
+        Self {
+            limit: Some(limit),
+            ..self
+        }
     }
 
     /// Runs `--action ACTION --pid PID` (`--timeout MS` for a lock with a timeout).
@@ -94,7 +122,7 @@ impl CudaCheckpoint {
             args.push("--timeout".to_owned());
             args.push(t.as_millis().to_string());
         }
-        let (status, stdout, stderr) = self.exec(&args).await?;
+        let (status, stdout, stderr) = self.exec(action.name(), pid, &args).await?;
         if status.success() {
             return Ok(());
         }
@@ -113,7 +141,7 @@ impl CudaCheckpoint {
             "--pid".to_owned(),
             pid.to_string(),
         ];
-        let (status, stdout, stderr) = self.exec(&args).await?;
+        let (status, stdout, stderr) = self.exec("get-state", pid, &args).await?;
         if status.success() {
             return Ok(stdout.trim().to_owned());
         }
@@ -127,13 +155,27 @@ impl CudaCheckpoint {
 
     async fn exec(
         &self,
+        action: &'static str,
+        pid: u32,
         args: &[String],
     ) -> Result<(std::process::ExitStatus, String, String), CudaError> {
-        runtime::run_program(&self.path, args)
+        runtime::run_program(&self.path, args, self.limit)
             .await
-            .map_err(|message| CudaError::Spawn {
-                path: self.path.clone(),
-                message,
+            .map_err(|e| match e {
+                ProgramError::Spawn(message) => CudaError::Spawn {
+                    path: self.path.clone(),
+                    message,
+                },
+                ProgramError::TimedOut { output } => CudaError::TimedOut {
+                    action,
+                    pid,
+                    after: self.limit.unwrap_or_default(),
+                    output: if output.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {output}")
+                    },
+                },
             })
     }
 }

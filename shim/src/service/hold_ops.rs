@@ -12,7 +12,7 @@ impl TaskService {
     pub async fn freeze_for_agent(&self, r: FreezeRequest, conn: u64) -> Reply {
         let lease = r.lease_ms.map(Duration::from_millis);
         match self.target(&r.target) {
-            Ok(c) => reply(c.hold(conn, lease).await),
+            Ok(c) => reply(c.hold(conn, lease, r.renew).await),
             Err(e) => reply(Err(e)),
         }
     }

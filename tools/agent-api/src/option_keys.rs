@@ -20,6 +20,8 @@ pub const AGENT_SOCKET: &str = "agent_socket";
 pub const AGENT_AUTOSTART: &str = "agent_autostart";
 /// How long cuda-checkpoint's lock of each process may take.
 pub const CUDA_LOCK_TIMEOUT: &str = "cuda_lock_timeout";
+/// How long each cuda-checkpoint run (a checkpoint, a restore) may take before the shim stops it and rolls back.
+pub const CUDA_CHECKPOINT_TIMEOUT: &str = "cuda_checkpoint_timeout";
 /// Start waits until no other container holds the GPU.
 pub const WAIT_GPU_FREE: &str = "wait-gpu-free";
 /// "latency-critical" | "co-runner".
@@ -30,7 +32,7 @@ pub const YIELDS_TO: &str = "yields-to";
 pub const LAUNCH_BLOCKING: &str = "launch-blocking";
 
 /// Every Baton key, in TOML and (prefixed with [`ANNOTATION_PREFIX`]) in annotations.
-pub const BATON_KEYS: [&str; 11] = [
+pub const BATON_KEYS: [&str; 12] = [
     EBPF,
     CUDA_CHECKPOINT_PATH,
     FREEZER,
@@ -38,6 +40,7 @@ pub const BATON_KEYS: [&str; 11] = [
     AGENT_SOCKET,
     AGENT_AUTOSTART,
     CUDA_LOCK_TIMEOUT,
+    CUDA_CHECKPOINT_TIMEOUT,
     WAIT_GPU_FREE,
     ROLE,
     YIELDS_TO,
