@@ -73,13 +73,15 @@ fn task_pause_is_refused_while_a_park_runs_and_the_park_completes() {
     };
     let mut busy = rig.run("busy", &slow, &[]);
     wait_held(&rig, "busy");
+    let pid = pids_of(&rig, "busy")[0];
     std::thread::scope(|scope| {
         let park = scope.spawn(|| rig.baton(&["preempt", "busy"]));
         busy.wait_line("locked");
         let pause = rig.gpu.env.ctr(&["task", "pause", "busy"]);
         if pause.success() {
-            // Before: the cgroup froze under cuda-checkpoint and the park hung for good; let it go.
-            rig.gpu.env.ctr(&["task", "resume", "busy"]);
+            // Before: the cgroup froze under cuda-checkpoint and the park hung for good (and Task Resume of
+            // a container being preempted is refused); let it go.
+            set_frozen_behind_the_shims_back(pid, false);
         }
         assert!(!pause.success(), "Task Pause during a park is refused");
         assert!(
