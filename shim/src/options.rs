@@ -746,6 +746,30 @@ mod tests {
     }
 
     #[test]
+    fn the_cuda_checkpoint_timeout_comes_from_the_node_only() {
+        let tenant: HashMap<String, String> = [(
+            "baton.io/cuda_checkpoint_timeout".to_string(),
+            "1ms".to_string(),
+        )]
+        .into();
+        let err = BatonSettings::default()
+            .with_annotations(&tenant, "container")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("baton.io/cuda_checkpoint_timeout"), "{err}");
+        let cfg = parse_toml_options("cuda_checkpoint_timeout = \"90s\"\n").unwrap();
+        assert_eq!(
+            cfg.baton.cuda_checkpoint_timeout,
+            std::time::Duration::from_secs(90)
+        );
+        assert_eq!(
+            BatonSettings::default().cuda_checkpoint_timeout,
+            DEFAULT_CUDA_CHECKPOINT_TIMEOUT
+        );
+        assert!(parse_toml_options("cuda_checkpoint_timeout = \"0s\"\n").is_err());
+    }
+
+    #[test]
     fn legacy_create_options_map_onto_runc_options() {
         let mut value = Vec::new();
         let mut os = containerd_shim_protos::protobuf::CodedOutputStream::vec(&mut value);

@@ -20,7 +20,8 @@ pub const AGENT_SOCKET: &str = "agent_socket";
 pub const AGENT_AUTOSTART: &str = "agent_autostart";
 /// How long cuda-checkpoint's lock of each process may take.
 pub const CUDA_LOCK_TIMEOUT: &str = "cuda_lock_timeout";
-/// How long each cuda-checkpoint run (a checkpoint, a restore) may take before the shim stops it and rolls back.
+/// How long each cuda-checkpoint run (a checkpoint, a restore) may take before the shim stops it and rolls back
+/// (node only: a tiny one would make a tenant's container impossible to preempt).
 pub const CUDA_CHECKPOINT_TIMEOUT: &str = "cuda_checkpoint_timeout";
 /// Start waits until no other container holds the GPU.
 pub const WAIT_GPU_FREE: &str = "wait-gpu-free";
@@ -49,7 +50,12 @@ pub const BATON_KEYS: [&str; 12] = [
 
 /// The keys only the node's TOML may set: they name programs the shim (root) runs or the agent it trusts,
 /// and annotations come from whoever writes the pod spec.
-pub const NODE_ONLY_KEYS: [&str; 3] = [CUDA_CHECKPOINT_PATH, AGENT_SOCKET, AGENT_AUTOSTART];
+pub const NODE_ONLY_KEYS: [&str; 4] = [
+    CUDA_CHECKPOINT_PATH,
+    AGENT_SOCKET,
+    AGENT_AUTOSTART,
+    CUDA_CHECKPOINT_TIMEOUT,
+];
 
 /// runc's `Options` keys (Go spelling) that `baton install` copies from the node's runc runtime, so that
 /// Baton's runc runs as the node's does: the cgroup driver must match the kubelet's.
