@@ -343,3 +343,85 @@ pub fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// A stand-in for the node agent, listening on the agent's socket in its place: it answers a shim's `watch`
+/// (`watching`), keeps each `register` it gets (answering that it does not watch the container) and
+/// refuses anything else. The shim's link to it is live, so to the shim this process is the agent: a test
+/// speaks to the shim's control socket as the agent would (a lease the agent would always send left out,
+/// pids it would never send), which no other process may.
+pub struct FakeAgent {
+    registrations: std::sync::Arc<std::sync::Mutex<Vec<Value>>>,
+    socket: PathBuf,
+}
+
+impl FakeAgent {
+    /// Listens on `socket` (its folder made if need be).
+    pub fn start(socket: &Path) -> anyhow::Result<Self> {
+        if let Some(dir) = socket.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let _ = std::fs::remove_file(socket);
+        let listener = std::os::unix::net::UnixListener::bind(socket)?;
+        let registrations = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = registrations.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { return };
+                let kept = kept.clone();
+                std::thread::spawn(move || fake_agent_connection(stream, &kept));
+            }
+        });
+        Ok(Self {
+            registrations,
+            socket: socket.to_owned(),
+        })
+    }
+
+    /// The first registration of container `id`, waiting at most `within`.
+    pub fn registration(&self, id: &str, within: Duration) -> Option<Value> {
+        let mut found = None;
+        wait_until(within, || {
+            found = self
+                .registrations
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .iter()
+                .find(|r| r["id"] == json!(id))
+                .cloned();
+            found.is_some()
+        });
+        found
+    }
+}
+
+impl Drop for FakeAgent {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// Serves one connection of a shim to a [`FakeAgent`].
+fn fake_agent_connection(stream: UnixStream, kept: &std::sync::Mutex<Vec<Value>>) {
+    let Ok(mut write) = stream.try_clone() else {
+        return;
+    };
+    for line in BufReader::new(stream).lines() {
+        let Ok(line) = line else { return };
+        let request: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+        let reply = match request["op"].as_str() {
+            Some("watch") => json!({"v": 1, "ok": true, "reply": "watching"}),
+            Some("register") => {
+                kept.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push(request.clone());
+                json!({"v": 1, "ok": false, "reply": "error",
+                    "error": "a test's stand-in for the agent: not watched"})
+            }
+            _ => json!({"v": 1, "ok": false, "reply": "error",
+                "error": "a test's stand-in for the agent answers watch and register only"}),
+        };
+        if writeln!(write, "{reply}").is_err() {
+            return;
+        }
+    }
+}

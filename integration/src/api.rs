@@ -432,8 +432,12 @@ impl Api {
             })
     }
 
-    /// The status of the task (or exec) as containerd names it (`RUNNING`, `PAUSED`, `STOPPED`, ...) and its pid.
-    pub fn state(&self, id: &str, exec_id: &str) -> Result<(String, u32), Error> {
+    /// The record containerd keeps of the task (or exec): status, pid, exit status and time (`exited_at`).
+    pub fn process(
+        &self,
+        id: &str,
+        exec_id: &str,
+    ) -> Result<containerd_client::types::v1::Process, Error> {
         let request = self.request(GetRequest {
             container_id: id.to_string(),
             exec_id: exec_id.to_string(),
@@ -447,7 +451,12 @@ impl Api {
                 id: join(id, exec_id),
                 status,
             })?;
-        let process = response.into_inner().process.unwrap_or_default();
+        Ok(response.into_inner().process.unwrap_or_default())
+    }
+
+    /// The status of the task (or exec) as containerd names it (`RUNNING`, `PAUSED`, `STOPPED`, ...) and its pid.
+    pub fn state(&self, id: &str, exec_id: &str) -> Result<(String, u32), Error> {
+        let process = self.process(id, exec_id)?;
         let status = containerd_client::types::v1::Status::try_from(process.status).map_or_else(
             |_| format!("status {}", process.status),
             |status| status.as_str_name().to_string(),

@@ -236,6 +236,18 @@ impl TestEnv {
         self.ctr(&args)
     }
 
+    /// `ctr run` flags that give the shim the node options TOML `toml` (Baton's node-only keys such as `ebpf`
+    /// and `trace_prefix`, as the runtime's options table in containerd's config would), written as file
+    /// `name` in the scratch folder: `ctr` passes its path as `runtimeoptions.v1.Options.ConfigPath`.
+    pub fn node_options_flags(&self, name: &str, toml: &str) -> std::io::Result<Vec<String>> {
+        let path = self.scratch().join(name);
+        std::fs::write(&path, toml)?;
+        Ok(vec![
+            "--runtime-config-path".to_owned(),
+            path.display().to_string(),
+        ])
+    }
+
     /// Starts container `id` detached with no stdio (`ctr run -d --null-io`); an error when ctr fails.
     pub fn run_detached(
         &self,

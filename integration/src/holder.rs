@@ -107,6 +107,17 @@ impl HolderContainer {
         Self::start_at(env, id, mock_dir, annotations, "/dev")
     }
 
+    /// [`HolderContainer::start`] under another runtime than the one under test (`io.containerd.runc.v2`:
+    /// a container Baton does not watch).
+    pub fn start_with_runtime(
+        env: &TestEnv,
+        id: &str,
+        mock_dir: &Path,
+        runtime: &str,
+    ) -> anyhow::Result<Self> {
+        Self::spawn(env, id, mock_dir, &[], "/dev", &[], Some(runtime))
+    }
+
     /// [`HolderContainer::start`] with the device files in folder `dev_dir` of the container.
     pub fn start_at(
         env: &TestEnv,
@@ -115,11 +126,41 @@ impl HolderContainer {
         annotations: &[(&str, &str)],
         dev_dir: &str,
     ) -> anyhow::Result<Self> {
+        Self::start_with(env, id, mock_dir, annotations, dev_dir, &[])
+    }
+
+    /// [`HolderContainer::start_at`] with more `ctr run` flags (the node's options TOML, see
+    /// [`TestEnv::node_options_flags`]).
+    pub fn start_with(
+        env: &TestEnv,
+        id: &str,
+        mock_dir: &Path,
+        annotations: &[(&str, &str)],
+        dev_dir: &str,
+        more_flags: &[String],
+    ) -> anyhow::Result<Self> {
+        Self::spawn(env, id, mock_dir, annotations, dev_dir, more_flags, None)
+    }
+
+    fn spawn(
+        env: &TestEnv,
+        id: &str,
+        mock_dir: &Path,
+        annotations: &[(&str, &str)],
+        dev_dir: &str,
+        more_flags: &[String],
+        runtime: Option<&str>,
+    ) -> anyhow::Result<Self> {
         let holder = install_mock_binary(env.rootfs(), "baton-mock-holder")?;
         let mut flags = device_mounts_at(mock_dir, dev_dir);
         flags.push("--rm".into());
+        flags.extend(more_flags.iter().cloned());
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-        let args = env.run_args(id, annotations, &flags, &[&holder, "--dev-dir", dev_dir]);
+        let mut args = env.run_args(id, annotations, &flags, &[&holder, "--dev-dir", dev_dir]);
+        if let Some(runtime) = runtime {
+            // `run --runtime RUNTIME ...`
+            args[2] = runtime.to_owned();
+        }
         let child = env
             .containerd()
             .ctr_command()

@@ -23,6 +23,7 @@ pub mod oci_hooks;
 pub mod procs;
 pub mod rootfs;
 pub mod shim_binary;
+pub mod shim_ttrpc;
 pub mod skip;
 pub mod task_options;
 pub mod trace_env;

@@ -4,7 +4,8 @@
 //! the shim itself, once per test process: `cargo build -p containerd-shim-baton-v1` in this workspace, with the
 //! caller's `CARGO_TARGET_DIR` (or `<workspace>/target`), then uses `<target>/debug/containerd-shim-baton-v1`.
 //! `BATON_SHIM_BIN=/abs/path` skips the build and uses that binary. `BATON_TEST_RUNTIME=io.containerd.runc.v2`
-//! runs the same tests against Debian's Go shim (to tell harness failures from shim failures).
+//! runs the same tests against Debian's Go shim (to tell harness failures from shim failures); in strict mode
+//! (tools/dev test, CI) only together with `BATON_COMPARE_RUNTIME=1` ([`baton_prereq::check_runtime_switch`]).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -38,12 +39,15 @@ pub enum Error {
     },
 }
 
-/// The runtime type the tests run against: `BATON_TEST_RUNTIME`, or `io.containerd.baton.v1`.
+/// The runtime type the tests run against: `BATON_TEST_RUNTIME`, or `io.containerd.baton.v1`. In strict mode
+/// another runtime fails the test unless `BATON_COMPARE_RUNTIME=1` asks for it.
 pub fn runtime_under_test() -> String {
-    std::env::var("BATON_TEST_RUNTIME")
+    let runtime = std::env::var(baton_prereq::RUNTIME_ENV)
         .ok()
         .filter(|value| !value.is_empty())
-        .unwrap_or_else(|| BATON_RUNTIME.to_string())
+        .unwrap_or_else(|| BATON_RUNTIME.to_string());
+    baton_prereq::check_runtime_switch(&runtime, BATON_RUNTIME);
+    runtime
 }
 
 /// The workspace root (the folder above this package).

@@ -14,7 +14,7 @@ use std::{
 };
 
 use baton_integration::{
-    agent::{AgentConn, AgentProcess, wait_until},
+    agent::{AgentConn, AgentProcess, FakeAgent, wait_until},
     env::TestEnv,
     skip,
     trace_env::{BatonTrace, missing_trace_prerequisite, workspace_binary},
@@ -24,6 +24,8 @@ use serde_json::{Value, json};
 /// Long enough for a loaded CI machine.
 const WITHIN: Duration = Duration::from_secs(20);
 const SPIN: &[&str] = &["/bin/sh", "-c", "while :; do :; done"];
+/// A container that takes no CPU (where the test needs no running work).
+const SLEEP: &[&str] = &["/bin/sleep", "600"];
 
 struct Rig {
     env: TestEnv,
@@ -55,6 +57,27 @@ impl Rig {
     /// Runs a spinning container with `annotations`; its init pid once the agent watches it.
     fn spinner(&self, id: &str, annotations: &[(&str, &str)]) -> u32 {
         self.env.run_detached(id, annotations, SPIN).unwrap();
+        self.watched_pid(id)
+    }
+
+    /// A sleeping container (no CPU taken from a loaded machine) with `annotations` and the node options
+    /// TOML `toml` (its own, as a runtime handler's); its init pid once the agent watches it.
+    fn sleeper_with_node_toml(&self, id: &str, annotations: &[(&str, &str)], toml: &str) -> u32 {
+        let mut flags = vec!["-d".to_owned(), "--null-io".to_owned()];
+        flags.extend(
+            self.env
+                .node_options_flags(&format!("{id}.toml"), toml)
+                .unwrap(),
+        );
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let args = self.env.run_args(id, annotations, &flags, SLEEP);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.env.ctr_ok(&args).unwrap();
+        self.watched_pid(id)
+    }
+
+    /// The init pid of container `id` once the agent watches it.
+    fn watched_pid(&self, id: &str) -> u32 {
         let mut pid = 0;
         assert!(
             wait_until(WITHIN, || {
@@ -523,6 +546,359 @@ fn bad_control_input_gets_a_clear_error_and_the_controller_keeps_running() {
         "{err}"
     );
     assert!(!frozen(co));
+}
+
+/// The control sockets of the shims beside the agent's socket of `rig` (`<dir>/shims/<shim pid>.sock`).
+fn shim_sockets(rig: &Rig) -> Vec<PathBuf> {
+    let dir = rig
+        .env
+        .containerd()
+        .agent_socket()
+        .parent()
+        .unwrap()
+        .join("shims");
+    std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "sock"))
+        .collect()
+}
+
+/// Sends `request` (one line, the version added) on a new connection to `socket`; the first line back.
+fn raw_call(socket: &std::path::Path, mut request: Value) -> Value {
+    use std::io::{BufRead, Write};
+    request["v"] = json!(1);
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    stream
+        .set_read_timeout(Some(WITHIN))
+        .expect("a read timeout");
+    writeln!(stream, "{request}").unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(&stream)
+        .read_line(&mut line)
+        .unwrap();
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
+}
+
+#[test]
+fn a_root_process_that_is_not_the_agent_cannot_command_a_shim() {
+    let Some(rig) = Rig::start("ctl-not-agent", &[]) else {
+        return;
+    };
+    let co = rig.spinner("trainer", &[("baton.io/role", "co-runner")]);
+    let sockets = shim_sockets(&rig);
+    assert_eq!(
+        sockets.len(),
+        1,
+        "one shim, one control socket: {sockets:?}"
+    );
+    // The test runs as root and is not the agent: a freeze (even a leased one) is refused, naming the pid.
+    let reply = raw_call(
+        &sockets[0],
+        json!({"op": "freeze", "id": "trainer", "lease_ms": 600_000}),
+    );
+    assert_eq!(reply["ok"], json!(false), "{reply}");
+    let error = reply["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("agent alone") && error.contains(&format!("pid {}", std::process::id())),
+        "{reply}"
+    );
+    assert!(!frozen(co), "a process that is not the agent froze it");
+    let reply = raw_call(
+        &sockets[0],
+        json!({"op": "preempt", "id": "trainer", "pids": [co]}),
+    );
+    assert_eq!(reply["ok"], json!(false), "{reply}");
+    // What the agent sends still works.
+    let (_, err, ok) = rig.baton(&["freeze", "trainer"]);
+    assert!(ok, "baton freeze: {err}");
+    assert!(frozen(co));
+    let (_, err, ok) = rig.baton(&["thaw", "trainer"]);
+    assert!(ok, "baton thaw: {err}");
+    assert!(!frozen(co));
+}
+
+#[test]
+fn a_watched_container_is_registered_again_only_by_its_shim_and_never_from_inside_a_container() {
+    let Some(rig) = Rig::start("ctl-reregister", &[]) else {
+        return;
+    };
+    let co = rig.spinner("trainer", &[("baton.io/role", "co-runner")]);
+    let entry = rig.status()["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == json!("trainer"))
+        .cloned()
+        .unwrap();
+    let (namespace, cgroup) = (entry["namespace"].clone(), entry["cgroup"].clone());
+    let me = std::process::id();
+    let mut conn = rig.conn();
+
+    // Another cgroup (one the test makes, empty): refused, whoever asks.
+    let root = baton_cgroups::find_v2_root().unwrap();
+    let other = format!("/baton-test-reregister-{me}");
+    let other_dir = baton_cgroups::create(&root, &other).unwrap();
+    let err = conn
+        .call(
+            json!({"op": "register", "id": "trainer", "namespace": namespace,
+            "cgroup": other, "init_pid": 0}),
+        )
+        .unwrap_err()
+        .to_string();
+    let _ = std::fs::remove_dir(&other_dir);
+    assert!(err.contains("another cgroup"), "{err}");
+
+    // The same cgroup and init from a process that is not its shim, making it latency-critical (never
+    // frozen) and sending its preemptions elsewhere: refused, naming the pid.
+    let err = conn
+        .call(
+            json!({"op": "register", "id": "trainer", "namespace": namespace,
+            "cgroup": cgroup, "init_pid": co, "role": {"role": "latency-critical"},
+            "control_socket": "/tmp/not-the-shim.sock"}),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&format!("again from pid {me}")), "{err}");
+    assert_eq!(
+        rig.co_runner("trainer")["id"],
+        json!("trainer"),
+        "still a co-runner: {}",
+        rig.status()
+    );
+    let (_, err, ok) = rig.baton(&["freeze", "trainer"]);
+    assert!(ok, "its own shim still freezes it: {err}");
+    assert!(frozen(co));
+    let (_, err, ok) = rig.baton(&["thaw", "trainer"]);
+    assert!(ok, "baton thaw: {err}");
+
+    // A process inside the watched container's cgroup is not served at all.
+    let dir = root.join(cgroup.as_str().unwrap().trim_start_matches('/'));
+    let out = baton_cgroups::command_in(
+        &dir,
+        &workspace_binary("baton", "baton").unwrap(),
+        &[
+            "freeze".to_owned(),
+            "trainer".to_owned(),
+            "--socket".to_owned(),
+            rig.env.containerd().agent_socket().display().to_string(),
+        ],
+    )
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a process inside the container froze it"
+    );
+    assert!(err.contains("inside a watched container"), "{err}");
+    assert!(!frozen(co));
+}
+
+/// Sends `request` on `stream` and reads lines until the reply (skipping the step lines of a preemption).
+fn call_on(stream: &mut std::os::unix::net::UnixStream, mut request: Value) -> Value {
+    use std::io::{BufRead, Write};
+    request["v"] = json!(1);
+    writeln!(stream, "{request}").unwrap();
+    let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+    loop {
+        let mut line = String::new();
+        assert!(
+            reader.read_line(&mut line).unwrap() > 0,
+            "no reply to {request}"
+        );
+        let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+        if v.get("reply").is_some() {
+            return v;
+        }
+    }
+}
+
+#[test]
+fn a_freeze_without_a_lease_ends_by_itself_and_a_preemption_acts_on_the_containers_processes_only()
+{
+    let Some(env) = TestEnv::start("ctl-lease") else {
+        return;
+    };
+    if !env.is_baton() {
+        skip::not_applicable("the shim's control socket is Baton's");
+        return;
+    }
+    // This test is the agent (it listens on the agent's socket), so the shim takes its commands: those the
+    // real agent never sends (no lease, a pid outside the container) are refused or bounded all the same.
+    let agent = FakeAgent::start(&env.containerd().agent_socket()).unwrap();
+    let log = env.scratch().join("cuda-checkpoint.log");
+    let program = env.scratch().join("cuda-checkpoint");
+    std::fs::write(
+        &program,
+        format!("#!/bin/sh\necho \"$@\" >> {}\n", log.display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &program,
+        <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o755),
+    )
+    .unwrap();
+    let mut flags = vec!["-d".to_owned(), "--null-io".to_owned()];
+    flags.extend(
+        env.node_options_flags(
+            "cuda.toml",
+            &format!("cuda_checkpoint_path = \"{}\"\n", program.display()),
+        )
+        .unwrap(),
+    );
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let args = env.run_args("trainer", &[("baton.io/role", "co-runner")], &flags, SLEEP);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    env.ctr_ok(&args).unwrap();
+    let registration = agent
+        .registration("trainer", WITHIN)
+        .expect("the shim registers the co-runner");
+    let co = registration["init_pid"].as_u64().unwrap() as u32;
+    let control = registration["control_socket"].as_str().unwrap().to_owned();
+    let mut stream = std::os::unix::net::UnixStream::connect(&control).unwrap();
+
+    // No lease: the default one. The connection stays open, so only the lease can end the freeze.
+    let r = call_on(&mut stream, json!({"op": "freeze", "id": "trainer"}));
+    assert_eq!(r["frozen"], json!(true), "{r}");
+    assert!(frozen(co));
+    let t = Instant::now();
+    wait_frozen(co, false, "a freeze without a lease, never renewed");
+    assert!(
+        t.elapsed() >= Duration::from_millis(baton_agent_api::DEFAULT_FREEZE_LEASE_MS / 2),
+        "thawed after {:?}, before its default lease",
+        t.elapsed()
+    );
+    // A lease above the maximum is refused, and nothing is frozen.
+    let too_long = baton_agent_api::MAX_FREEZE_LEASE_MS + 1;
+    let r = call_on(
+        &mut stream,
+        json!({"op": "freeze", "id": "trainer", "lease_ms": too_long}),
+    );
+    assert_eq!(r["ok"], json!(false), "{r}");
+    assert!(
+        r["error"]
+            .as_str()
+            .unwrap()
+            .contains(&baton_agent_api::MAX_FREEZE_LEASE_MS.to_string()),
+        "{r}"
+    );
+    assert!(!frozen(co));
+
+    // A preemption naming a process outside the container (this test) fails naming it and the container;
+    // cuda-checkpoint never runs on it.
+    let me = std::process::id();
+    let r = call_on(
+        &mut stream,
+        json!({"op": "preempt", "id": "trainer", "pids": [co, me]}),
+    );
+    assert_eq!(r["ok"], json!(false), "{r}");
+    let error = r["error"].as_str().unwrap();
+    assert!(
+        error.contains(&format!("pid {me}")) && error.contains("container trainer"),
+        "{r}"
+    );
+    let ran = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        !ran.contains(&format!("--pid {me}")),
+        "cuda-checkpoint ran on a process outside the container:\n{ran}"
+    );
+    assert!(!frozen(co), "the failed preemption left it running");
+    assert_eq!(env.task_status("trainer").as_deref(), Some("RUNNING"));
+
+    // A line without end on another connection: the shim reads at most its bound, answers, closes that
+    // connection, and keeps serving this one.
+    let shim: u32 = std::path::Path::new(&control)
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .and_then(|s| s.parse().ok())
+        .unwrap();
+    let before = rss_kib(shim);
+    let (sent, back) = endless_line(std::path::Path::new(&control));
+    let grown = rss_kib(shim).saturating_sub(before);
+    assert!(
+        grown < 16 * 1024 && sent < 64,
+        "the shim grew by {grown} KiB reading a line without end ({sent} MiB sent); it answered {back:?}"
+    );
+    let r = call_on(&mut stream, json!({"op": "freeze", "id": "trainer"}));
+    assert_eq!(r["frozen"], json!(true), "{r}");
+    let r = call_on(&mut stream, json!({"op": "thaw", "id": "trainer"}));
+    assert_eq!(r["frozen"], json!(false), "{r}");
+}
+
+#[test]
+fn device_folders_no_container_uses_any_more_free_their_probe_slots() {
+    let Some(rig) = Rig::start("ctl-prefixes", &[]) else {
+        return;
+    };
+    let role = [("baton.io/role", "co-runner")];
+    let folder = |i: u32| format!("trace_prefix = \"/gpu{i}/nvidia\"\n");
+    // The probes follow at most 4 device folders: four containers, each the node's TOML of its own.
+    for i in 1..=4 {
+        rig.sleeper_with_node_toml(&format!("c{i}"), &role, &folder(i));
+    }
+    rig.env.ctr_ok(&["task", "rm", "-f", "c1"]).unwrap();
+    assert!(
+        wait_until(WITHIN, || !rig.status()["containers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["id"] == json!("c1"))),
+        "c1 is no longer watched: {}",
+        rig.status()
+    );
+    // Its folder's slot is free again: a fifth folder is followed.
+    rig.sleeper_with_node_toml("c5", &role, &folder(5));
+}
+
+/// Writes 64 MiB without a newline to `socket`, as fast as the other end takes it (stopping when it closes);
+/// how many MiB went, and what came back.
+fn endless_line(socket: &std::path::Path) -> (usize, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    let chunk = vec![b'x'; 1 << 20];
+    let mut sent = 0;
+    while sent < 64 && stream.write_all(&chunk).is_ok() {
+        sent += 1;
+    }
+    stream.set_read_timeout(Some(WITHIN)).unwrap();
+    let mut back = Vec::new();
+    let _ = stream.read_to_end(&mut back);
+    (sent, String::from_utf8_lossy(&back).into_owned())
+}
+
+/// The resident memory of process `pid`, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+#[test]
+fn an_endless_line_does_not_grow_the_agent_and_other_clients_are_still_answered() {
+    let Some(rig) = Rig::start("ctl-long-line", &[]) else {
+        return;
+    };
+    let agent = rig.agent.as_ref().unwrap().pid();
+    let before = rss_kib(agent);
+    let socket = rig.env.containerd().agent_socket();
+    let writer = std::thread::spawn(move || endless_line(&socket));
+    // Another client is answered meanwhile, and after.
+    assert_eq!(rig.status()["agent_pid"], json!(agent));
+    let (sent, back) = writer.join().unwrap();
+    let grown = rss_kib(agent).saturating_sub(before);
+    assert!(
+        grown < 16 * 1024,
+        "the agent grew by {grown} KiB reading a line without end ({sent} MiB sent); it answered {back:?}"
+    );
+    assert!(sent < 64, "the agent read all 64 MiB of one line");
+    let log = std::fs::read_to_string(rig.env.scratch().join("agent.log")).unwrap();
+    assert!(log.contains("closing a connection"), "{log}");
+    let (out, err, ok) = rig.baton(&["status"]);
+    assert!(ok, "baton status after the endless line: {err}\n{out}");
 }
 
 /// A co-runner frozen nearly all the time by a duty cycle (run 20 ms of every 2 s), with a lease renewed

@@ -2,7 +2,8 @@
 //! (bind-mounted at /dev/nvidia*) and runs the mock CUDA workload is registered with an agent the shim starts
 //! itself (none ran), watched from before its program starts, its acquire and release of the GPU are
 //! published, and its ledger is logged at delete; a container without NVIDIA devices starts no agent, and
-//! `baton.io/ebpf=false` keeps a GPU container unwatched.
+//! `ebpf = false` in the node's options TOML keeps a GPU container unwatched (a `baton.io/ebpf` annotation
+//! is refused).
 #![allow(
     clippy::unwrap_used,
     reason = "test helpers fail the test by panicking"
@@ -133,10 +134,22 @@ fn containers_without_nvidia_devices_or_with_ebpf_off_load_no_probes() {
     let _mock = MockDriver::mount(MountOptions::new(mock_dir.path())).unwrap();
     let mut flags = device_mounts(mock_dir.path());
     flags.push("--rm".into());
+    let annotated: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let annotated = env.run_args(
+        "gpu-off-by-annotation",
+        &[("baton.io/ebpf", "false")],
+        &annotated,
+        &["/bin/busybox", "ls", "/dev/nvidiactl"],
+    );
+    // The node turns the probes off (its options TOML).
+    flags.extend(
+        env.node_options_flags("ebpf-off.toml", "ebpf = false\n")
+            .unwrap(),
+    );
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let out = env.run(
         "gpu-but-off",
-        &[("baton.io/ebpf", "false")],
+        &[],
         &flags,
         &["/bin/busybox", "ls", "/dev/nvidiactl"],
     );
@@ -150,5 +163,13 @@ fn containers_without_nvidia_devices_or_with_ebpf_off_load_no_probes() {
     assert!(
         env.containerd().agent_pid().is_none(),
         "no agent was started for them"
+    );
+    // A tenant cannot: the annotation is refused, naming the key.
+    let annotated: Vec<&str> = annotated.iter().map(String::as_str).collect();
+    let out = env.ctr(&annotated);
+    assert!(
+        !out.success() && out.stderr.contains("baton.io/ebpf"),
+        "{}",
+        out.stderr
     );
 }

@@ -624,3 +624,136 @@ fn a_task_created_from_a_checkpoint_gets_its_cuda_processes_restored_and_unlocke
     restored.wait_line("unlocked");
     wait_held(&rig, "restored", 1);
 }
+
+#[test]
+fn a_park_whose_client_went_away_midway_is_still_known_to_the_agent_as_parked() {
+    let Some(rig) = CudaRig::start("preempt-client-gone") else {
+        return;
+    };
+    // A slow copy (256 MiB at 128 MiB/s: 2 s), so that the client is gone long before the park ends.
+    let slow = Trainer {
+        copy_mib_per_s: 128,
+        ..Trainer::default()
+    };
+    let _trainer = rig.run("trainer", &slow, &[]);
+    wait_held(&rig, "trainer", 1);
+    let mut client = std::process::Command::new(workspace_binary("baton", "baton").unwrap())
+        .args(["preempt", "trainer", "--json", "--socket"])
+        .arg(rig.gpu.env.containerd().agent_socket())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The first step line: the park is under way. Then the client goes, as a Ctrl-C'd `baton preempt`.
+    let mut first = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(client.stdout.take().unwrap()),
+        &mut first,
+    )
+    .unwrap();
+    assert!(first.contains("\"phase\""), "a step line: {first}");
+    client.kill().unwrap();
+    client.wait().unwrap();
+    // The shim finishes the park and tells the agent, which owns no copy of its own to get wrong.
+    assert!(
+        baton_integration::agent::wait_until(WITHIN, || preemption_state(&rig, "trainer")
+            == json!("parked")),
+        "the agent shows the park the shim finished: {}",
+        rig.gpu.status("trainer")
+    );
+    assert_eq!(rig.task_status("trainer").as_deref(), Some("PAUSED"));
+    // And it can be resumed, which needs the agent to know it is parked.
+    let (_, outcome) = rig.baton_json(&["resume", "trainer"]);
+    assert_eq!(outcome["preemption"], Value::Null, "{outcome}");
+}
+
+/// Sends `request` to the agent on `socket` and returns its reply line (step lines skipped).
+fn agent_reply(socket: &std::path::Path, mut request: Value) -> Value {
+    use std::io::{BufRead, Write};
+    request["v"] = json!(1);
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    stream.set_read_timeout(Some(WITHIN)).unwrap();
+    writeln!(stream, "{request}").unwrap();
+    for line in std::io::BufReader::new(stream).lines() {
+        let v: Value = serde_json::from_str(&line.unwrap()).unwrap();
+        if v.get("ok").is_some() {
+            return v;
+        }
+    }
+    panic!("the agent closed the connection without a reply to {request}");
+}
+
+#[test]
+fn a_snapshot_goes_to_the_node_snapshot_dir_and_a_relative_image_path_is_refused() {
+    let Some(rig) = CudaRig::start("preempt-snapdir") else {
+        return;
+    };
+    let dir = rig.gpu.env.scratch();
+    std::fs::create_dir_all(&dir).unwrap();
+    let runc = runc_without_criu(&dir);
+    let snapshots = dir.join("snapshots");
+    let options = baton_integration::api::runtime_options_toml(&format!(
+        "BinaryName = \"{}\"\nsnapshot_dir = \"{}\"\n",
+        runc.display(),
+        snapshots.display()
+    ));
+    let _snap = rig.create_with("snapdir", &Trainer::default(), &[], Some(options));
+    rig.gpu.env.api().unwrap().start("snapdir", "").unwrap();
+    wait_held(&rig, "snapdir", 1);
+
+    // The CLI refuses a relative path before it asks anyone.
+    let (_, err, ok) = rig.baton(&[
+        "preempt",
+        "snapdir",
+        "--mode",
+        "snapshot",
+        "--image-path",
+        "snapshots/snapdir",
+    ]);
+    assert!(!ok && err.contains("give an absolute path"), "{err}");
+    // A client that sends one all the same: the shim refuses it before anything happens.
+    let socket = rig.gpu.env.containerd().agent_socket();
+    let reply = agent_reply(
+        &socket,
+        json!({"op": "preempt", "id": "snapdir", "mode": "snapshot", "image_path": "img"}),
+    );
+    assert_eq!(reply["ok"], json!(false), "{reply}");
+    assert!(
+        reply["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("give an absolute path")),
+        "{reply}"
+    );
+    assert!(
+        !std::path::Path::new(&dir).join("checkpoint-args").exists(),
+        "runc checkpoint ran for a refused request"
+    );
+    assert_eq!(rig.task_status("snapdir").as_deref(), Some("RUNNING"));
+    assert_eq!(rig.gpu.status("snapdir")["preemption"], Value::Null);
+
+    // No image path: the node's snapshot_dir, a folder per namespace and container, on disk.
+    let expected = snapshots
+        .join(rig.gpu.env.namespace())
+        .join("snapdir")
+        .display()
+        .to_string();
+    let (_, outcome) = rig.baton_json(&["preempt", "snapdir", "--mode", "snapshot"]);
+    assert_eq!(
+        outcome["preemption"]["state"],
+        json!("snapshotted"),
+        "{outcome}"
+    );
+    assert_eq!(
+        outcome["preemption"]["image_path"],
+        json!(expected),
+        "{outcome}"
+    );
+    let args = std::fs::read_to_string(dir.join("checkpoint-args")).unwrap();
+    assert!(
+        args.contains(&format!("--image-path {expected} ")),
+        "{args}"
+    );
+    assert!(
+        std::path::Path::new(&expected).join("dump.img").exists(),
+        "no image in {expected}"
+    );
+}

@@ -321,14 +321,14 @@ fn a_second_containers_device_folder_is_followed_too() {
     let mut w1 = rig.watch("first");
     first.num("open nvidiactl").unwrap();
     expect_acquire(&mut w1, "first");
-    let mut second = HolderContainer::start_at(
-        &rig.env,
-        "second",
-        rig.mock_dir.path(),
-        &[("baton.io/trace_prefix", "/gpu/nvidia")],
-        "/gpu",
-    )
-    .unwrap();
+    // The device folder is the node's to say (its options TOML), not an annotation's.
+    let node = rig
+        .env
+        .node_options_flags("gpu-prefix.toml", "trace_prefix = \"/gpu/nvidia\"\n")
+        .unwrap();
+    let mut second =
+        HolderContainer::start_with(&rig.env, "second", rig.mock_dir.path(), &[], "/gpu", &node)
+            .unwrap();
     let mut w2 = rig.watch("second");
     let fd = second.num("open nvidiactl").unwrap();
     expect_acquire(&mut w2, "second");

@@ -246,18 +246,35 @@ fn shim_invalid_baton_annotations_are_clear_errors() {
     }
     let shim = healthy(&env);
     let api = env.api().expect("api");
-    let cases: [(&str, (&str, &str), &str); 4] = [
+    let cases: [(&str, (&str, &str), &str); 7] = [
         ("badfreezer", ("baton.io/freezer", "sometimes"), "freezer"),
-        ("badebpf", ("baton.io/ebpf", "perhaps"), "ebpf"),
-        (
-            "badprefix",
-            ("baton.io/trace_prefix", "dev/nvidia"),
-            "trace_prefix",
-        ),
         (
             "badcuda",
             ("baton.io/cuda_checkpoint_path", " "),
             "cuda_checkpoint_path",
+        ),
+        // What the probes see is the node's to decide: refused whatever the value.
+        ("ebpfoff", ("baton.io/ebpf", "false"), "baton.io/ebpf"),
+        (
+            "otherprefix",
+            ("baton.io/trace_prefix", "/gpu/nvidia"),
+            "baton.io/trace_prefix",
+        ),
+        // A wait beyond the bound fails Create (it overflowed the shim's deadline at Start).
+        (
+            "hugewait",
+            ("baton.io/wait-gpu-free", "18446744073709551615s"),
+            "wait-gpu-free",
+        ),
+        (
+            "longwait",
+            ("baton.io/wait-gpu-free", "25h"),
+            "wait-gpu-free",
+        ),
+        (
+            "zerowait",
+            ("baton.io/wait-gpu-free", "0s"),
+            "wait-gpu-free",
         ),
     ];
     for (id, annotation, key) in cases {

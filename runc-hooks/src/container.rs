@@ -59,7 +59,7 @@ pub fn cgroup_of(id: &str, pid: u32) -> Result<String, HookError> {
             gone()
         }
     })?;
-    if path.trim_end_matches('/').is_empty() {
+    if baton_cgroups::canonical_path(&path).is_ok_and(|p| baton_cgroups::is_root(&p)) {
         return Err(HookError::RootCgroup {
             id: id.to_owned(),
             pid,

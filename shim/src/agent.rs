@@ -8,16 +8,22 @@
 //! so once in its log. When the agent goes away (killed, restarted) the link reconnects with a growing
 //! delay (starting an agent when allowed) and registers its containers again; the agent rebuilds their
 //! fds and mappings from /proc.
+//!
+//! The link also tells who the agent is: the pid of the process at the other end of its live control
+//! connection (SO_PEERCRED). The shim's control socket serves that process alone ([`AgentPid`]).
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
-    sync::Mutex,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU32, Ordering},
+    },
     time::Duration,
 };
 
 use baton_agent_api::{
-    Client, ContainerRef, Endpoint, EventBody, Filter, GateRequest, PreemptState, Registration,
-    Reply, Request, WatchSettings,
+    Client, ContainerRef, Endpoint, EventBody, Filter, GateRequest, PreemptState, PreemptionUpdate,
+    Registration, Reply, Request, WatchSettings,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -58,10 +64,32 @@ enum LinkMsg {
     Preemption(ContainerRef, Option<PreemptState>),
 }
 
+/// The pid of the agent this shim is connected to now: the peer (SO_PEERCRED) of the link's live control
+/// connection, 0 while there is none. While that connection is open its peer cannot exit unnoticed (the
+/// link drops the pid as soon as a read or a call on it fails), so the pid names the agent, not a process
+/// that got its number later.
+#[derive(Clone, Default)]
+pub struct AgentPid(Arc<AtomicU32>);
+
+impl AgentPid {
+    /// The agent's pid, or `None` when the shim has no live connection to an agent.
+    pub fn get(&self) -> Option<u32> {
+        match self.0.load(Ordering::Acquire) {
+            0 => None,
+            pid => Some(pid),
+        }
+    }
+
+    fn set(&self, pid: Option<u32>) {
+        self.0.store(pid.unwrap_or(0), Ordering::Release);
+    }
+}
+
 /// The shim's side of the agent (one per shim, shared by its containers).
 pub struct GpuAgent {
     events: Events,
     link: Mutex<Option<mpsc::UnboundedSender<LinkMsg>>>,
+    agent_pid: AgentPid,
 }
 
 impl GpuAgent {
@@ -70,7 +98,13 @@ impl GpuAgent {
         Self {
             events,
             link: Mutex::new(None),
+            agent_pid: AgentPid::default(),
         }
+    }
+
+    /// The pid of the agent the link is connected to now (`None`: none).
+    pub fn agent_pid(&self) -> Option<u32> {
+        self.agent_pid.get()
     }
 
     /// runc created the container: have the agent watch it before its program runs. Never fails it.
@@ -138,7 +172,7 @@ impl GpuAgent {
         let mut guard = self.link.lock().unwrap_or_else(|p| p.into_inner());
         let tx = guard.get_or_insert_with(|| {
             let (tx, rx) = mpsc::unbounded_channel();
-            tokio::spawn(Link::new(self.events.clone()).run(rx));
+            tokio::spawn(Link::new(self.events.clone(), self.agent_pid.clone()).run(rx));
             tx
         });
         let _ = tx.send(msg);
@@ -211,16 +245,15 @@ pub async fn wait_gpu_free(c: &GpuContainer<'_>, within: Duration) -> Result<u64
         },
         timeout_ms: u64::try_from(within.as_millis()).unwrap_or(u64::MAX),
     });
-    // The agent answers at the deadline itself; the margin only covers an agent that hangs.
-    match tokio::time::timeout(within + REGISTER_TIMEOUT, client.call(request)).await {
+    // The agent answers at the deadline itself; the margin only covers an agent that hangs. (Settings bound
+    // `within`; the sum saturates all the same, so no value can overflow here.)
+    let bound = within.saturating_add(REGISTER_TIMEOUT);
+    match tokio::time::timeout(bound, client.call(request)).await {
         Ok(Ok(Reply::GpuFree { waited_ns, .. })) => Ok(waited_ns),
         Ok(Ok(other)) => Err(format!("unexpected reply from the agent: {other:?}")),
         Ok(Err(baton_agent_api::ClientError::Refused(e))) => Err(e),
         Ok(Err(e)) => Err(format!("cannot tell whether the GPU is free: {e}")),
-        Err(_) => Err(format!(
-            "the baton agent did not answer within {:?}",
-            within + REGISTER_TIMEOUT
-        )),
+        Err(_) => Err(format!("the baton agent did not answer within {bound:?}")),
     }
 }
 
@@ -300,6 +333,7 @@ fn nvidia_devices(pid: u32, dir: &str) -> Vec<String> {
 /// The task that talks to the agent: registrations, and the watch stream of this shim's containers.
 struct Link {
     events: Events,
+    agent_pid: AgentPid,
     registered: BTreeMap<ContainerRef, Registration>,
     endpoint: Option<Endpoint>,
     control: Option<Client>,
@@ -309,9 +343,10 @@ struct Link {
 }
 
 impl Link {
-    fn new(events: Events) -> Self {
+    fn new(events: Events, agent_pid: AgentPid) -> Self {
         Self {
             events,
+            agent_pid,
             registered: BTreeMap::new(),
             endpoint: None,
             control: None,
@@ -361,8 +396,26 @@ impl Link {
                 }
             }
             LinkMsg::Preemption(c, state) => {
-                if let Some(r) = self.registered.get_mut(&c) {
-                    r.preemption = state;
+                let Some(r) = self.registered.get_mut(&c) else {
+                    return;
+                };
+                if r.preemption == state {
+                    return;
+                }
+                r.preemption = state.clone();
+                // The shim owns the state: the agent learns each change from here, whoever asked for it
+                // and whether or not that client is still there.
+                if let Some(client) = self.control.as_mut() {
+                    let update = PreemptionUpdate {
+                        container: c.clone(),
+                        state,
+                    };
+                    let call = client.call(Request::Preemption(update));
+                    match tokio::time::timeout(UNREGISTER_TIMEOUT, call).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => self.lost(&e.to_string()),
+                        Err(_) => self.lost("pushing the preemption state timed out"),
+                    }
                 }
             }
             LinkMsg::Unregister(c) => {
@@ -433,6 +486,7 @@ impl Link {
                         endpoint.socket.display()
                     );
                 }
+                self.agent_pid.set(control.peer_pid());
                 self.control = Some(control);
                 self.watch = Some(watch);
                 self.backoff = Duration::from_millis(100);
@@ -448,6 +502,7 @@ impl Link {
 
     /// The agent went away: drop the connections; the run loop reconnects while containers are registered.
     fn lost(&mut self, why: &str) {
+        self.agent_pid.set(None);
         self.control = None;
         self.watch = None;
         self.log_down(why);

@@ -225,7 +225,7 @@ mod tests {
     use tokio::{io::AsyncReadExt, net::unix::pipe, time::timeout};
 
     use super::*;
-    use crate::io::{StdioSpec, start_console_copies};
+    use crate::io::{OutputDrain, StdioSpec, start_console_copies};
 
     fn mkfifo(dir: &std::path::Path, name: &str) -> PathBuf {
         let path = dir.join(name);
@@ -268,7 +268,7 @@ mod tests {
             stderr: String::new(),
             terminal: true,
         };
-        start_console_copies(&console, &spec, &io).unwrap();
+        start_console_copies(&console, &spec, &io, &OutputDrain::default()).unwrap();
 
         let mut containerd = std::fs::OpenOptions::new()
             .write(true)

@@ -395,6 +395,24 @@ impl Container {
         }
     }
 
+    /// After the init of a paused container exited (a SIGKILL reaches a task frozen by the v2 freezer, an OOM
+    /// kill): thaws its cgroup before the exit is published, as the Go shim's paused state does on exit, so that
+    /// the cgroup is not left frozen and what is left in it can die. Takes no operation lock: a Delete holding
+    /// one waits for this exit.
+    pub async fn thaw_after_init_exit(&self) {
+        if self.procs.lock().await.init.state != State::Paused {
+            return;
+        }
+        match self.freeze_cgroup(false).await {
+            Ok(took) => {
+                tracing::info!(id = %self.id, ?took, "thawed the paused container after its init exited")
+            }
+            Err(e) => {
+                tracing::warn!(id = %self.id, "thawing the paused container after its init exited: {e}")
+            }
+        }
+    }
+
     /// The CRIU options of a Task Checkpoint request.
     pub fn criu_opts(&self, path: &str, options: Option<&Any>) -> Result<CriuOpts> {
         CriuOpts::for_checkpoint(path, options, &self.options)
@@ -413,6 +431,19 @@ impl Container {
     /// Updates the container's resources (JSON of an OCI `LinuxResources`).
     pub async fn update(&self, resources: &Any) -> Result<()> {
         let _op = self.init_op.lock().await;
+        let state = self.procs.lock().await.init.state;
+        if state == State::CreatedCheckpoint {
+            // runc-v2 passes it to runc, which does not know the container yet ("container does not exist").
+            return Err(ShimError::FailedPrecondition {
+                id: self.id.clone(),
+                action: "update",
+                state: concat!(
+                    "created from a checkpoint and not restored yet: runc has no container to update ",
+                    "until Start restores it; update it after Start"
+                )
+                .into(),
+            });
+        }
         self.procs.lock().await.init.check(Op::Update)?;
         let res: oci_spec::runtime::LinuxResources = serde_json::from_slice(&resources.value)
             .map_err(|e| {

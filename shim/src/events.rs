@@ -45,6 +45,16 @@ pub fn timestamp(t: SystemTime) -> Timestamp {
     }
 }
 
+/// Go's zero `time.Time` (0001-01-01T00:00:00Z) as a protobuf timestamp: what the Go runc-v2 shim reports as the
+/// `exited_at` of a process that has not exited. An absent timestamp would read as 1970 in containerd 2.x.
+pub fn zero_time() -> Timestamp {
+    Timestamp {
+        seconds: -62_135_596_800,
+        nanos: 0,
+        ..Default::default()
+    }
+}
+
 /// The protobuf package of containerd's task events (their type URLs are `<package>.<name>`).
 const EVENTS_PACKAGE: &str = "containerd.events";
 

@@ -15,7 +15,7 @@ use async_trait::async_trait;
 use containerd_shim::asynchronous::io::IoTasks;
 use percent_encoding::percent_decode_str;
 use runc::{Command, PipedIo, io::IoOption};
-use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
 use crate::{
     console::Console,
@@ -202,6 +202,100 @@ impl AsyncWrite for StdinCloser {
     }
 }
 
+/// How long a process's exit waits for its output copies once no more output flows: long enough for a loaded
+/// shim to be scheduled again, short enough that output nobody reads (a client gone) or a pipe a daemonised child
+/// keeps open holds the exit back only briefly.
+pub const OUTPUT_STALL: Duration = Duration::from_secs(2);
+
+/// The output streams of one process that the shim copies (console, stdout and stderr pipes, to fifos or
+/// `file://` logs): how many are still open and how many bytes they gave. A process's exit is published only
+/// once they reached their end ([`OutputDrain::drained`]), so that Wait never returns before the output did.
+#[derive(Clone)]
+pub struct OutputDrain(Arc<tokio::sync::watch::Sender<Flow>>);
+
+/// What [`OutputDrain`] counts.
+#[derive(Debug, Clone, Copy, Default)]
+struct Flow {
+    open: usize,
+    bytes: u64,
+}
+
+impl Default for OutputDrain {
+    fn default() -> Self {
+        Self(Arc::new(tokio::sync::watch::Sender::new(Flow::default())))
+    }
+}
+
+impl OutputDrain {
+    /// `reader`, counted as open until the copy reading it drops it.
+    pub fn track<R: AsyncRead + Unpin>(&self, reader: R) -> Tracked<R> {
+        self.0.send_modify(|f| f.open += 1);
+        Tracked {
+            inner: reader,
+            drain: Some(self.clone()),
+        }
+    }
+
+    fn ended(&self) {
+        self.0.send_modify(|f| f.open = f.open.saturating_sub(1));
+    }
+
+    /// Waits until every tracked stream reached its end (true), or until no byte flowed for [`OUTPUT_STALL`]
+    /// (false: output nobody reads, or a pipe another process holds open).
+    pub async fn drained(&self) -> bool {
+        let mut flow = self.0.subscribe();
+        loop {
+            if flow.borrow_and_update().open == 0 {
+                return true;
+            }
+            match tokio::time::timeout(OUTPUT_STALL, flow.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return true,
+                Err(_) => return false,
+            }
+        }
+    }
+
+    /// Bytes read so far (for logs).
+    pub fn bytes(&self) -> u64 {
+        self.0.borrow().bytes
+    }
+}
+
+/// A reader counted by an [`OutputDrain`]: the bytes it gives, and its end when dropped.
+pub struct Tracked<R> {
+    inner: R,
+    drain: Option<OutputDrain>,
+}
+
+/// The copy owning a tracked reader drops it only once it wrote out the last bytes it read (and flushed), so
+/// the stream counts as ended then, not when its end was read.
+impl<R> Drop for Tracked<R> {
+    fn drop(&mut self) {
+        if let Some(drain) = self.drain.take() {
+            drain.ended();
+        }
+    }
+}
+
+impl<R: AsyncRead + Unpin> AsyncRead for Tracked<R> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let res = Pin::new(&mut self.inner).poll_read(cx, buf);
+        let n = buf.filled().len() - before;
+        if n > 0
+            && let Some(drain) = &self.drain
+        {
+            drain.0.send_modify(|f| f.bytes += n as u64);
+        }
+        res
+    }
+}
+
 /// Starts the copies for a non-TTY process after runc created it. Returns the `file://`
 /// copies, which Delete lets finish (the fifo copies belong to `io`).
 pub async fn start_pipe_copies(
@@ -209,6 +303,7 @@ pub async fn start_pipe_copies(
     spec: &StdioSpec,
     io: &IoTasks,
     stdin: &StdinCloser,
+    output: &OutputDrain,
     id: &str,
     namespace: &str,
 ) -> Result<Vec<tokio::task::JoinHandle<()>>> {
@@ -229,7 +324,7 @@ pub async fn start_pipe_copies(
             ];
             for (target, reader) in streams {
                 if let (OutputTarget::Fifo(path), Some(r)) = (target, reader) {
-                    io.copy_to_fifo(r, &path)?;
+                    io.copy_to_fifo(output.track(r), &path)?;
                 }
             }
         }
@@ -240,7 +335,7 @@ pub async fn start_pipe_copies(
                     .try_clone()
                     .await
                     .map_err(|e| ShimError::io(format!("dup {}", path.display()), e))?;
-                let mut reader = reader;
+                let mut reader = output.track(reader);
                 file_copies.push(tokio::spawn(async move {
                     let _ = tokio::io::copy(&mut reader, &mut file).await;
                     let _ = file.flush().await;
@@ -272,12 +367,17 @@ async fn open_log_file(path: &Path) -> Result<tokio::fs::File> {
 
 /// Starts the copies for a TTY process: console master to stdout, stdin to console. The end of
 /// the stdin copy closes the console (see [`Console::input`]), as in the Go shim.
-pub fn start_console_copies(console: &Console, spec: &StdioSpec, io: &IoTasks) -> Result<()> {
+pub fn start_console_copies(
+    console: &Console,
+    spec: &StdioSpec,
+    io: &IoTasks,
+    output: &OutputDrain,
+) -> Result<()> {
     if !spec.stdin.is_empty() {
         io.copy_from_fifo(&spec.stdin, console.input())?;
     }
     match parse_output(&spec.stdout)? {
-        OutputTarget::Fifo(path) => io.copy_to_fifo(console.clone(), &path)?,
+        OutputTarget::Fifo(path) => io.copy_to_fifo(output.track(console.clone()), &path)?,
         OutputTarget::Null => {}
         other => {
             return Err(ShimError::InvalidArgument(format!(
@@ -291,6 +391,41 @@ pub fn start_console_copies(console: &Console, spec: &StdioSpec, io: &IoTasks) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An exit waits until every tracked copy ended (its reader dropped, after the last bytes were written
+    /// out), and gives up once nothing flowed for OUTPUT_STALL.
+    #[tokio::test]
+    async fn output_drain_waits_for_the_copies_or_a_stall() {
+        let drain = OutputDrain::default();
+        assert!(drain.drained().await, "nothing tracked: drained at once");
+
+        let (mut process, pipe) = tokio::io::duplex(64);
+        let mut reader = drain.track(pipe);
+        let copy = tokio::spawn(async move {
+            tokio::io::copy(&mut reader, &mut tokio::io::sink())
+                .await
+                .unwrap()
+        });
+        let exit = tokio::spawn({
+            let drain = drain.clone();
+            async move { drain.drained().await }
+        });
+        process.write_all(b"the tail").await.unwrap();
+        tokio::task::yield_now().await;
+        assert!(!exit.is_finished(), "drained while the copy runs");
+        drop(process);
+        assert!(exit.await.unwrap(), "the copy ended");
+        assert_eq!(copy.await.unwrap(), 8);
+        assert_eq!(drain.bytes(), 8);
+
+        let (_unread, pipe) = tokio::io::duplex(64);
+        let stalled = drain.track(pipe);
+        let t0 = tokio::time::Instant::now();
+        assert!(!drain.drained().await, "a stalled stream is given up");
+        assert!(t0.elapsed() >= OUTPUT_STALL);
+        drop(stalled);
+        assert!(drain.drained().await);
+    }
 
     #[test]
     fn output_uris() {

@@ -17,7 +17,7 @@ use containerd_shim_protos::{
     shim::oci::Options as RuncOptions,
 };
 
-use baton_agent_api::{DURATION_SYNTAX, Role, RoleSpec, parse_duration};
+use baton_agent_api::{DURATION_SYNTAX, MAX_WAIT_GPU_FREE, Role, RoleSpec, parse_duration};
 
 use crate::errors::{Result, ShimError};
 
@@ -77,6 +77,9 @@ pub struct BatonSettings {
     /// Put `CUDA_LAUNCH_BLOCKING=1` in a co-runner's environment, so that at most one of its kernels is in
     /// flight when it is frozen (`launch-blocking`, default true for a co-runner, ignored otherwise).
     pub launch_blocking: bool,
+    /// Where snapshot images go by default, in a folder per namespace and container (`snapshot_dir`, node
+    /// only, absolute; default /var/lib/baton/snapshots).
+    pub snapshot_dir: PathBuf,
     /// The pod (`pod-namespace/pod-name`) from CRI's sandbox annotations; not a key.
     pub pod: Option<String>,
     /// The pod and container names from CRI's annotations (for the agent's metrics); not a key.
@@ -98,6 +101,7 @@ impl Default for BatonSettings {
             role: None,
             yields_to: Vec::new(),
             launch_blocking: true,
+            snapshot_dir: PathBuf::from(baton_agent_api::DEFAULT_SNAPSHOT_DIR),
             pod: None,
             kubernetes: None,
         }
@@ -183,8 +187,12 @@ impl BatonSettings {
                     .ok_or_else(|| invalid(DURATION_SYNTAX))?;
             }
             "wait-gpu-free" => {
-                self.wait_gpu_free =
-                    Some(parse_duration(value).ok_or_else(|| invalid(DURATION_SYNTAX))?);
+                let within = parse_duration(value).ok_or_else(|| invalid(DURATION_SYNTAX))?;
+                if within > MAX_WAIT_GPU_FREE {
+                    let hours = MAX_WAIT_GPU_FREE.as_secs() / 3600;
+                    return Err(invalid(&format!("a duration of at most {hours}h")));
+                }
+                self.wait_gpu_free = Some(within);
             }
             "role" => {
                 self.role = Some(
@@ -206,6 +214,12 @@ impl BatonSettings {
                     "false" | "0" | "no" => false,
                     _ => return Err(invalid("true or false")),
                 }
+            }
+            "snapshot_dir" => {
+                if !value.starts_with('/') {
+                    return Err(invalid("an absolute directory"));
+                }
+                self.snapshot_dir = PathBuf::from(value);
             }
             _ => return Ok(false),
         }
@@ -246,8 +260,9 @@ impl BatonSettings {
             if NODE_ONLY_KEYS.contains(&key) {
                 return Err(ShimError::InvalidArgument(format!(
                     "{origin} {full_key}: not allowed in annotations (they come from pod specs, and \
-                     {key} names a program the shim runs as root): set {key} in the runtime's \
-                     options TOML on the node instead"
+                     {key} is the node's to decide: it names a program the shim runs as root or the \
+                     agent it trusts, or what the GPU probes see): set {key} in the runtime's options \
+                     TOML on the node instead"
                 )));
             }
             if !out.set(key, &annotations[full_key], &origin)? {
@@ -638,19 +653,19 @@ mod tests {
     fn container_annotations_override_pod_which_overrides_node() {
         let node = BatonSettings::default();
         let pod: HashMap<String, String> = [
-            ("baton.io/ebpf".to_string(), "false".to_string()),
+            ("baton.io/launch-blocking".to_string(), "false".to_string()),
             ("baton.io/freezer".to_string(), "signal".to_string()),
         ]
         .into();
         let pod_settings = node.with_annotations(&pod, "pod").unwrap();
-        assert!(!pod_settings.ebpf);
+        assert!(!pod_settings.launch_blocking);
         let ctr: HashMap<String, String> = [
-            ("baton.io/ebpf".to_string(), "true".to_string()),
+            ("baton.io/launch-blocking".to_string(), "true".to_string()),
             ("other.io/x".to_string(), "y".to_string()),
         ]
         .into();
         let c = pod_settings.with_annotations(&ctr, "container").unwrap();
-        assert!(c.ebpf);
+        assert!(c.launch_blocking);
         assert_eq!(c.freezer, Freezer::Signal);
     }
 
@@ -664,11 +679,11 @@ mod tests {
             .to_string();
         assert!(err.contains("pod annotation \"baton.io/sparkle\""), "{err}");
         assert!(
-            err.contains("baton.io/role") && err.contains("baton.io/ebpf"),
+            err.contains("baton.io/role") && err.contains("baton.io/freezer"),
             "{err}"
         );
         assert!(
-            !err.contains("baton.io/agent_socket"),
+            !err.contains("baton.io/agent_socket") && !err.contains("baton.io/ebpf"),
             "node-only keys are not offered: {err}"
         );
     }
@@ -716,11 +731,52 @@ mod tests {
     #[test]
     fn unparsable_annotation_names_the_key() {
         let bad: HashMap<String, String> =
-            [("baton.io/ebpf".to_string(), "perhaps".to_string())].into();
+            [("baton.io/freezer".to_string(), "perhaps".to_string())].into();
         let err = BatonSettings::default()
             .with_annotations(&bad, "container")
             .unwrap_err();
-        assert!(err.to_string().contains("ebpf") && err.to_string().contains("container"));
+        assert!(err.to_string().contains("freezer") && err.to_string().contains("container"));
+    }
+
+    #[test]
+    fn what_the_probes_see_is_the_nodes_to_decide() {
+        for (key, value) in [
+            ("baton.io/ebpf", "false"),
+            ("baton.io/trace_prefix", "/elsewhere/nvidia"),
+        ] {
+            let a: HashMap<String, String> = [(key.to_string(), value.to_string())].into();
+            let err = BatonSettings::default()
+                .with_annotations(&a, "pod")
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(key) && err.contains("options TOML"), "{err}");
+        }
+        let cfg = parse_toml_options("ebpf = false\ntrace_prefix = \"/gpu/nvidia\"\n").unwrap();
+        assert!(!cfg.baton.ebpf);
+        assert_eq!(cfg.baton.trace_prefix, "/gpu/nvidia");
+    }
+
+    #[test]
+    fn a_wait_for_a_free_gpu_is_bounded() {
+        let huge: HashMap<String, String> = [(
+            "baton.io/wait-gpu-free".to_string(),
+            "18446744073709551615s".to_string(),
+        )]
+        .into();
+        let err = BatonSettings::default()
+            .with_annotations(&huge, "container")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("wait-gpu-free") && err.contains("24h"),
+            "{err}"
+        );
+        let day: HashMap<String, String> =
+            [("baton.io/wait-gpu-free".to_string(), "24h".to_string())].into();
+        let ok = BatonSettings::default()
+            .with_annotations(&day, "container")
+            .unwrap();
+        assert_eq!(ok.wait_gpu_free, Some(MAX_WAIT_GPU_FREE));
     }
 
     #[test]
@@ -767,6 +823,33 @@ mod tests {
             DEFAULT_CUDA_CHECKPOINT_TIMEOUT
         );
         assert!(parse_toml_options("cuda_checkpoint_timeout = \"0s\"\n").is_err());
+    }
+
+    #[test]
+    fn the_snapshot_dir_is_a_node_default_on_disk_absolute_and_node_only() {
+        assert_eq!(
+            BatonSettings::default().snapshot_dir,
+            PathBuf::from("/var/lib/baton/snapshots")
+        );
+        let cfg = parse_toml_options("snapshot_dir = \"/data/baton-snapshots\"\n").unwrap();
+        assert_eq!(
+            cfg.baton.snapshot_dir,
+            PathBuf::from("/data/baton-snapshots")
+        );
+        let err = parse_toml_options("snapshot_dir = \"snapshots\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("snapshot_dir") && err.contains("absolute"),
+            "{err}"
+        );
+        let tenant: HashMap<String, String> =
+            [("baton.io/snapshot_dir".to_string(), "/tmp/x".to_string())].into();
+        let err = BatonSettings::default()
+            .with_annotations(&tenant, "container")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("baton.io/snapshot_dir"), "{err}");
     }
 
     #[test]

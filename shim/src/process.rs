@@ -171,6 +171,8 @@ pub struct Process {
     pub exit_tx: watch::Sender<Option<ExitInfo>>,
     /// Copies of `file://` output, which Delete lets finish.
     pub file_copies: Vec<tokio::task::JoinHandle<()>>,
+    /// The output streams being copied, which the exit waits for.
+    pub output: crate::io::OutputDrain,
 }
 
 impl Process {
@@ -189,6 +191,7 @@ impl Process {
             restore: None,
             exit_tx: watch::channel(None).0,
             file_copies: Vec::new(),
+            output: crate::io::OutputDrain::default(),
         }
     }
 

@@ -1,7 +1,7 @@
 //! The shim server (containerd runs the binary with no action after `start`): serves the Task
 //! API on the socket under both `containerd.task.v2.Task` (containerd 1.6/1.7) and
 //! `containerd.task.v3.Task` (containerd 2.x), reaps children for the exit monitor, and exits
-//! once Shutdown signals it.
+//! once Shutdown, SIGTERM or SIGINT signals it (see [`crate::service::TaskService::shutdown_on_signal`]).
 
 use std::{os::unix::net::UnixListener, path::Path, sync::Arc};
 
@@ -50,15 +50,11 @@ async fn bind(address: &str) -> Result<Option<UnixListener>> {
 /// Runs the shim server until Shutdown.
 pub async fn serve(flags: Flags) -> Result<()> {
     nix::sys::prctl::set_child_subreaper(true).context("become child subreaper")?;
-    for kind in [
-        SignalKind::terminate(),
-        SignalKind::interrupt(),
-        SignalKind::pipe(),
-    ] {
-        // Listening is enough to keep the default action (exit) from happening.
-        let mut s = signal(kind).context("install signal handler")?;
-        tokio::spawn(async move { while s.recv().await.is_some() {} });
-    }
+    // Listening is enough to keep SIGPIPE's default action (exit) from happening.
+    let mut pipe = signal(SignalKind::pipe()).context("install signal handler")?;
+    tokio::spawn(async move { while pipe.recv().await.is_some() {} });
+    let mut terminate = signal(SignalKind::terminate()).context("install signal handler")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("install signal handler")?;
     tokio::spawn(crate::reaper::reap_children());
     if let Ok(cgroup) = std::env::var(SHIM_CGROUP_ENV)
         && let Err(e) = containerd_shim::cgroup::add_task_to_cgroup(&cgroup, std::process::id())
@@ -69,6 +65,14 @@ pub async fn serve(flags: Flags) -> Result<()> {
     let mut config = containerd_shim::Config::default();
     let mut shim = BatonShim::new(crate::RUNTIME_ID, &flags, &mut config).await;
     let service = Arc::new(shim.task_service(&ttrpc_address));
+    let on_signal = service.clone();
+    tokio::spawn(async move {
+        let name = tokio::select! {
+            _ = terminate.recv() => "SIGTERM",
+            _ = interrupt.recv() => "SIGINT",
+        };
+        on_signal.shutdown_on_signal(name).await;
+    });
 
     let Some(listener) = bind(&flags.socket).await? else {
         signal_started();

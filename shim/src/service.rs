@@ -85,6 +85,22 @@ impl TaskService {
         svc
     }
 
+    /// SIGTERM or SIGINT (a node shutting down, a supervisor stopping the shim), as the Go runc-v2 shim takes
+    /// them: the shim stops serving and exits once its queued events reached containerd (5 s at most), whatever
+    /// it still holds. The containers keep running, orphaned; containerd, seeing the shim gone, runs the shim
+    /// binary's `delete` action, which kills them (`runc delete --force`) and unmounts their rootfs (at once when
+    /// containerd is up, else at its next start).
+    pub async fn shutdown_on_signal(&self, signal: &str) {
+        let held = self.shared.containers.all().len();
+        tracing::info!(
+            "{signal}: shutting down, leaving {held} container(s) to containerd's cleanup"
+        );
+        if !self.shared.events.flush(SHUTDOWN_EVENT_DRAIN).await {
+            tracing::warn!("events still queued after {SHUTDOWN_EVENT_DRAIN:?}: dropped");
+        }
+        self.shared.exit.signal();
+    }
+
     fn container(&self, id: &str) -> Result<Arc<Container>> {
         self.shared.containers.get(id)
     }
@@ -290,10 +306,10 @@ impl TaskService {
             stderr: p.stdio.stderr.clone(),
             terminal: p.stdio.terminal,
             exit_status: exit.map_or(0, |e| e.status),
-            exited_at: exit
-                .and_then(|e| e.at)
-                .map(timestamp)
-                .map_or(MessageField::none(), MessageField::some),
+            exited_at: MessageField::some(
+                exit.and_then(|e| e.at)
+                    .map_or_else(crate::events::zero_time, timestamp),
+            ),
             exec_id: req.exec_id.clone(),
             ..Default::default()
         })
@@ -391,9 +407,15 @@ impl Task for TaskService {
     }
 
     async fn kill(&self, _: &TtrpcContext, req: KillRequest) -> TtrpcResult<Empty> {
-        self.container(&req.id)?
-            .kill(&req.exec_id, req.signal, req.all)
-            .await?;
+        let c = self.container(&req.id)?;
+        let was = c.preemption();
+        c.kill(&req.exec_id, req.signal, req.all).await?;
+        // A fatal signal to a parked container ends its parking: the agent learns it from the shim.
+        if c.preemption() != was {
+            self.shared
+                .gpu
+                .preemption_changed(&c.id, &self.shared.namespace, c.preemption());
+        }
         Ok(Empty::new())
     }
 

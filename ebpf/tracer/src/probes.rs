@@ -222,6 +222,20 @@ impl Probes {
         Ok(())
     }
 
+    /// Stops following opens under `prefix`, freeing its slot; a no-op when it is not followed. The slots
+    /// are rewritten in order so that every prefix kept is in some slot at every moment (an open under it
+    /// is never missed while the others move down).
+    pub fn remove_prefix(&mut self, prefix: &str) -> Result<(), ProbeError> {
+        let Some(at) = self.prefix_list.iter().position(|p| p == prefix) else {
+            return Ok(());
+        };
+        self.prefix_list.remove(at);
+        for (slot, p) in self.prefix_list.iter().enumerate().skip(at) {
+            write_prefix(&mut self.prefixes, slot, p)?;
+        }
+        write_prefix(&mut self.prefixes, self.prefix_list.len(), "")
+    }
+
     /// Traces every process (`true`) or only the watched cgroups.
     pub fn set_watch_all(&mut self, on: bool) -> Result<(), ProbeError> {
         write_config(&mut self._ebpf, on)

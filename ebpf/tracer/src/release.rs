@@ -11,7 +11,7 @@
 //!   than the removal's, or it ran in user space since. The first check comes 0.1 ms after the removal.
 //!
 //! A container is released when its processes hold no NVIDIA fd or mapping *and* none of its threads awaits.
-use std::collections::HashMap;
+use std::collections::{HashMap, hash_map::Entry};
 
 /// How a removal was confirmed complete.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,12 +75,38 @@ struct Awaiting {
     marked_ns: u64,
     /// The thread is exiting: only its death confirms it.
     exiting: bool,
-    /// The syscalls the removal may have been made by: a thread seen inside another one returned from it.
-    syscalls: &'static [i64],
+    /// The syscalls its removals may have been made by: a thread seen inside another one returned from
+    /// them. Empty when one of them is not known (an exit): then no syscall confirms it.
+    syscalls: Vec<i64>,
     next_check_ns: u64,
     step_ns: u64,
     /// User time of the thread at the first /proc check.
     utime: Option<u64>,
+}
+
+impl Awaiting {
+    /// The thread removed more before its first removal was confirmed (an munmap, then a close): each
+    /// removal's release must be past, so the thread is confirmed only by what confirms them all. Inside
+    /// one of either removal's syscalls it is not past; an unknown set (an exit) stays unknown; the latest
+    /// removal's time counts, and user time and the check pace start again from it.
+    fn removed_again(&mut self, ts_ns: u64, exiting: bool, syscalls: &[i64]) {
+        self.exiting |= exiting;
+        if self.syscalls.is_empty() || syscalls.is_empty() {
+            self.syscalls.clear();
+        } else {
+            for nr in syscalls {
+                if !self.syscalls.contains(nr) {
+                    self.syscalls.push(*nr);
+                }
+            }
+        }
+        if ts_ns >= self.marked_ns {
+            self.marked_ns = ts_ns;
+            self.utime = None;
+            self.step_ns = FIRST_CHECK_NS;
+            self.next_check_ns = ts_ns + FIRST_CHECK_NS;
+        }
+    }
 }
 
 /// Threads whose removals await confirmation, and each container's last removal and confirmation.
@@ -105,17 +131,21 @@ impl Releases {
         syscalls: &'static [i64],
     ) {
         self.last_removal.insert(cgroup_id, ts_ns);
-        let a = self.awaiting.entry(tid).or_insert(Awaiting {
-            pid,
-            cgroup_id,
-            marked_ns: ts_ns,
-            exiting,
-            syscalls,
-            next_check_ns: ts_ns + FIRST_CHECK_NS,
-            step_ns: FIRST_CHECK_NS,
-            utime: None,
-        });
-        a.exiting |= exiting;
+        match self.awaiting.entry(tid) {
+            Entry::Vacant(v) => {
+                v.insert(Awaiting {
+                    pid,
+                    cgroup_id,
+                    marked_ns: ts_ns,
+                    exiting,
+                    syscalls: syscalls.to_vec(),
+                    next_check_ns: ts_ns + FIRST_CHECK_NS,
+                    step_ns: FIRST_CHECK_NS,
+                    utime: None,
+                });
+            }
+            Entry::Occupied(mut o) => o.get_mut().removed_again(ts_ns, exiting, syscalls),
+        }
     }
 
     /// The threads of exiting process `pid` that /proc still lists alive await their death too: the one
@@ -347,5 +377,61 @@ mod tests {
             "then less and less often"
         );
         assert_eq!(r.confirmed_by_proc(), 1);
+    }
+
+    /// A thread of this test blocked in `read` on a pipe until the returned write end is written or dropped.
+    fn thread_blocked_in_read() -> (u32, std::io::PipeWriter, std::thread::JoinHandle<()>) {
+        use std::io::Read;
+        let (mut rx, tx) = std::io::pipe().unwrap();
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            tid_tx.send(nix::unistd::gettid().as_raw() as u32).unwrap();
+            let mut byte = [0u8; 1];
+            let _ = rx.read(&mut byte);
+        });
+        let tid = tid_rx.recv().unwrap();
+        // Ready when the kernel shows it inside read (no fixed sleep).
+        let me = std::process::id();
+        while thread_state(me, tid) != ThreadState::InSyscall(libc::SYS_read) {
+            std::thread::yield_now();
+        }
+        (tid, tx, reader)
+    }
+
+    #[test]
+    fn a_second_removal_before_the_first_is_confirmed_merges_both_syscall_sets() {
+        let me = std::process::id();
+        let (tid, tx, reader) = thread_blocked_in_read();
+        let mut r = Releases::default();
+        // The thread unmapped, then (its munmap unconfirmed) made a removal by the syscall it now sits in:
+        // that syscall's release may still be running, so /proc seeing it there confirms neither.
+        r.removed(tid, me, 9, 1_000, false, syscalls::MUNMAP);
+        r.removed(tid, me, 9, 5_000, false, &[libc::SYS_read]);
+        assert_eq!(
+            r.check_proc(5_000 + FIRST_CHECK_NS),
+            vec![],
+            "confirmed inside the second removal's syscall"
+        );
+        assert_eq!(r.unconfirmed(9), 1);
+        assert_eq!(r.last_removal_ns(9), Some(5_000));
+        // Out of read (it returns and the thread ends): past both.
+        drop(tx);
+        reader.join().unwrap();
+        let past = r.check_proc(u64::MAX / 2);
+        assert_eq!(past.len(), 1, "not confirmed once past both removals");
+        assert_eq!(past[0].marked_ns, 5_000, "the latest removal's time counts");
+    }
+
+    #[test]
+    fn an_unknown_syscall_set_stays_unknown_when_merged() {
+        let me = std::process::id();
+        let (tid, tx, reader) = thread_blocked_in_read();
+        let mut r = Releases::default();
+        r.removed(tid, me, 9, 1_000, false, syscalls::MUNMAP);
+        r.removed(tid, me, 9, 2_000, false, &[]);
+        assert_eq!(r.check_proc(2_000 + FIRST_CHECK_NS), vec![]);
+        drop(tx);
+        reader.join().unwrap();
+        assert_eq!(r.check_proc(u64::MAX / 2).len(), 1);
     }
 }

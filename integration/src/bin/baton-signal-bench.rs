@@ -3,10 +3,18 @@
 //! N times (default 200). For each release it measures, from the moment the last close returned to user space
 //! (the holder's CLOCK_MONOTONIC stamp), when the release reached:
 //! (a) a `watch` subscriber on the agent socket, (b) a `ctr events` subscriber (through the shim and
-//! containerd), and, side by side in the same run, pollers that ask the agent for the container's GPU state
-//! every 100 ms and every 10 ms (what the 000 seed did with GPU memory, and what NVML-based tools do). It
-//! also reports the confirmation gap: from the last close's syscall to the kernel being past its release.
-//! Figures only (no assertions); ratios are against the same run.
+//! containerd), and, side by side in the same run, two *agent-status pollers*: clients that send the agent
+//! `{"op":"status","container":"bench"}` every 100 ms and every 10 ms and take a release as seen when the
+//! reply's `containers[0].gpu` is `"released"` with a `since_ns` they have not seen before. They poll
+//! Baton's own verdict, so they measure what polling instead of subscribing costs (the period, on top of the
+//! same signal), not what a tool without Baton would see. Beside them, (c) a */proc fd poller*, what a tool
+//! without Baton can poll (there is no GPU here for NVML or nvidia-smi): every 10 ms it lists the holder's
+//! `/proc/PID/fd` and takes the release as seen at the first listing, finished after the last close's
+//! syscall, with no link to an `nvidia*` device file. It sees the fd leave the process's table, which comes
+//! before the driver's release (and never sees an fd passed to another process or a mapping kept), so it is
+//! an optimistic bound for a poller, not the same event. It also reports the confirmation gap: from the last
+//! close's syscall to the kernel being past its release. Figures only (no assertions); ratios are against the
+//! same run.
 //!
 //! Run as root: `cargo run --release -p baton-integration --bin baton-signal-bench [-- CYCLES]`
 //! (`tools/dev bench` runs it).
@@ -59,6 +67,8 @@ fn main() -> Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
     let slow = poller(&socket, "bench", Duration::from_millis(100), stop.clone());
     let fast = poller(&socket, "bench", Duration::from_millis(10), stop.clone());
+    let holder_pid = init_pid(&socket, "bench")?;
+    let fd_polls = proc_fd_poller(holder_pid, Duration::from_millis(10), stop.clone());
 
     // `ctr events` subscribes some time after it starts: warm-up cycles until it has seen one.
     loop {
@@ -86,10 +96,12 @@ fn main() -> Result<()> {
         let (t_ctr, _) = next_line_with(&ctr.1, "/baton/gpu/released")?;
         let t_slow = detection(&slow, t_released)?;
         let t_fast = detection(&fast, t_released)?;
+        let t_proc = fd_detection(&fd_polls, t_last)?;
         lat.watch.push(t_watch.saturating_sub(returned));
         lat.ctr.push(t_ctr.saturating_sub(returned));
         lat.slow.push(t_slow.saturating_sub(returned));
         lat.fast.push(t_fast.saturating_sub(returned));
+        lat.proc_fds.push(t_proc.saturating_sub(returned));
         lat.gap.push(t_released.saturating_sub(t_last));
         if (i + 1) % 50 == 0 {
             eprintln!("  {} cycles", i + 1);
@@ -119,16 +131,21 @@ struct Latencies {
     ctr: Vec<u64>,
     slow: Vec<u64>,
     fast: Vec<u64>,
+    proc_fds: Vec<u64>,
     gap: Vec<u64>,
 }
 
 impl Latencies {
     fn print(&mut self, cycles: usize) {
-        let rows: [(&str, &mut Vec<u64>); 4] = [
+        let rows: [(&str, &mut Vec<u64>); 5] = [
             ("(a) agent `watch` subscriber", &mut self.watch),
             ("(b) `ctr events` subscriber", &mut self.ctr),
-            ("poller, every 10 ms", &mut self.fast),
-            ("poller, every 100 ms", &mut self.slow),
+            ("agent `status` poller, every 10 ms", &mut self.fast),
+            ("agent `status` poller, every 100 ms", &mut self.slow),
+            (
+                "(c) /proc fd poller, every 10 ms (fd gone from the table, not the release)",
+                &mut self.proc_fds,
+            ),
         ];
         println!("release signal, {cycles} cycles: from the last close's return to receipt");
         println!("| receiver | p50 | p99 | max |");
@@ -148,8 +165,8 @@ impl Latencies {
         );
         let ratio = |a: u64, b: u64| a as f64 / b.max(1) as f64;
         println!(
-            "p50 ratios: 100 ms poller / watch = {:.0}x, 10 ms poller / watch = {:.0}x, 100 ms poller / ctr \
-             events = {:.0}x",
+            "p50 ratios: 100 ms status poller / watch = {:.0}x, 10 ms status poller / watch = {:.0}x, 100 ms \
+             status poller / ctr events = {:.0}x",
             ratio(p50s[3], p50s[0]),
             ratio(p50s[2], p50s[0]),
             ratio(p50s[3], p50s[1])
@@ -252,8 +269,9 @@ fn next_line_within(
     }
 }
 
-/// A poller of the agent's status of container `id` every `every`: for each release it sees, (when the
-/// release happened, when the poll saw it).
+/// An agent-status poller: sends `status` for container `id` every `every` and compares the reply's
+/// `containers[0].gpu` with `"released"` and its `since_ns` with the last one seen; for each release it
+/// sees, (when the release happened, when the poll saw it).
 fn poller(
     socket: &Path,
     id: &str,
@@ -291,6 +309,56 @@ fn detection(rx: &mpsc::Receiver<(u64, u64)>, t_released: u64) -> Result<u64> {
         let (since, seen) = rx.recv_timeout(WITHIN).context("a poller saw no release")?;
         if since == t_released {
             return Ok(seen);
+        }
+    }
+}
+
+/// The init pid of container `id`, as the agent registered it.
+fn init_pid(socket: &Path, id: &str) -> Result<u32> {
+    let mut conn = baton_integration::agent::AgentConn::connect(socket)?;
+    let reply = conn.call(json!({"op": "status", "container": id}))?;
+    reply["containers"][0]["init_pid"]
+        .as_u64()
+        .and_then(|p| u32::try_from(p).ok())
+        .with_context(|| format!("no init pid for {id} in {reply}"))
+}
+
+/// A /proc fd poller: every `every`, lists `/proc/PID/fd` of `pid` and sends (when the listing finished,
+/// whether a link named an `nvidia*` device file).
+fn proc_fd_poller(pid: u32, every: Duration, stop: Arc<AtomicBool>) -> mpsc::Receiver<(u64, bool)> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let dir = format!("/proc/{pid}/fd");
+        while !stop.load(Ordering::SeqCst) {
+            std::thread::sleep(every);
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                return;
+            };
+            let held = entries.flatten().any(|e| {
+                std::fs::read_link(e.path()).is_ok_and(|target| {
+                    target
+                        .file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("nvidia"))
+                })
+            });
+            if tx.send((now_ns(), held)).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// When the /proc fd poller first saw no NVIDIA fd in a listing finished after `t_last_close` (the last
+/// close's syscall).
+fn fd_detection(rx: &mpsc::Receiver<(u64, bool)>, t_last_close: u64) -> Result<u64> {
+    loop {
+        let (done, held) = rx
+            .recv_timeout(WITHIN)
+            .context("the /proc fd poller saw no release")?;
+        if done >= t_last_close && !held {
+            return Ok(done);
         }
     }
 }

@@ -29,6 +29,15 @@ pub enum CgroupError {
         /// The cause.
         source: std::io::Error,
     },
+    /// A cgroup path with a `..` component (or not valid UTF-8): it could name a cgroup above the one it
+    /// spells.
+    #[error(
+        "cgroup path {path:?} has a `..` component: give the cgroup's path relative to the v2 root without `..`"
+    )]
+    NotCanonical {
+        /// The path given.
+        path: String,
+    },
     /// A path is not under the v2 root.
     #[error("{path} is not a cgroup v2 directory under {root}")]
     NotUnderRoot {
@@ -53,6 +62,32 @@ pub fn find_v2_root() -> Result<PathBuf, CgroupError> {
         })
         .min_by_key(|p| p.as_os_str().len())
         .ok_or(CgroupError::NoCgroup2)
+}
+
+/// The one spelling of cgroup path `path` (relative to a hierarchy's root, as /proc/PID/cgroup and
+/// registrations write it): `/` then its components joined by single `/`, with `.` components dropped;
+/// the root is `/`. Refuses a `..` component, which could climb above (or out of) the cgroup it seems to
+/// name. Every comparison of cgroup paths (the root, the shim's, the init's) uses this spelling.
+pub fn canonical_path(path: &str) -> Result<String, CgroupError> {
+    let mut out = String::with_capacity(path.len() + 1);
+    for part in path.split('/').filter(|p| !p.is_empty() && *p != ".") {
+        if part == ".." {
+            return Err(CgroupError::NotCanonical {
+                path: path.to_owned(),
+            });
+        }
+        out.push('/');
+        out.push_str(part);
+    }
+    if out.is_empty() {
+        out.push('/');
+    }
+    Ok(out)
+}
+
+/// Whether cgroup path `path` (canonical, see [`canonical_path`]) is a hierarchy's root.
+pub fn is_root(canonical: &str) -> bool {
+    canonical == "/"
 }
 
 /// Maps cgroup v2 ids to paths (relative to the v2 root, starting with `/`) and back.
@@ -116,13 +151,18 @@ impl CgroupIndex {
         self.by_id.iter().map(|(id, p)| (*id, p.as_str()))
     }
 
-    /// The id of a cgroup given as a path relative to the root (`/default/c1`) or absolute under it.
+    /// The id of a cgroup given as a path relative to the root (`/default/c1`) or absolute under it; a path
+    /// with a `..` component is refused ([`canonical_path`]).
     pub fn id_of_path(&self, path: &Path) -> Result<u64, CgroupError> {
-        let abs = if path.starts_with(&self.root) {
-            path.to_path_buf()
-        } else {
-            self.root.join(path.strip_prefix("/").unwrap_or(path))
+        let text = path.to_str().ok_or_else(|| CgroupError::NotCanonical {
+            path: path.display().to_string(),
+        })?;
+        let canonical = canonical_path(text)?;
+        let rel = match Path::new(&canonical).strip_prefix(&self.root) {
+            Ok(under_root) => under_root.to_path_buf(),
+            Err(_) => PathBuf::from(canonical.trim_start_matches('/')),
         };
+        let abs = self.root.join(rel);
         let meta = fs::metadata(&abs).map_err(|source| CgroupError::Io {
             path: abs.clone(),
             source,
@@ -314,5 +354,40 @@ mod tests {
         let id = idx.id_of_path(Path::new("/default/c1")).unwrap();
         assert_eq!(idx.path_of(id), Some("/default/c1"));
         assert!(idx.id_of_path(Path::new("/missing")).is_err());
+        // Other spellings of the same cgroup find it; `..` is refused, even where it would land on a
+        // cgroup (here the root).
+        assert_eq!(idx.id_of_path(Path::new("//default/./c1/")).unwrap(), id);
+        let abs = dir.path().join("default//c1");
+        assert_eq!(idx.id_of_path(&abs).unwrap(), id);
+        for climbing in ["/default/..", "/default/c1/../../..", "../etc"] {
+            let e = idx.id_of_path(Path::new(climbing)).unwrap_err();
+            assert!(
+                matches!(e, CgroupError::NotCanonical { .. }),
+                "{climbing}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn cgroup_paths_have_one_spelling_and_no_parent_components() {
+        for (given, canonical) in [
+            ("/", "/"),
+            ("", "/"),
+            ("/.", "/"),
+            ("//", "/"),
+            ("/./", "/"),
+            ("/a/./b", "/a/b"),
+            ("//a//b/", "/a/b"),
+            ("a/b", "/a/b"),
+            ("/kubepods/pod1/c.scope", "/kubepods/pod1/c.scope"),
+        ] {
+            assert_eq!(canonical_path(given).unwrap(), canonical, "{given:?}");
+        }
+        assert!(is_root(&canonical_path("/.").unwrap()));
+        assert!(is_root(&canonical_path("//").unwrap()));
+        for climbing in ["/a/..", "/a/../", "/..", "/a/b/../../c", ".."] {
+            let e = canonical_path(climbing).unwrap_err();
+            assert!(e.to_string().contains("`..`"), "{climbing}: {e}");
+        }
     }
 }

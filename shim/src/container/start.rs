@@ -14,7 +14,9 @@ use crate::{
     checkpoint::{self, CriuOpts, RestoreTarget},
     console::{Console, ConsoleSocket},
     errors::{Result, ShimError},
-    io::{ProcessPipes, StdinCloser, StdioSpec, start_console_copies, start_pipe_copies},
+    io::{
+        OutputDrain, ProcessPipes, StdinCloser, StdioSpec, start_console_copies, start_pipe_copies,
+    },
     process::{Op, Process, State},
     reaper::{Exit, ExitSubscription},
     runtime,
@@ -83,11 +85,12 @@ impl Container {
         stdio: &StdioSpec,
         io: &IoTasks,
         stdin: &StdinCloser,
+        output: &OutputDrain,
     ) -> Result<Attached> {
         match setup {
             StdioSetup::Console(socket) => {
                 let pty = socket.receive_master().await?;
-                start_console_copies(&pty, stdio, io)?;
+                start_console_copies(&pty, stdio, io, output)?;
                 Ok(Attached {
                     console: Some(pty),
                     file_copies: Vec::new(),
@@ -95,7 +98,8 @@ impl Container {
             }
             StdioSetup::Pipes(pipes) => {
                 let file_copies =
-                    start_pipe_copies(&pipes, stdio, io, stdin, &self.id, &self.namespace).await?;
+                    start_pipe_copies(&pipes, stdio, io, stdin, output, &self.id, &self.namespace)
+                        .await?;
                 Ok(Attached {
                     console: None,
                     file_copies,
@@ -119,7 +123,7 @@ impl Container {
             .await
             .map_err(|e| ShimError::runtime("create", &self.id, e))?;
         let attached = self
-            .attach_io(setup, &init.stdio, &init.io, &init.stdin)
+            .attach_io(setup, &init.stdio, &init.io, &init.stdin, &init.output)
             .await?;
         commit(init, attached);
         init.pid = read_pid(&pid_file).await?;
@@ -161,10 +165,16 @@ impl Container {
 
     /// `runc restore` of the init; commits its pid and copies. Returns the pid.
     async fn restore(&self, criu: &CriuOpts) -> Result<u32> {
-        let (stdio, io, stdin) = {
+        let (stdio, io, stdin, output) = {
             let procs = self.procs.lock().await;
             let init = &procs.init;
-            (init.stdio.clone(), init.io.clone(), init.stdin.clone())
+            let output = init.output.clone();
+            (
+                init.stdio.clone(),
+                init.io.clone(),
+                init.stdin.clone(),
+                output,
+            )
         };
         let pid_file = self.bundle.join(INIT_PID_FILE);
         let setup = self.stdio_setup(&stdio)?;
@@ -181,7 +191,7 @@ impl Container {
             }
             Some(pipes) => self.run_restore_with_pipes(&args, &pipes).await?,
         }
-        let attached = self.attach_io(setup, &stdio, &io, &stdin).await?;
+        let attached = self.attach_io(setup, &stdio, &io, &stdin, &output).await?;
         let pid = read_pid(&pid_file).await?;
         let mut procs = self.procs.lock().await;
         commit(&mut procs.init, attached);
@@ -285,6 +295,13 @@ impl Container {
         io: &IoTasks,
         stdin: &StdinCloser,
     ) -> Result<(u32, Attached)> {
+        let output = self
+            .procs
+            .lock()
+            .await
+            .get(&self.id, exec_id)?
+            .output
+            .clone();
         let pid_file = self.bundle.join(format!("{exec_id}.pid"));
         let setup = self.stdio_setup(stdio)?;
         let mut opts = ExecOpts::new().pid_file(&pid_file).detach(true);
@@ -296,7 +313,7 @@ impl Container {
                 &self.global.log,
             ));
         }
-        let attached = match self.attach_io(setup, stdio, io, stdin).await {
+        let attached = match self.attach_io(setup, stdio, io, stdin, &output).await {
             Ok(a) => a,
             Err(e) => {
                 io.abort().await;

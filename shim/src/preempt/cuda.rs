@@ -1,6 +1,10 @@
 //! NVIDIA's `cuda-checkpoint`, run by the shim for each CUDA process of a container: `--action
 //! lock|checkpoint|restore|unlock --pid P [--timeout MS]` and `--get-state --pid P`. The program comes only
 //! from the node's options TOML (`cuda_checkpoint_path`) or the shim's PATH, never from an annotation.
+//!
+//! It acts on the container's own processes only: each pid is checked to be in the container's cgroups (the
+//! init's, read from /proc) right before cuda-checkpoint is run on it; a pid outside is refused, and
+//! nothing is run on it.
 use std::{
     path::{Path, PathBuf},
     time::Duration,
@@ -49,6 +53,18 @@ pub enum CudaError {
         /// What it had printed (": ..." or empty).
         output: String,
     },
+    /// The pid is not a process of the container.
+    #[error(
+        "pid {pid} is not a process of container {container} ({why}): cuda-checkpoint is not run on it"
+    )]
+    NotInContainer {
+        /// The process.
+        pid: u32,
+        /// The container's id.
+        container: String,
+        /// What /proc said.
+        why: String,
+    },
     /// It could not be run.
     #[error("cannot run {path}: {message}")]
     Spawn {
@@ -63,18 +79,72 @@ impl CudaError {
     /// The process the error concerns, if one.
     pub fn pid(&self) -> Option<u32> {
         match self {
-            CudaError::Failed { pid, .. } | CudaError::TimedOut { pid, .. } => Some(*pid),
+            CudaError::Failed { pid, .. }
+            | CudaError::TimedOut { pid, .. }
+            | CudaError::NotInContainer { pid, .. } => Some(*pid),
             _ => None,
         }
     }
 }
 
-/// The cuda-checkpoint program of a container.
+/// The cuda-checkpoint program of a container, and the container whose processes it may act on.
 #[derive(Clone, Debug)]
 pub struct CudaCheckpoint {
     path: PathBuf,
     /// How long one run may take before it is stopped.
     limit: Option<Duration>,
+    scope: Option<Scope>,
+}
+
+/// A container's processes: those in the cgroups of its init.
+#[derive(Clone, Debug)]
+struct Scope {
+    container: String,
+    init: u32,
+}
+
+impl Scope {
+    /// Whether `pid` is in every cgroup of the container's init (that cgroup or one below it, in each
+    /// hierarchy where the init is not at the root), read from /proc now.
+    fn check(&self, pid: u32) -> Result<(), CudaError> {
+        let refuse = |why: String| CudaError::NotInContainer {
+            pid,
+            container: self.container.clone(),
+            why,
+        };
+        let init = baton_cgroups::of_pid(self.init).ok_or_else(|| {
+            refuse(format!(
+                "the cgroups of its init, pid {}, cannot be read",
+                self.init
+            ))
+        })?;
+        let mine =
+            baton_cgroups::of_pid(pid).ok_or_else(|| refuse("no such process".to_owned()))?;
+        let own: Vec<_> = init.iter().filter(|c| c.pathname != "/").collect();
+        if own.is_empty() {
+            return Err(refuse(
+                "its init is in the root cgroups, which tell no container apart".to_owned(),
+            ));
+        }
+        for c in own {
+            let theirs = mine.iter().find(|m| m.hierarchy == c.hierarchy);
+            let inside = theirs.is_some_and(|m| is_at_or_below(&m.pathname, &c.pathname));
+            if !inside {
+                let at = theirs.map_or("none", |m| m.pathname.as_str());
+                return Err(refuse(format!(
+                    "it is in cgroup {at}, not under the container's {}",
+                    c.pathname
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether cgroup path `path` is `top` or below it.
+fn is_at_or_below(path: &str, top: &str) -> bool {
+    let (path, top) = (path.trim_end_matches('/'), top.trim_end_matches('/'));
+    path == top || path.strip_prefix(top).is_some_and(|r| r.starts_with('/'))
 }
 
 impl CudaCheckpoint {
@@ -90,7 +160,11 @@ impl CudaCheckpoint {
             })
         };
         found
-            .map(|path| Self { path, limit: None })
+            .map(|path| Self {
+                path,
+                limit: None,
+                scope: None,
+            })
             .ok_or(CudaError::NotFound {
                 path: configured.to_path_buf(),
             })
@@ -105,6 +179,22 @@ impl CudaCheckpoint {
         }
     }
 
+    /// The same program, acting only on processes of container `container` (id), whose init is `init`.
+    pub fn confined_to(self, container: &str, init: u32) -> Self {
+        Self {
+            scope: Some(Scope {
+                container: container.to_owned(),
+                init,
+            }),
+            ..self
+        }
+    }
+
+    /// Refuses `pid` when it is not a process of the container this program is confined to.
+    fn check(&self, pid: u32) -> Result<(), CudaError> {
+        self.scope.as_ref().map_or(Ok(()), |s| s.check(pid))
+    }
+
     /// Runs `--action ACTION --pid PID` (`--timeout MS` for a lock with a timeout).
     pub async fn run(
         &self,
@@ -112,6 +202,7 @@ impl CudaCheckpoint {
         pid: u32,
         timeout: Option<Duration>,
     ) -> Result<(), CudaError> {
+        self.check(pid)?;
         let mut args = vec![
             "--action".to_owned(),
             action.name().to_owned(),
@@ -136,6 +227,7 @@ impl CudaCheckpoint {
 
     /// `--get-state --pid PID`: `running`, `locked`, `checkpointed` or `failed`.
     pub async fn state(&self, pid: u32) -> Result<String, CudaError> {
+        self.check(pid)?;
         let args = [
             "--get-state".to_owned(),
             "--pid".to_owned(),
@@ -192,5 +284,35 @@ mod tests {
         assert!(text.contains("cuda_checkpoint_path"), "{text}");
         assert!(CudaCheckpoint::find(Path::new("no-such-program-baton")).is_err());
         assert!(CudaCheckpoint::find(Path::new("sh")).is_ok());
+    }
+
+    #[test]
+    fn cgroup_paths_below_the_containers_are_in_it_and_lookalikes_are_not() {
+        assert!(is_at_or_below("/pods/c1", "/pods/c1"));
+        assert!(is_at_or_below("/pods/c1/sub", "/pods/c1/"));
+        assert!(!is_at_or_below("/pods/c10", "/pods/c1"));
+        assert!(!is_at_or_below("/pods", "/pods/c1"));
+    }
+
+    #[test]
+    fn a_process_outside_the_container_is_refused_before_anything_runs() {
+        // This test's process is the "init": a process in its cgroups is in, pid 1 (at the root on a
+        // machine where the test runs in a cgroup of its own) or a process gone is not.
+        let me = std::process::id();
+        let cuda = CudaCheckpoint::find(Path::new("sh"))
+            .unwrap()
+            .confined_to("c1", me);
+        let own = baton_cgroups::of_pid(me).unwrap();
+        if own.iter().all(|c| c.pathname == "/") {
+            let e = cuda.check(me).unwrap_err().to_string();
+            assert!(e.contains("root cgroups"), "{e}");
+            return;
+        }
+        cuda.check(me).unwrap();
+        let e = cuda.check(u32::MAX).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("pid {}", u32::MAX)) && e.contains("container c1"),
+            "{e}"
+        );
     }
 }

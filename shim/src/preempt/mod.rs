@@ -16,7 +16,7 @@ pub mod cuda;
 mod gpu_checkpoint;
 pub mod state;
 
-use std::time::Duration;
+use std::{path::Path, time::Duration};
 
 use baton_agent_api::{
     ContainerRef, Phase, PreemptMode, PreemptPhase, PreemptState, Step, now_monotonic_ns,
@@ -153,14 +153,22 @@ impl Container {
         self.set_preemption(None);
     }
 
-    fn cuda_checkpoint(&self) -> Result<CudaCheckpoint> {
+    /// The container's cuda-checkpoint, acting only on processes in the cgroups of its init `init`, each
+    /// run stopped after `cuda_checkpoint_timeout`.
+    fn cuda_checkpoint(&self, init: u32) -> Result<CudaCheckpoint> {
         CudaCheckpoint::find(&self.settings.cuda_checkpoint_path)
+            .map(|c| c.confined_to(&self.id, init))
             .map(|c| c.within(self.settings.cuda_checkpoint_timeout))
             .map_err(|e| ShimError::FailedPrecondition {
                 id: self.id.clone(),
                 action: "preempt",
                 state: e.to_string(),
             })
+    }
+
+    /// The pid of the container's init now.
+    async fn init_pid(&self) -> u32 {
+        self.procs.lock().await.init.pid
     }
 
     fn busy(&self) -> ShimError {
@@ -172,7 +180,8 @@ impl Container {
     }
 
     /// Preempts the container: locks and checkpoints the CUDA processes `pids`, then freezes it (park) or
-    /// dumps it with CRIU (snapshot, into `image` or `baton-snapshot` in the bundle).
+    /// dumps it with CRIU (snapshot, into `image`, absolute, or `<snapshot_dir>/<namespace>/<id>`: see
+    /// [`snapshot_image`]).
     pub async fn preempt(
         &self,
         pids: &[u32],
@@ -180,10 +189,19 @@ impl Container {
         image: Option<String>,
         steps: &mut Steps,
     ) -> Result<PreemptState> {
+        let image = match mode {
+            PreemptMode::Snapshot => Some(snapshot_image(
+                &self.settings.snapshot_dir,
+                &self.namespace,
+                &self.id,
+                image,
+            )?),
+            PreemptMode::Park => None,
+        };
         let _op = self.preempt_op.try_lock().map_err(|_| self.busy())?;
         self.check_preemptible(pids).await?;
         self.end_hold_for("a preemption").await;
-        let cuda = self.cuda_checkpoint()?;
+        let cuda = self.cuda_checkpoint(self.init_pid().await)?;
         let since_ns = now_monotonic_ns();
         let mut state = PreemptState {
             state: PreemptPhase::Preempting,
@@ -200,8 +218,7 @@ impl Container {
         let done = match mode {
             PreemptMode::Park => self.freeze_parked(&cuda, pids, steps).await,
             PreemptMode::Snapshot => {
-                let image = image
-                    .unwrap_or_else(|| self.bundle.join("baton-snapshot").display().to_string());
+                let image = image.unwrap_or_default();
                 state.image_path = Some(image.clone());
                 self.dump(&cuda, pids, &image, steps).await
             }
@@ -402,7 +419,7 @@ impl Container {
                 });
             }
         };
-        let cuda = self.cuda_checkpoint()?;
+        let cuda = self.cuda_checkpoint(self.init_pid().await)?;
         self.set_preemption(Some(PreemptState {
             state: PreemptPhase::Resuming,
             since_ns: now_monotonic_ns(),
@@ -542,6 +559,51 @@ impl Container {
                 None => "exited".into(),
             },
             _ => "exited".into(),
+        }
+    }
+}
+
+/// Where a snapshot of container `id` in `namespace` puts its image: `requested` when the client named one
+/// (absolute only: a relative path would be resolved against the shim's working directory), else
+/// `<snapshot_dir>/<namespace>/<id>` on the node's disk (not the bundle, which is on tmpfs and deleted with
+/// the task).
+pub fn snapshot_image(
+    snapshot_dir: &Path,
+    namespace: &str,
+    id: &str,
+    requested: Option<String>,
+) -> Result<String> {
+    match requested {
+        Some(path) => {
+            baton_agent_api::check_image_path(&path).map_err(ShimError::InvalidArgument)?;
+            Ok(path)
+        }
+        None => Ok(snapshot_dir.join(namespace).join(id).display().to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_image_is_absolute_and_defaults_to_the_node_snapshot_dir() {
+        let dir = Path::new("/var/lib/baton/snapshots");
+        assert_eq!(
+            snapshot_image(dir, "k8s.io", "c1", None).unwrap(),
+            "/var/lib/baton/snapshots/k8s.io/c1"
+        );
+        assert_eq!(
+            snapshot_image(dir, "default", "c1", Some("/data/img".into())).unwrap(),
+            "/data/img"
+        );
+        for relative in ["img", "./img", "../img", ""] {
+            let e = snapshot_image(dir, "default", "c1", Some(relative.into())).unwrap_err();
+            assert!(
+                matches!(e, ShimError::InvalidArgument(_))
+                    && e.to_string().contains("absolute path"),
+                "{relative:?}: {e}"
+            );
         }
     }
 }

@@ -1,8 +1,10 @@
 //! Process exits, in the Go shim's order: an exec's TaskExit after its TaskExecStarted; the
 //! init's TaskExit after TaskStart, after any TaskOOM, and after the TaskExit of every exec
 //! process that was starting or running (in a container without a pid namespace of its own
-//! they are killed first, `runc kill --all`). A process's exit becomes visible (State, Wait)
-//! only once its TaskExit is queued, so a client's Delete, and so TaskDelete, always comes after.
+//! they are killed first, `runc kill --all`; a paused container is thawed before that). A
+//! process's exit becomes visible (State, Wait) only once its TaskExit is queued, so a client's
+//! Delete, and so TaskDelete, always comes after; and only once its output copies wrote out what
+//! it printed (or no output flowed for a while), so Wait never returns before the output.
 //! Nothing here holds the event gate or the process table while waiting.
 
 use std::{sync::Arc, time::Duration};
@@ -58,8 +60,33 @@ impl TaskService {
         }
     }
 
+    /// Waits for the output copies of process `exec_id` (empty: the init) to write out all it printed, so that
+    /// no client sees the exit (TaskExit, Wait) before the output; bounded by [`crate::io::OUTPUT_STALL`] once no
+    /// more output flows.
+    async fn drain_output(&self, c: &Container, exec_id: &str) {
+        let Ok(output) = c
+            .procs
+            .lock()
+            .await
+            .get(&c.id, exec_id)
+            .map(|p| p.output.clone())
+        else {
+            return;
+        };
+        if !output.drained().await {
+            tracing::warn!(
+                id = %c.id,
+                exec_id,
+                bytes = output.bytes(),
+                "output still open {:?} after the exit with nothing flowing (unread, or held by another process): exit published",
+                crate::io::OUTPUT_STALL
+            );
+        }
+    }
+
     async fn exec_exited(&self, c: &Container, exec_id: &str, exit: reaper::Exit) {
         let status = exit.code as u32;
+        self.drain_output(c, exec_id).await;
         {
             // After TaskExecStarted, which is published under the gate.
             let _gate = c.event_gate.lock().await;
@@ -95,6 +122,7 @@ impl TaskService {
             procs.init_exit_seen = true;
             procs.init.pid
         };
+        c.thaw_after_init_exit().await;
         c.kill_all_after_init_exit().await;
         let mut running = c.running_execs.subscribe();
         if tokio::time::timeout(EXEC_EXITS_WAIT, running.wait_for(|n| *n == 0))
@@ -103,6 +131,7 @@ impl TaskService {
         {
             tracing::warn!(id = %c.id, "exec processes still running {EXEC_EXITS_WAIT:?} after the init exited");
         }
+        self.drain_output(c, "").await;
         if c.oom.get().is_some_and(|w| w.check()) {
             tracing::info!(id = %c.id, "container OOM killed");
             self.shared.events.oom(&c.id).await;

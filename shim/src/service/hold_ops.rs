@@ -1,18 +1,21 @@
 //! The control socket's `freeze` and `thaw`, as the node agent's co-runner controller sends them (one
 //! connection, many lines), and the fail-safe when that connection ends: every hold it made is released.
-use std::time::Duration;
-
 use baton_agent_api::{FreezeRequest, Reply, Target};
 
 use super::TaskService;
 use crate::errors::ShimError;
 
 impl TaskService {
-    /// `freeze` from connection `conn`: freeze (or renew the hold of) the container, confirmed.
+    /// `freeze` from connection `conn`: freeze (or renew the hold of) the container, confirmed. Every hold
+    /// has a lease: the default when the request has none, and one above the maximum is refused
+    /// ([`baton_agent_api::freeze_lease`]).
     pub async fn freeze_for_agent(&self, r: FreezeRequest, conn: u64) -> Reply {
-        let lease = r.lease_ms.map(Duration::from_millis);
+        let lease = match baton_agent_api::freeze_lease(r.lease_ms) {
+            Ok(l) => l,
+            Err(error) => return Reply::Error { error },
+        };
         match self.target(&r.target) {
-            Ok(c) => reply(c.hold(conn, lease, r.renew).await),
+            Ok(c) => reply(c.hold(conn, Some(lease), r.renew).await),
             Err(e) => reply(Err(e)),
         }
     }

@@ -161,6 +161,11 @@ impl TaskService {
         self.shared.events.gpu(topic, &payload).await;
     }
 
+    /// The pid of the agent this shim is connected to now, the one peer its control socket serves.
+    pub(crate) fn agent_pid(&self) -> Option<u32> {
+        self.shared.gpu.agent_pid()
+    }
+
     /// This shim's control socket (bound on first use, beside the agent's socket of `settings`).
     pub(super) fn control_socket(&self, settings: &BatonSettings) -> Option<PathBuf> {
         self.shared

@@ -5,10 +5,11 @@ use std::{
 };
 
 use tokio::{
-    io::{AsyncBufReadExt, AsyncWriteExt, BufReader},
+    io::{AsyncWriteExt, BufReader},
     net::UnixStream,
 };
 
+use crate::lines::{BoundedLines, MAX_REPLY_LINE};
 use crate::preempt::{Step, StepLine};
 use crate::protocol::{
     Event, EventLine, Filter, PROTOCOL_VERSION, Reply, ReplyLine, Request, RequestLine, TraceLine,
@@ -75,8 +76,7 @@ pub enum ClientError {
 #[derive(Debug)]
 pub struct Client {
     path: PathBuf,
-    stream: BufReader<UnixStream>,
-    line: String,
+    stream: BoundedLines<BufReader<UnixStream>>,
 }
 
 impl Client {
@@ -90,14 +90,20 @@ impl Client {
             })?;
         Ok(Self {
             path: path.to_owned(),
-            stream: BufReader::new(stream),
-            line: String::new(),
+            stream: BoundedLines::new(BufReader::new(stream), MAX_REPLY_LINE),
         })
     }
 
     /// The socket this client is connected to.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The pid of the process at the other end (SO_PEERCRED, as of the connect): the agent's, for a
+    /// connection to the agent's socket. `None` when the kernel does not say.
+    pub fn peer_pid(&self) -> Option<u32> {
+        let cred = self.stream.get_ref().get_ref().peer_cred().ok()?;
+        cred.pid().and_then(|p| u32::try_from(p).ok())
     }
 
     /// Sends one request and reads its reply; an error reply becomes [`ClientError::Refused`].
@@ -115,6 +121,7 @@ impl Client {
         .map_err(|e| self.protocol(e.to_string(), String::new()))?;
         text.push('\n');
         self.stream
+            .get_mut()
             .get_mut()
             .write_all(text.as_bytes())
             .await
@@ -180,6 +187,7 @@ impl Client {
     pub async fn end_trace(&mut self) -> Result<(), ClientError> {
         self.stream
             .get_mut()
+            .get_mut()
             .shutdown()
             .await
             .map_err(|source| self.io(source))
@@ -194,21 +202,17 @@ impl Client {
     }
 
     async fn read_line(&mut self) -> Result<String, ClientError> {
-        self.line.clear();
-        let n = self
+        let line = self
             .stream
-            .read_line(&mut self.line)
+            .next_line()
             .await
             .map_err(|source| ClientError::Io {
                 path: self.path.clone(),
                 source,
             })?;
-        if n == 0 {
-            return Err(ClientError::Closed {
-                path: self.path.clone(),
-            });
-        }
-        Ok(std::mem::take(&mut self.line))
+        line.ok_or_else(|| ClientError::Closed {
+            path: self.path.clone(),
+        })
     }
 
     fn io(&self, source: std::io::Error) -> ClientError {

@@ -54,6 +54,28 @@ pub struct RoleSpec {
     pub launch_blocking: bool,
 }
 
+/// The lease a shim gives a `freeze` that carries none (ms): every freeze of a shim ends by itself unless
+/// renewed. The agent's default lease (`--freeze-lease-ms`).
+pub const DEFAULT_FREEZE_LEASE_MS: u64 = 2_000;
+/// The longest lease a shim grants (ms); a `freeze` asking more is refused. The agent's
+/// `--freeze-lease-ms` may not exceed it.
+pub const MAX_FREEZE_LEASE_MS: u64 = 30_000;
+
+/// The lease a shim grants a `freeze` that asked `lease_ms`: the default when it asked none, an error
+/// above the maximum (refused rather than clamped, so that a controller renewing on its own schedule never
+/// sees a freeze lapse sooner than it asked).
+pub fn freeze_lease(lease_ms: Option<u64>) -> Result<std::time::Duration, String> {
+    match lease_ms {
+        None => Ok(std::time::Duration::from_millis(DEFAULT_FREEZE_LEASE_MS)),
+        Some(0) => Err("lease_ms must be > 0".to_owned()),
+        Some(ms) if ms > MAX_FREEZE_LEASE_MS => Err(format!(
+            "lease_ms {ms} is above the longest lease a shim grants ({MAX_FREEZE_LEASE_MS} ms): renew \
+             a shorter lease instead"
+        )),
+        Some(ms) => Ok(std::time::Duration::from_millis(ms)),
+    }
+}
+
 /// `freeze`: freeze a container through its shim's cgroup freezer, confirmed.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FreezeRequest {
@@ -64,7 +86,8 @@ pub struct FreezeRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hold_ms: Option<u64>,
     /// From the agent to a shim: the shim thaws the container by itself if the agent has not renewed the
-    /// freeze (sent it again) within this long; a client leaves it out.
+    /// freeze (sent it again) within this long ([`DEFAULT_FREEZE_LEASE_MS`] when left out, at most
+    /// [`MAX_FREEZE_LEASE_MS`]); a client of the agent leaves it out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_ms: Option<u64>,
     /// From the agent to a shim: only renew the hold in force; a hold that is gone (it ended for an exec, a

@@ -5,6 +5,10 @@ use std::time::Duration;
 /// What [`parse_duration`] accepts, for error messages.
 pub const DURATION_SYNTAX: &str = "a duration such as \"500ms\", \"20s\" or \"2m\"";
 
+/// The longest `wait-gpu-free` a container may ask: a Start held a day is a mistake, and a bound keeps the
+/// deadlines built from it (plus margins) far from overflowing.
+pub const MAX_WAIT_GPU_FREE: Duration = Duration::from_secs(24 * 3600);
+
 /// "500ms", "20s", "2m" (humantime's syntax, surrounding spaces ignored); `None` for anything else and for
 /// a zero duration.
 pub fn parse_duration(value: &str) -> Option<Duration> {

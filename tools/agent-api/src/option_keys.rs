@@ -31,9 +31,12 @@ pub const ROLE: &str = "role";
 pub const YIELDS_TO: &str = "yields-to";
 /// `CUDA_LAUNCH_BLOCKING=1` for a co-runner.
 pub const LAUNCH_BLOCKING: &str = "launch-blocking";
+/// Where snapshot preemptions put their images by default, one folder per namespace and container (node
+/// only; default [`crate::DEFAULT_SNAPSHOT_DIR`]).
+pub const SNAPSHOT_DIR: &str = "snapshot_dir";
 
 /// Every Baton key, in TOML and (prefixed with [`ANNOTATION_PREFIX`]) in annotations.
-pub const BATON_KEYS: [&str; 12] = [
+pub const BATON_KEYS: [&str; 13] = [
     EBPF,
     CUDA_CHECKPOINT_PATH,
     FREEZER,
@@ -46,14 +49,21 @@ pub const BATON_KEYS: [&str; 12] = [
     ROLE,
     YIELDS_TO,
     LAUNCH_BLOCKING,
+    SNAPSHOT_DIR,
 ];
 
-/// The keys only the node's TOML may set: they name programs the shim (root) runs or the agent it trusts,
-/// and annotations come from whoever writes the pod spec.
-pub const NODE_ONLY_KEYS: [&str; 4] = [
+/// The keys only the node's TOML may set, as annotations come from whoever writes the pod spec: they name
+/// programs the shim (root) runs, the agent it trusts or where it writes, or decide what the probes see (a
+/// container that turned `ebpf` off, or moved `trace_prefix` elsewhere, would hold a GPU no other
+/// container's gate sees, and distinct prefixes would use up the probe set's few slots for the whole node), or
+/// bound a preemption (a tiny `cuda_checkpoint_timeout` would make a container impossible to preempt).
+pub const NODE_ONLY_KEYS: [&str; 7] = [
     CUDA_CHECKPOINT_PATH,
     AGENT_SOCKET,
     AGENT_AUTOSTART,
+    SNAPSHOT_DIR,
+    EBPF,
+    TRACE_PREFIX,
     CUDA_CHECKPOINT_TIMEOUT,
 ];
 

@@ -61,9 +61,27 @@ pub struct PreemptRequest {
     /// NVIDIA files) before it forwards the request to the container's shim; a client leaves them empty.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pids: Vec<u32>,
-    /// Snapshot only: where the checkpoint image goes (default: `baton-snapshot` in the bundle).
+    /// Snapshot only: where the checkpoint image goes, an absolute path (a relative one is refused: the shim
+    /// writes it, from a working directory the client does not know). Default:
+    /// `<snapshot_dir>/<namespace>/<id>`, with the node's `snapshot_dir` ([`DEFAULT_SNAPSHOT_DIR`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_path: Option<String>,
+}
+
+/// Where snapshot images go when neither the request nor the node's `snapshot_dir` names a place: on disk,
+/// not in the bundle (tmpfs, deleted with the task).
+pub const DEFAULT_SNAPSHOT_DIR: &str = "/var/lib/baton/snapshots";
+
+/// Checks a snapshot's `image_path`: an absolute path, else an error that says so.
+pub fn check_image_path(path: &str) -> Result<(), String> {
+    if std::path::Path::new(path).is_absolute() {
+        Ok(())
+    } else {
+        Err(format!(
+            "image path {path:?} is relative: give an absolute path (the shim writes the image, and a \
+             relative path would be resolved against its working directory, not yours)"
+        ))
+    }
 }
 
 /// When `handoff` starts the second container.

@@ -27,6 +27,9 @@ pub enum Request {
     Register(Registration),
     /// Stop watching a container.
     Unregister(ContainerRef),
+    /// A shim's container changed its preemption state (parked, snapshotted, resumed, killed): the shim
+    /// owns that state and pushes each change; only the shim that registered the container may.
+    Preemption(PreemptionUpdate),
     /// The watched containers (all, or those matching the filter).
     Status(Filter),
     /// Stream events (all, or those matching the filter) after the reply.
@@ -61,6 +64,15 @@ pub enum Request {
     Token(RequestEvent),
     /// Turn the decode governor on (or off).
     Governor(GovernorRequest),
+}
+
+/// A container's preemption state now, as its shim pushes it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PreemptionUpdate {
+    /// Which container.
+    pub container: ContainerRef,
+    /// Its state (none: it runs on the GPU as usual).
+    pub state: Option<PreemptState>,
 }
 
 /// What `baton trace` asks the agent to trace, and how to print it.

@@ -89,7 +89,7 @@ fn main() -> std::process::ExitCode {
             tracing_subscriber::EnvFilter::try_from_env("BATON_LOG")
                 .unwrap_or_else(|_| default_level.into()),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(agent::log_writer)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     if let Cmd::BenchWorker(a) = cli.cmd {

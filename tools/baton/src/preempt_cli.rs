@@ -47,8 +47,9 @@ pub struct PreemptArgs {
     /// Park (default) or snapshot.
     #[arg(long, value_enum, default_value = "park")]
     mode: ModeArg,
-    /// Snapshot: where the image goes (default: baton-snapshot in the bundle).
-    #[arg(long)]
+    /// Snapshot: where the image goes, an absolute path (default: <snapshot_dir>/<namespace>/<id>, with
+    /// the node's snapshot_dir, /var/lib/baton/snapshots unless its TOML says otherwise).
+    #[arg(long, value_parser = absolute_image_path)]
     image_path: Option<String>,
     /// One JSON object per step, then the outcome.
     #[arg(long)]
@@ -189,11 +190,34 @@ fn render_outcome(o: &Outcome, t0: u64) -> String {
     )
 }
 
+/// `--image-path`: absolute only (the shim writes the image; a relative path would be its, not the caller's).
+fn absolute_image_path(path: &str) -> Result<String, String> {
+    baton_agent_api::check_image_path(path).map(|()| path.to_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use baton_agent_api::{ContainerRef, Phase};
 
     use super::*;
+
+    #[derive(clap::Parser, Debug)]
+    struct Preempt {
+        #[command(flatten)]
+        args: PreemptArgs,
+    }
+
+    #[test]
+    fn a_relative_image_path_is_refused_with_what_to_give() {
+        use clap::Parser;
+        let parse = |path: &str| {
+            Preempt::try_parse_from(["preempt", "c1", "--mode", "snapshot", "--image-path", path])
+        };
+        let e = parse("snapshots/c1").unwrap_err().to_string();
+        assert!(e.contains("give an absolute path"), "{e}");
+        let ok = parse("/var/tmp/c1").unwrap();
+        assert_eq!(ok.args.image_path.as_deref(), Some("/var/tmp/c1"));
+    }
 
     #[test]
     fn a_step_is_shown_relative_to_the_request() {

@@ -1,6 +1,6 @@
 //! The launch uprobes of the probe set: loading the three programs, attaching them to one libcuda file, and
 //! reading the per-container counters they keep (`LAUNCHES`, per CPU, summed here).
-use std::path::Path;
+use std::{fs::File, os::fd::AsRawFd, path::Path};
 
 use aya::{
     Ebpf,
@@ -37,15 +37,25 @@ fn uprobe(ebpf: &mut Ebpf, f: LaunchFn) -> Result<&mut UProbe, ProbeError> {
 }
 
 impl Probes {
-    /// Attaches the launch uprobes to the entry points that the ELF file at `library` exports (its dynamic
+    /// Attaches the launch uprobes to the entry points that the open ELF file `library` exports (its dynamic
     /// symbol table); they fire for every process that maps that file, and stay attached until the probe set
-    /// is dropped. Returns the entry points probed; an error only when none could be.
-    pub fn attach_launch_probes(&mut self, library: &Path) -> Result<Vec<LaunchFn>, ProbeError> {
+    /// is dropped. The file is read and named to the kernel as `/proc/self/fd/N`, which resolves to that
+    /// open file whatever its path leads to now; `shown` names it in errors. Returns the entry points
+    /// probed; an error only when none could be.
+    pub fn attach_launch_probes(
+        &mut self,
+        library: &File,
+        shown: &Path,
+    ) -> Result<Vec<LaunchFn>, ProbeError> {
+        let through_fd = format!("/proc/self/fd/{}", library.as_raw_fd());
         let mut probed = Vec::new();
         let mut errors = Vec::new();
         for f in LaunchFn::ALL {
-            let attached =
-                uprobe(&mut self._ebpf, f)?.attach(f.symbol(), library, UProbeScope::AllProcesses);
+            let attached = uprobe(&mut self._ebpf, f)?.attach(
+                f.symbol(),
+                Path::new(&through_fd),
+                UProbeScope::AllProcesses,
+            );
             match attached {
                 Ok(_) => probed.push(f),
                 Err(e) => errors.push(format!("{}: {}", f.symbol(), error_chain(&e))),
@@ -53,12 +63,12 @@ impl Probes {
         }
         if probed.is_empty() {
             return Err(ProbeError::Uprobe {
-                library: library.to_owned(),
+                library: shown.to_owned(),
                 detail: errors.join("; "),
             });
         }
         if !errors.is_empty() {
-            tracing::debug!(library = %library.display(), "some launch entry points not probed: {}", errors.join("; "));
+            tracing::debug!(library = %shown.display(), "some launch entry points not probed: {}", errors.join("; "));
         }
         Ok(probed)
     }

@@ -230,6 +230,12 @@ impl Tracer {
             .collect()
     }
 
+    /// The folder of watched cgroup `id` under the v2 mount, when its path is known.
+    pub fn cgroup_dir(&mut self, id: u64) -> Option<PathBuf> {
+        let path = self.cgroups.path_of(id)?.to_owned();
+        Some(self.cgroups.root().join(path.trim_start_matches('/')))
+    }
+
     /// Stops tracing cgroup `id` (fds already followed stay followed until closed).
     pub fn unwatch_cgroup(&mut self, id: u64) {
         let _ = self.probes.watched.remove(&id);
@@ -294,11 +300,11 @@ impl Tracer {
         });
     }
 
-    /// Attaches the launch uprobes to every libcuda file process `pid` maps that is not probed yet (resolved
-    /// through its `/proc/PID/root`, once per file); returns how many files it probed now. The tracer calls
-    /// it when a traced process opens an NVIDIA device and when it seeds one from /proc; a caller that knows
-    /// a process of a watched container loaded libcuda later can call it too. A file that cannot be probed
-    /// is logged and not tried again.
+    /// Attaches the launch uprobes to every libcuda file process `pid` maps that is not probed yet (opened
+    /// through its `/proc/PID/map_files` and checked against its maps entry, once per file); returns how many
+    /// files it probed now. The tracer calls it when a traced process opens an NVIDIA device and when it
+    /// seeds one from /proc; a caller that knows a process of a watched container loaded libcuda later can
+    /// call it too. A file that cannot be probed is logged and not tried again.
     pub fn probe_launches_of(&mut self, pid: u32) -> usize {
         let files = launch::libcuda_files(pid);
         if files.is_empty() {
@@ -306,25 +312,25 @@ impl Tracer {
         }
         self.launch_libs.saw_pid(pid);
         let mut probed = 0;
-        for (path, file) in files {
-            if self.launch_libs.known(file) {
+        for lib in files {
+            if self.launch_libs.known(lib.id) {
                 continue;
             }
-            match self.probes.attach_launch_probes(&path) {
+            match self.probes.attach_launch_probes(&lib.file, &lib.path) {
                 Ok(fns) => {
-                    tracing::debug!(pid, library = %path.display(), "launch uprobes attached");
+                    tracing::debug!(pid, library = %lib.path.display(), "launch uprobes attached");
                     probed += 1;
                     self.launch_libs.add(LaunchLibrary {
-                        path,
+                        path: lib.path,
                         pid,
-                        dev: file.0,
-                        ino: file.1,
+                        dev: lib.id.0,
+                        ino: lib.id.1,
                         probed: fns,
                     });
                 }
                 Err(e) => {
                     tracing::warn!("{e}: launches through it are not counted");
-                    self.launch_libs.add_failed(file);
+                    self.launch_libs.add_failed(lib.id);
                 }
             }
         }
@@ -418,6 +424,16 @@ impl Tracer {
     /// Also follows opens of NVIDIA device files under `prefix` (a device directory such as `/dev/`).
     pub fn add_prefix(&mut self, prefix: &str) -> Result<(), TracerError> {
         Ok(self.probes.add_prefix(prefix)?)
+    }
+
+    /// Stops following opens under `prefix` (freeing one of the probe set's few prefix slots).
+    pub fn remove_prefix(&mut self, prefix: &str) -> Result<(), TracerError> {
+        Ok(self.probes.remove_prefix(prefix)?)
+    }
+
+    /// The device-directory prefixes followed now.
+    pub fn prefixes(&self) -> &[String] {
+        self.probes.prefixes()
     }
 
     /// eBPF programs attached by this tracer.

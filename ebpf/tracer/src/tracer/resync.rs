@@ -63,6 +63,13 @@ impl Tracer {
         Ok(())
     }
 
+    /// Follows process `pid` from now on with what /proc shows it holds: a holder the records never showed
+    /// taking its NVIDIA files (an fd passed over a unix socket or taken with pidfd_getfd), found by the
+    /// agent's /proc check before a release. Its later calls, closes, mappings and exit are traced.
+    pub fn adopt(&mut self, pid: u32) -> Result<(), TracerError> {
+        self.reseed_pid(pid)
+    }
+
     /// Replaces the mirror's and the kernel map's view of `pid` with what /proc shows.
     fn reseed_pid(&mut self, pid: u32) -> Result<(), TracerError> {
         let found = seed::scan_process(pid as i32, self.probes.prefixes());

@@ -11,7 +11,11 @@
 //! program; `forge FD` (fakes a successful RM_FREE of its client in params the driver refuses, unmaps an
 //! anonymous mapping, closes a non-NVIDIA fd) -> `ok`; `stamp` -> `ok T`; `exit CODE`; `openat2 NAME` ->
 //! `ok FD`; `flash-threads N` (N threads that exit at once, one after the other) -> `ok`; `flood FD N` (N
-//! ioctls), `flood-dup FD N` (N dups of FD, each closed) -> `ok`; `exec-map PATH` (re-executes; the new program maps PATH before anything else) ->
+//! ioctls), `flood-dup FD N` (N dups of FD, each closed) -> `ok`; `fork-receiver` (a child forked before
+//! any open, driven over a socket pair: `workload::receiver`) -> `ok PID`; `send-fd PID FD` (FD passed to it
+//! with SCM_RIGHTS) -> `ok N`; `child-open PID NAME` -> `ok FD` (of the child); `child-close PID` (the child
+//! closes all it holds) -> `ok T`; `grab-fd PID FD` (pidfd_getfd of the child's FD) -> `ok NEWFD`; `ring-file FD`
+//! (FD registered as a fixed file of a new io_uring) -> `ok RINGFD`; `exec-map PATH` (re-executes; the new program maps PATH before anything else) ->
 //! `ok T ADDR`.
 use std::{
     collections::HashMap,
@@ -27,7 +31,11 @@ use std::{
 use anyhow::{Context, anyhow, bail};
 use baton_mock_nvidia::{
     wire::put_u32,
-    workload::{calls, nvfile::NvFile},
+    workload::{
+        calls,
+        nvfile::NvFile,
+        receiver::{self, Receiver, now_ns},
+    },
 };
 use baton_nvidia::{class, escape, ioc, layout::Layout, params::nvos00};
 use nix::{
@@ -54,6 +62,8 @@ struct Holder {
     dev_dir: PathBuf,
     /// Children from `fork`: pid -> write end of the pipe they wait on.
     children: HashMap<i32, OwnedFd>,
+    /// Children from `fork-receiver`, by pid.
+    receivers: HashMap<i32, Receiver>,
     spinning: Arc<AtomicBool>,
 }
 
@@ -72,6 +82,7 @@ fn main() -> anyhow::Result<()> {
     let mut holder = Holder {
         dev_dir: args.dev_dir,
         children: HashMap::new(),
+        receivers: HashMap::new(),
         spinning: Arc::new(AtomicBool::new(false)),
     };
     let stdin = std::io::stdin();
@@ -173,6 +184,17 @@ impl Holder {
                 now_ns().to_string()
             }
             "fork" => self.fork()?.to_string(),
+            "fork-receiver" => {
+                let r = Receiver::fork(&self.dev_dir)?;
+                let pid = r.pid;
+                self.receivers.insert(pid, r);
+                pid.to_string()
+            }
+            "send-fd" => self.receiver(num(1)?)?.send_fd(num(2)? as RawFd)?,
+            "child-open" => self.receiver(num(1)?)?.ask(&format!("open {}", arg(2)?))?,
+            "child-close" => self.receiver(num(1)?)?.ask("close")?,
+            "grab-fd" => receiver::grab_fd(num(1)? as i32, num(2)? as RawFd)?.to_string(),
+            "ring-file" => receiver::ring_with_file(num(1)? as RawFd)?.to_string(),
             "child-exit" => {
                 let pid = num(1)? as i32;
                 self.children
@@ -298,6 +320,12 @@ impl Holder {
         Ok(String::new())
     }
 
+    fn receiver(&self, pid: i64) -> anyhow::Result<&Receiver> {
+        self.receivers
+            .get(&(pid as i32))
+            .ok_or_else(|| anyhow!("no receiver child {pid}"))
+    }
+
     fn fork(&mut self) -> anyhow::Result<i32> {
         let (read, write) = nix::unistd::pipe()?;
         // SAFETY: the child only reads its pipe and exits; it touches no lock another thread may hold.
@@ -373,12 +401,6 @@ fn unmap(addr: usize) -> anyhow::Result<()> {
     // SAFETY: the script unmaps what it mapped; no Rust object lives in those pages.
     unsafe { mman::munmap(ptr, MAP_LEN) }.context("munmap")?;
     Ok(())
-}
-
-fn now_ns() -> u64 {
-    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
-        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
-        .unwrap_or(0)
 }
 
 fn say(line: &str) {

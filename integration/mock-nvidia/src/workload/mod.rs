@@ -13,6 +13,7 @@ pub mod gate;
 pub mod launch;
 pub mod nvfile;
 pub mod process;
+pub mod receiver;
 pub mod restore;
 pub mod session;
 pub mod summary;

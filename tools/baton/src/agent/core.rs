@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use baton_agent_api::{
     ContainerRef, ContainerStatus, Event, EventBody, Filter, GateRequest, NodeStatus, Pong,
-    PreemptState, Registration, Reply, Target, TraceRequest,
+    PreemptState, PreemptionUpdate, Registration, Reply, Target, TraceRequest,
 };
 use baton_tracer::cgroups::process_gone;
 use baton_tracer::{
@@ -19,6 +19,7 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use super::{
     control,
     gate::{self, Waiter},
+    holders::{Classifier, Exempt, Holding, node_gpu_holders},
     metrics::{
         events::events,
         snapshot::{ContainerSample, IoctlCounts, Snapshot, TracerTotals},
@@ -70,6 +71,8 @@ pub enum What {
     Note(Note),
     /// What the metrics endpoint shows (`agent/metrics`).
     Metrics(oneshot::Sender<Snapshot>),
+    /// Whether the connection's peer may ask anything: a process inside a watched container may not.
+    CheckPeer(oneshot::Sender<Result<(), String>>),
     /// A preemption changed a container's state.
     SetPreemption {
         /// Which container.
@@ -165,12 +168,28 @@ pub struct Core {
     ioctls: HashMap<u64, IoctlCounts>,
     /// The counters of the probe sets loaded before the current one.
     retired: TracerTotals,
+    /// Tells NVIDIA files apart in /proc (the hidden-holder checks).
+    classifier: Classifier,
+    /// The node's own processes, which never count as holders.
+    exempt: Exempt,
+    /// When to look at /proc again for holders the probes cannot see (a release or a gate waits for one).
+    recheck_due: Option<tokio::time::Instant>,
+    /// The delay before the next such look (grows while nothing changes).
+    recheck_every: std::time::Duration,
 }
+
+/// The first delay before /proc is read again for a hidden holder, and the longest.
+const RECHECK_FIRST: std::time::Duration = std::time::Duration::from_millis(5);
+const RECHECK_MAX: std::time::Duration = std::time::Duration::from_millis(200);
 
 impl Core {
     /// A core with nothing watched, publishing on `events`; the co-runner controller learns the watched
     /// containers' roles from it.
-    pub fn new(events: broadcast::Sender<Published>, controller: control::Handle) -> Self {
+    pub fn new(
+        events: broadcast::Sender<Published>,
+        controller: control::Handle,
+        exempt: Exempt,
+    ) -> Self {
         Self {
             tracer: None,
             watched: BTreeMap::new(),
@@ -184,6 +203,10 @@ impl Core {
             launches_due: None,
             ioctls: HashMap::new(),
             retired: TracerTotals::default(),
+            classifier: Classifier::new(),
+            exempt,
+            recheck_due: None,
+            recheck_every: RECHECK_FIRST,
         }
     }
 
@@ -303,6 +326,10 @@ impl Core {
                                 let _ = answer.send(self.metrics_snapshot());
                                 Reply::Unregistered { found: true }
                             }
+                            What::CheckPeer(answer) => {
+                                let _ = answer.send(self.check_peer(c.peer_pid));
+                                Reply::Unregistered { found: true }
+                            }
                             What::SetPreemption { container, state } => {
                                 let found = self.set_preemption(&container, state);
                                 Reply::Unregistered { found }
@@ -327,6 +354,7 @@ impl Core {
                     self.expire_gates();
                 }
                 () = sleep_until_opt(launches_due) => self.trace_launches(),
+                () = sleep_until_opt(self.recheck_due) => self.recheck(),
                 _ = rescan_tick(self.traces.values().any(TraceSession::has_names)) => {
                     if let Some(t) = self.tracer.as_mut() {
                         for s in self.traces.values_mut() {
@@ -353,6 +381,7 @@ impl Core {
             R::Unregister(c) => Reply::Unregistered {
                 found: self.unregister(&c),
             },
+            R::Preemption(update) => self.preemption_pushed(update, peer),
             R::Status(filter) => {
                 self.prune_orphans();
                 Reply::Status(self.status(&filter, peer))
@@ -377,10 +406,36 @@ impl Core {
         }
     }
 
+    /// Refuses peer `pid` when it sits in a watched container's cgroup (or below it): the agent commands
+    /// freezes, preemptions and gates of every container on the node, and a tenant's process is not to.
+    fn check_peer(&self, pid: u32) -> Result<(), String> {
+        if pid == 0 || self.watched.is_empty() {
+            return Ok(());
+        }
+        let Some(path) = baton_tracer::cgroups::v2_path_of_pid(pid) else {
+            return Ok(());
+        };
+        let path = path.trim_end_matches('/');
+        let inside = self.watched.values().find(|w| {
+            let cg = w.registration.cgroup.trim_end_matches('/');
+            !cg.is_empty()
+                && (path == cg || path.strip_prefix(cg).is_some_and(|r| r.starts_with('/')))
+        });
+        match inside {
+            Some(w) => Err(format!(
+                "the baton agent does not serve processes inside a watched container: pid {pid} is in \
+                 cgroup {path}, container {} (namespace {})",
+                w.registration.container.id, w.registration.container.namespace
+            )),
+            None => Ok(()),
+        }
+    }
+
     fn register_reply(&mut self, reg: Registration, owner: u32) -> Reply {
         match self.register(reg, owner) {
             Ok(container) => Reply::Registered { container },
             Err(error) => {
+                self.free_unused_prefixes();
                 self.drop_tracer_if_unused();
                 Reply::Error { error }
             }
@@ -391,7 +446,14 @@ impl Core {
         check_cgroup_is_its_own(&reg, owner)?;
         let key = reg.container.clone();
         if let Some(w) = self.watched.get_mut(&key) {
-            // A shim re-registering (after a reconnect) or giving a restored container's new pid.
+            // A shim re-registering (after a reconnect) or giving a restored container's new pid: only the
+            // process that registered it, for the same cgroup (its init checked to be in it above).
+            let tracer = self.tracer.as_mut().ok_or("the probes are not loaded")?;
+            let cgroup_id = tracer
+                .cgroups_mut()
+                .id_of_path(std::path::Path::new(&reg.cgroup))
+                .map_err(|e| format!("cannot watch container {}: {e}", key.id))?;
+            check_same_registrant(&key, w, cgroup_id, owner)?;
             w.registration.init_pid = reg.init_pid;
             w.registration.control_socket = reg.control_socket;
             w.registration.role = reg.role;
@@ -513,6 +575,7 @@ impl Core {
             );
         }
         self.publish(c, w.owner, body);
+        self.free_unused_prefixes();
         self.drop_tracer_if_unused();
         self.check_gates();
         true
@@ -569,6 +632,23 @@ impl Core {
         })
     }
 
+    /// The shim that registered a container pushes its preemption state (it owns it): kept as it says.
+    fn preemption_pushed(&mut self, update: PreemptionUpdate, peer: u32) -> Reply {
+        let Some(w) = self.watched.get_mut(&update.container) else {
+            return Reply::Unregistered { found: false };
+        };
+        if w.owner != peer {
+            return Reply::Error {
+                error: format!(
+                    "only the shim that registered container {} (pid {}) sets its preemption state",
+                    update.container.id, w.owner
+                ),
+            };
+        }
+        w.preemption = update.state;
+        Reply::Unregistered { found: true }
+    }
+
     fn set_preemption(&mut self, c: &ContainerRef, state: Option<PreemptState>) -> bool {
         match self.watched.get_mut(c) {
             Some(w) => {
@@ -591,8 +671,11 @@ impl Core {
         };
         let devices = gate::devices_seen(w.registration.init_pid, &w.registration.devices);
         let timeout = std::time::Duration::from_millis(request.timeout_ms);
+        let cgroup = w.registration.cgroup.clone();
         self.waiters.push(Waiter {
             container: request.container,
+            cgroup,
+            hidden_logged: false,
             devices,
             asked_ns: now_monotonic_ns(),
             deadline: tokio::time::Instant::now() + timeout,
@@ -618,11 +701,39 @@ impl Core {
                 if devices.is_empty() {
                     !held.is_empty()
                 } else {
-                    held.iter().any(|d| devices.contains(d))
+                    held.iter()
+                        .any(|d| devices.iter().any(|w| w.same_device(d)))
                 }
             })
             .map(|(_, w)| w)
             .collect()
+    }
+
+    /// Who keeps waiter `w` from starting: the other watched containers the probes see holding one of its
+    /// devices and, once those are gone, every process /proc shows holding one (in any container, watched
+    /// or not: a file passed over a socket, a mapping kept after its fd was closed, a container Baton does
+    /// not watch). Both empty when its GPU is free.
+    fn gate_holders(&self, w: &Waiter) -> (Vec<String>, Vec<Holding>) {
+        let watched: Vec<String> = self
+            .holders(&w.container, &w.devices)
+            .iter()
+            .map(|h| {
+                format!(
+                    "container {} (namespace {})",
+                    h.registration.container.id, h.registration.container.namespace
+                )
+            })
+            .collect();
+        if !watched.is_empty() {
+            return (watched, Vec::new());
+        }
+        // A container whose GPU devices could not be resolved (its root not set up yet, under a hook) waits
+        // for the watched holders only: "any GPU on the node" would make it wait for every other GPU.
+        if w.devices.is_empty() {
+            return (watched, Vec::new());
+        }
+        let hidden = node_gpu_holders(&self.classifier, &self.exempt, &w.devices, Some(&w.cgroup));
+        (watched, hidden)
     }
 
     /// Answers every waiter whose devices nobody else holds now.
@@ -631,8 +742,10 @@ impl Core {
             return;
         }
         let waiters = std::mem::take(&mut self.waiters);
-        for w in waiters {
-            if self.holders(&w.container, &w.devices).is_empty() {
+        let mut hidden_wait = false;
+        for mut w in waiters {
+            let (watched, hidden) = self.gate_holders(&w);
+            if watched.is_empty() && hidden.is_empty() {
                 let now = now_monotonic_ns();
                 tracing::info!(
                     id = w.container.id,
@@ -642,9 +755,59 @@ impl Core {
                     waited_ns: now.saturating_sub(w.asked_ns),
                     t_free_ns: now,
                 });
-            } else {
-                self.waiters.push(w);
+                continue;
             }
+            if !hidden.is_empty() {
+                hidden_wait = true;
+                if !w.hidden_logged {
+                    w.hidden_logged = true;
+                    tracing::warn!(
+                        id = w.container.id,
+                        "agent: the gate stays shut: {}",
+                        describe_hidden(&hidden)
+                    );
+                }
+            }
+            self.waiters.push(w);
+        }
+        if hidden_wait {
+            self.schedule_recheck();
+        }
+    }
+
+    /// Looks at /proc again in a while: a release or a gate waits for a holder the probes cannot see.
+    fn schedule_recheck(&mut self) {
+        if self.recheck_due.is_none() {
+            self.recheck_due = Some(tokio::time::Instant::now() + self.recheck_every);
+            self.recheck_every = (self.recheck_every * 2).min(RECHECK_MAX);
+        }
+    }
+
+    /// The look at /proc [`Core::schedule_recheck`] asked for: the releases that wait for hidden holders,
+    /// then the gates.
+    fn recheck(&mut self) {
+        self.recheck_due = None;
+        let mut out = Vec::new();
+        if let Some(tracer) = self.tracer.as_mut() {
+            for (c, w) in self
+                .watched
+                .iter_mut()
+                .filter(|(_, w)| w.awaits_hidden_holders())
+            {
+                for body in w.update(tracer, &[], &self.classifier) {
+                    out.push((c.clone(), w.owner, body));
+                }
+            }
+        }
+        for (c, owner, body) in out {
+            self.publish(&c, owner, body);
+        }
+        self.check_gates();
+        if self.watched.values().any(Watched::awaits_hidden_holders) {
+            self.schedule_recheck();
+        }
+        if self.recheck_due.is_none() {
+            self.recheck_every = RECHECK_FIRST;
         }
     }
 
@@ -657,25 +820,21 @@ impl Core {
                 self.waiters.push(w);
                 continue;
             }
-            let holders: Vec<String> = self
-                .holders(&w.container, &w.devices)
-                .iter()
-                .map(|h| {
-                    format!(
-                        "{} (namespace {})",
-                        h.registration.container.id, h.registration.container.namespace
-                    )
-                })
-                .collect();
+            let (watched, hidden) = self.gate_holders(&w);
             let waited =
                 std::time::Duration::from_nanos(now_monotonic_ns().saturating_sub(w.asked_ns));
-            let error = if holders.is_empty() {
-                format!("the GPU was not free within {waited:?}")
-            } else {
+            let error = if !watched.is_empty() {
                 format!(
-                    "the GPU is still held by container {} after {waited:?}",
-                    holders.join(", ")
+                    "the GPU is still held by {} after {waited:?}",
+                    watched.join(", ")
                 )
+            } else if !hidden.is_empty() {
+                format!(
+                    "the GPU is still held after {waited:?}: {}",
+                    describe_hidden(&hidden)
+                )
+            } else {
+                format!("the GPU was not free within {waited:?}")
             };
             let _ = w.reply.send(Reply::Error { error });
         }
@@ -708,6 +867,42 @@ impl Core {
         orphans.len()
     }
 
+    /// Frees the probe set's device-directory slots (at most 4) that no watched container and no trace
+    /// follows any more, so that containers come and go without using them up for the node.
+    fn free_unused_prefixes(&mut self) {
+        let in_use: std::collections::BTreeSet<String> = self
+            .watched
+            .values()
+            .map(|w| baton_agent_api::device_dir(&w.registration.settings.trace_prefix).to_owned())
+            .chain(
+                self.traces
+                    .values()
+                    .flat_map(|s| s.prefixes.iter().cloned()),
+            )
+            .collect();
+        let Some(t) = self.tracer.as_mut() else {
+            return;
+        };
+        let unused: Vec<String> = t
+            .prefixes()
+            .iter()
+            .filter(|p| !in_use.contains(*p))
+            .cloned()
+            .collect();
+        // The probes keep one directory while they are loaded (they go with the last user anyway).
+        if unused.len() == t.prefixes().len() {
+            return;
+        }
+        for dir in unused {
+            match t.remove_prefix(&dir) {
+                Ok(()) => tracing::info!("agent: no longer following device directory {dir}"),
+                Err(e) => {
+                    tracing::warn!("agent: cannot stop following device directory {dir}: {e}")
+                }
+            }
+        }
+    }
+
     /// Drops (detaches) the probes when no container is watched and no trace runs.
     fn drop_tracer_if_unused(&mut self) {
         if self.watched.is_empty() && self.traces.is_empty() && self.retire_tracer() {
@@ -721,7 +916,7 @@ impl Core {
         request: &TraceRequest,
         lines: mpsc::Sender<String>,
     ) -> Reply {
-        let default_dir = ["/dev/".to_owned()];
+        let default_dir = [super::trace_session::DEFAULT_DEVICE_DIR.to_owned()];
         let first_dir = request.prefixes.first().unwrap_or(&default_dir[0]);
         let started = self.load_tracer_for(first_dir).and_then(|()| {
             let tracer = self.tracer.as_mut().ok_or("the probes are not loaded")?;
@@ -736,6 +931,7 @@ impl Core {
                 }
             }
             Err(error) => {
+                self.free_unused_prefixes();
                 self.drop_tracer_if_unused();
                 Reply::Error { error }
             }
@@ -761,6 +957,7 @@ impl Core {
             }
         }
         tracing::info!(session, "agent: trace ended");
+        self.free_unused_prefixes();
         self.drop_tracer_if_unused();
         Reply::Unregistered { found: true }
     }
@@ -798,15 +995,38 @@ impl Core {
                     }
                 }
             }
-            Err(e) => {
+            Err(e) => self.probes_failed(&e.to_string()),
+        }
+    }
+
+    /// Reading the probes failed: the gate fails closed (every waiting Start gets an error, never "free"),
+    /// the probes are loaded again and every container is watched again as its shim registered it (its
+    /// fds and mappings re-read from /proc); one that cannot be is dropped with an error in the log.
+    fn probes_failed(&mut self, error: &str) {
+        tracing::error!("agent: reading the probes failed ({error}); loading them again");
+        let refusal = format!(
+            "the agent's probes failed ({error}): whether the GPU is free cannot be told, so the gate stays \
+             shut; start the container again"
+        );
+        for w in std::mem::take(&mut self.waiters) {
+            let _ = w.reply.send(Reply::Error {
+                error: refusal.clone(),
+            });
+        }
+        self.retire_tracer();
+        self.traces.clear();
+        self.by_cgroup.clear();
+        self.ioctls.clear();
+        let watched = std::mem::take(&mut self.watched);
+        for (c, w) in watched {
+            let mut reg = w.registration;
+            reg.preemption = w.preemption;
+            if let Err(e) = self.register(reg, w.owner) {
                 tracing::error!(
-                    "agent: reading the probes failed ({e}); detaching them until the next registration"
+                    id = c.id,
+                    namespace = c.namespace,
+                    "agent: container no longer watched after the probes failed: {e}"
                 );
-                self.retire_tracer();
-                self.watched.clear();
-                self.by_cgroup.clear();
-                self.ioctls.clear();
-                self.traces.clear();
             }
         }
     }
@@ -815,7 +1035,7 @@ impl Core {
     /// looked at (one pass over the records, not one per watched container), all of them after a resync.
     fn apply(&mut self, records: &[Record]) {
         IoctlCounts::count(&mut self.ioctls, records);
-        let Some(tracer) = self.tracer.as_ref() else {
+        let Some(tracer) = self.tracer.as_mut() else {
             return;
         };
         let resynced = records
@@ -835,12 +1055,15 @@ impl Core {
             let Some(w) = self.watched.get_mut(c) else {
                 continue;
             };
-            for body in w.update(tracer, records) {
+            for body in w.update(tracer, records, &self.classifier) {
                 out.push((c.clone(), w.owner, body));
             }
         }
         for (c, owner, body) in out {
             self.publish(&c, owner, body);
+        }
+        if self.watched.values().any(Watched::awaits_hidden_holders) {
+            self.schedule_recheck();
         }
     }
 
@@ -873,6 +1096,27 @@ impl Core {
     }
 }
 
+/// The processes of `hidden` and what they hold, for a log line or an error: each with its cgroup, since
+/// the probes may not know its container.
+fn describe_hidden(hidden: &[Holding]) -> String {
+    let mut pids: Vec<u32> = hidden.iter().map(|h| h.pid).collect();
+    pids.dedup();
+    let each: Vec<String> = hidden
+        .iter()
+        .take(8)
+        .map(|h| {
+            let cgroup = baton_tracer::cgroups::v2_path_of_pid(h.pid)
+                .unwrap_or_else(|| "an unknown cgroup".to_owned());
+            format!("{h} in cgroup {cgroup}")
+        })
+        .collect();
+    format!(
+        "{} process(es) hold its device files as /proc shows: {}",
+        pids.len(),
+        each.join("; ")
+    )
+}
+
 /// Every 500 ms while `active` (a trace names containers, which may start later), else never.
 async fn rescan_tick(active: bool) {
     if active {
@@ -890,6 +1134,34 @@ async fn next_batch(tracer: Option<&mut Tracer>) -> Result<Vec<Record>, baton_tr
     }
 }
 
+/// Refuses a re-registration of `key`, watched as `w`, for another cgroup (`cgroup_id`), or from another
+/// process (`owner`) while the one that registered it lives: either would let a peer take over where the
+/// container's freezes and preemptions go. An agent restarted since has no entry, so its shims register
+/// afresh; a shim giving a restored container's new init at Start is the same owner, same cgroup; an OCI
+/// hook registers and exits, so the next hook of the same container (same cgroup) takes its place.
+fn check_same_registrant(
+    key: &ContainerRef,
+    w: &Watched,
+    cgroup_id: u64,
+    owner: u32,
+) -> Result<(), String> {
+    if w.cgroup_id != cgroup_id {
+        return Err(format!(
+            "refusing to register container {} (namespace {}) again for another cgroup: it is watched in \
+             cgroup {} (id {}), not id {cgroup_id}; delete the container first",
+            key.id, key.namespace, w.registration.cgroup, w.cgroup_id
+        ));
+    }
+    if w.owner != owner && !process_gone(w.owner) {
+        return Err(format!(
+            "refusing to register container {} (namespace {}) again from pid {owner}: pid {} registered \
+             it, and only that process may change where its freezes and preemptions go",
+            key.id, key.namespace, w.owner
+        ));
+    }
+    Ok(())
+}
+
 /// Refuses a cgroup that is not the container's own: the root, or the registering process's (on a host
 /// where runc put the container in v1 cgroups only, its v2 path is its shim's), or one its init is not in.
 fn check_cgroup_is_its_own(reg: &Registration, owner: u32) -> Result<(), String> {
@@ -903,27 +1175,33 @@ fn check_cgroup_is_its_own(reg: &Registration, owner: u32) -> Result<(), String>
 }
 
 /// [`check_cgroup_is_its_own`] on paths already read: the registering process's and the init's cgroup.
+/// Every path is compared in its one spelling (`/.`, `//` and `/a/./b` are `/`, `/` and `/a/b`); a path
+/// with `..` is refused.
 fn check_cgroup_paths(
     reg: &Registration,
     owner_cgroup: Option<&str>,
     init_cgroup: Option<&str>,
 ) -> Result<(), String> {
     let id = &reg.container.id;
-    let path = reg.cgroup.trim_end_matches('/');
-    if path.is_empty() {
+    let canonical = baton_tracer::cgroups::canonical_path;
+    let path =
+        canonical(&reg.cgroup).map_err(|e| format!("refusing to watch container {id}: {e}"))?;
+    if baton_tracer::cgroups::is_root(&path) {
         return Err(format!(
             "refusing to watch container {id}: its cgroup v2 path is the root, which every process on \
              the node shares (is runc putting containers into cgroup v2 here?)"
         ));
     }
-    if owner_cgroup.is_some_and(|p| p.trim_end_matches('/') == path) {
+    // Paths the kernel wrote (/proc/PID/cgroup) have no `..`; one that does not parse matches nothing.
+    let same = |other: &str| canonical(other).is_ok_and(|o| o == path);
+    if owner_cgroup.is_some_and(same) {
         return Err(format!(
             "refusing to watch container {id}: its cgroup v2 path {path} is its shim's, so its calls \
              could not be told from the shim's (runc did not give it a cgroup v2 of its own)"
         ));
     }
     if let Some(actual) = init_cgroup
-        && actual.trim_end_matches('/') != path
+        && !same(actual)
     {
         return Err(format!(
             "refusing to watch container {id}: its init (pid {}) is in cgroup {actual}, not {path}",
@@ -964,5 +1242,22 @@ mod tests {
             .unwrap_err();
         assert!(e.contains("not /elsewhere"), "{e}");
         check_cgroup_paths(&reg("/pods/c1", 7), Some("/pods/shim"), Some("/pods/c1")).unwrap();
+    }
+
+    #[test]
+    fn cgroup_paths_are_compared_in_one_spelling() {
+        for root in ["/.", "//", "/./", "/a/../"] {
+            let e = check_cgroup_paths(&reg(root, 0), None, None).unwrap_err();
+            assert!(e.contains("root") || e.contains("`..`"), "{root}: {e}");
+        }
+        let e = check_cgroup_paths(&reg("/a/../", 0), None, None).unwrap_err();
+        assert!(e.contains("`..`"), "{e}");
+        let e = check_cgroup_paths(&reg("/pods/./c1/../shim", 7), None, Some("/pods/shim"))
+            .unwrap_err();
+        assert!(e.contains("`..`"), "{e}");
+        let e = check_cgroup_paths(&reg("/pods//shim", 0), Some("/pods/shim"), None).unwrap_err();
+        assert!(e.contains("shim's"), "{e}");
+        check_cgroup_paths(&reg("/pods/./c1", 7), Some("/pods/shim"), Some("/pods/c1")).unwrap();
+        check_cgroup_paths(&reg("//pods/c1/", 7), Some("/pods/shim"), Some("/pods/c1")).unwrap();
     }
 }

@@ -1,10 +1,18 @@
 //! How `baton agent` becomes the node's one agent: the lock that allows one instance per socket, and
-//! detaching (`--daemon`) from whoever started it (a shim, inside a pod's cgroups and session).
+//! detaching (`--daemon`) from whoever started it (a shim, inside a pod's cgroups and session), with its
+//! stdout and stderr to a log file that is bounded and rotated: the default one is on tmpfs (RAM), next to
+//! the socket. Before a line that would take the file past its cap, it becomes `<log>.1` (the older one is
+//! dropped) and a new file takes its place on stdout and stderr; the log's lines all go through
+//! [`LogWriter`], which does that check.
 use std::{
     fs::{File, OpenOptions},
     io::Write,
-    os::unix::fs::OpenOptionsExt,
+    os::{
+        fd::{AsRawFd, BorrowedFd, RawFd},
+        unix::fs::OpenOptionsExt,
+    },
     path::{Path, PathBuf},
+    sync::Mutex,
 };
 
 use anyhow::Context;
@@ -59,8 +67,8 @@ pub fn take_lock(socket: &Path) -> anyhow::Result<LockOutcome> {
 }
 
 /// Detaches this process: a session of its own, the root cgroups (so that killing the pod that started it
-/// does not kill it), and stdout/stderr to `log` (appended).
-pub fn detach(log: &Path) -> anyhow::Result<()> {
+/// does not kill it), and stdout/stderr to `log` (appended), kept under `max_bytes` with one older file.
+pub fn detach(log: &Path, max_bytes: u64) -> anyhow::Result<()> {
     // setsid fails only for a process group leader, which a freshly spawned child is not.
     let _ = nix::unistd::setsid();
     match baton_tracer::cgroups::move_to_root_cgroups(std::process::id()) {
@@ -74,13 +82,131 @@ pub fn detach(log: &Path) -> anyhow::Result<()> {
     if let Some(dir) = log.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
-    let file = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o600)
-        .open(log)
-        .with_context(|| format!("cannot open the agent's log file {}", log.display()))?;
-    nix::unistd::dup2_stdout(&file).context("redirecting stdout to the log file")?;
-    nix::unistd::dup2_stderr(&file).context("redirecting stderr to the log file")?;
+    let rotation = Rotation {
+        path: log.to_owned(),
+        max_bytes,
+        fds: vec![libc::STDOUT_FILENO, libc::STDERR_FILENO],
+    };
+    rotation.reopen(false)?;
+    *ROTATION.lock().unwrap_or_else(|p| p.into_inner()) = Some(rotation);
     Ok(())
+}
+
+/// The log under rotation, once the agent detached.
+static ROTATION: Mutex<Option<Rotation>> = Mutex::new(None);
+
+/// A log file on fixed fds (stdout, stderr) that is moved to `<path>.1` before it would exceed its cap.
+#[derive(Debug)]
+struct Rotation {
+    path: PathBuf,
+    max_bytes: u64,
+    /// The fds that write to the log.
+    fds: Vec<RawFd>,
+}
+
+impl Rotation {
+    /// Opens the log (appended, or emptied) and puts it on every fd of the rotation.
+    fn reopen(&self, truncate: bool) -> anyhow::Result<()> {
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&self.path)
+            .with_context(|| format!("cannot open the agent's log file {}", self.path.display()))?;
+        if truncate {
+            file.set_len(0)
+                .with_context(|| format!("cannot empty {}", self.path.display()))?;
+        }
+        for fd in &self.fds {
+            // SAFETY: both fds are open (the rotation's are stdout and stderr, or a test's own); dup2 only
+            // makes `fd` point to the log file, atomically, and closes nothing else.
+            if unsafe { libc::dup2(file.as_raw_fd(), *fd) } < 0 {
+                return Err(std::io::Error::last_os_error())
+                    .with_context(|| format!("redirecting fd {fd} to {}", self.path.display()));
+            }
+        }
+        Ok(())
+    }
+
+    /// The size of the log as its first fd sees it.
+    fn size(&self) -> u64 {
+        let Some(fd) = self.fds.first() else { return 0 };
+        // SAFETY: as in `reopen`, the fd stays open while the rotation exists.
+        let fd = unsafe { BorrowedFd::borrow_raw(*fd) };
+        nix::sys::stat::fstat(fd).map_or(0, |st| u64::try_from(st.st_size).unwrap_or(0))
+    }
+
+    /// Rotates first when `len` more bytes would take the log past its cap.
+    fn make_room(&self, len: usize) {
+        let size = self.size();
+        if size == 0 || size.saturating_add(len as u64) <= self.max_bytes {
+            return;
+        }
+        let mut old = self.path.as_os_str().to_owned();
+        old.push(".1");
+        // A failed rename (the file removed by hand) starts a new file all the same.
+        let _ = std::fs::rename(&self.path, PathBuf::from(old));
+        let _ = self.reopen(true);
+    }
+}
+
+/// The writer of the agent's log lines (stderr): keeps a detached agent's log file under its cap.
+pub struct LogWriter;
+
+impl Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let rotation = ROTATION.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = rotation.as_ref() {
+            r.make_room(buf.len());
+        }
+        std::io::stderr().write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
+/// The agent's log writer, for `tracing_subscriber::fmt().with_writer`.
+pub fn log_writer() -> LogWriter {
+    LogWriter
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_log_is_rotated_before_it_would_pass_its_cap_and_keeps_one_old_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.log");
+        // A fd of this test that stands for stdout/stderr.
+        let spare = File::open("/dev/null").unwrap();
+        let fd = spare.as_raw_fd();
+        let rotation = Rotation {
+            path: path.clone(),
+            max_bytes: 1000,
+            fds: vec![fd],
+        };
+        rotation.reopen(false).unwrap();
+        let line = format!("{}\n", "x".repeat(99));
+        for _ in 0..35 {
+            rotation.make_room(line.len());
+            // SAFETY: `spare` owns fd and outlives this borrow.
+            let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+            nix::unistd::write(borrowed, line.as_bytes()).unwrap();
+        }
+        let len = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+        let old = dir.path().join("agent.log.1");
+        assert!(len(&path) <= 1000, "{} bytes", len(&path));
+        assert_eq!(
+            len(&path),
+            500,
+            "3500 bytes: 1000, 1000, 1000, then 500 in the current file"
+        );
+        assert_eq!(len(&old), 1000);
+        assert!(!dir.path().join("agent.log.2").exists());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+        drop(spare);
+    }
 }

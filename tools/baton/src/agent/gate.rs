@@ -1,9 +1,13 @@
 //! The GPU-free gate (`wait_gpu_free`): a container's Start waits until no other watched container holds a
 //! file of the NVIDIA GPU device(s) it sees. Devices are told apart by device number where the files are
 //! character devices (the real driver), and by name where they are not (the FUSE mock).
-use std::{collections::BTreeSet, os::unix::fs::FileTypeExt, path::Path};
+use std::{
+    collections::BTreeSet,
+    os::unix::fs::{FileTypeExt, MetadataExt},
+    path::Path,
+};
 
-use baton_nvidia::fdkind::{FdKind, classify_name};
+use baton_nvidia::fdkind::{FdKind, classify_chrdev, classify_name};
 use baton_tracer::Tracer;
 use tokio::{sync::oneshot, time::Instant};
 
@@ -14,8 +18,25 @@ use baton_agent_api::{ContainerRef, Reply};
 pub enum DeviceKey {
     /// A character device: its major and minor.
     Number(u64, u64),
-    /// Not a character device: its file name (`nvidia0`).
-    Name(String),
+    /// Not a character device (the FUSE mock): the file itself, by its file system and inode, whatever
+    /// folder it is mounted at; its name for messages.
+    File {
+        /// The file system's device number.
+        dev: u64,
+        /// The inode.
+        ino: u64,
+        /// Its file name (`nvidia0`).
+        name: String,
+    },
+}
+
+impl std::fmt::Display for DeviceKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Number(major, minor) => write!(f, "device {major}:{minor}"),
+            Self::File { name, .. } => write!(f, "{name}"),
+        }
+    }
 }
 
 impl DeviceKey {
@@ -24,20 +45,41 @@ impl DeviceKey {
     /// GPU).
     pub fn of(path: &Path, name: &str) -> Option<Self> {
         let base = name.rsplit('/').next().unwrap_or(name);
+        let meta = std::fs::metadata(path).ok();
+        if let Some(m) = meta.as_ref().filter(|m| m.file_type().is_char_device()) {
+            let dev = m.rdev();
+            let (major, minor) = (nix::sys::stat::major(dev), nix::sys::stat::minor(dev));
+            let (kind, _) = classify_chrdev(major as u32, minor as u32, 0)
+                .or_else(|| classify_name(base.as_bytes()))?;
+            return (kind == FdKind::Device).then_some(Self::Number(major, minor));
+        }
         let (kind, _) = classify_name(base.as_bytes())?;
         if kind != FdKind::Device {
             return None;
         }
-        match std::fs::metadata(path) {
-            Ok(m) if m.file_type().is_char_device() => {
-                use std::os::unix::fs::MetadataExt;
-                let dev = m.rdev();
-                Some(Self::Number(
-                    nix::sys::stat::major(dev),
-                    nix::sys::stat::minor(dev),
-                ))
-            }
-            _ => Some(Self::Name(base.to_owned())),
+        let m = meta?;
+        Some(Self::File {
+            dev: m.dev(),
+            ino: m.ino(),
+            name: base.to_owned(),
+        })
+    }
+
+    /// Whether two keys name the same device.
+    pub fn same_device(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Number(a, b), Self::Number(c, d)) => a == c && b == d,
+            (
+                Self::File { dev, ino, .. },
+                Self::File {
+                    dev: dev2,
+                    ino: ino2,
+                    ..
+                },
+            ) if (*dev, *ino) != (0, 0) && (*dev2, *ino2) != (0, 0) => dev == dev2 && ino == ino2,
+            // Known by name only (a file registered in io_uring): any device of that name.
+            (Self::File { name, .. }, Self::File { name: name2, .. }) => name == name2,
+            _ => false,
         }
     }
 }
@@ -77,6 +119,10 @@ pub fn devices_held(tracer: &Tracer, cgroup_id: u64) -> BTreeSet<DeviceKey> {
 pub struct Waiter {
     /// The container about to start.
     pub container: ContainerRef,
+    /// Its cgroup v2 path (its own processes never keep it waiting).
+    pub cgroup: String,
+    /// Whether the holders only /proc shows were logged already.
+    pub hidden_logged: bool,
     /// The devices it sees.
     pub devices: BTreeSet<DeviceKey>,
     /// When it asked (monotonic ns).
@@ -92,13 +138,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_gpu_device_files_count_and_plain_files_go_by_name() {
+    fn only_gpu_device_files_count_and_plain_files_go_by_file_identity() {
         let dir = tempfile::tempdir().unwrap();
         for name in ["nvidia0", "nvidiactl", "nvidia-uvm"] {
             std::fs::write(dir.path().join(name), b"").unwrap();
         }
         let key = |n: &str| DeviceKey::of(&dir.path().join(n), n);
-        assert_eq!(key("nvidia0"), Some(DeviceKey::Name("nvidia0".into())));
+        let meta = std::fs::metadata(dir.path().join("nvidia0")).unwrap();
+        assert_eq!(
+            key("nvidia0"),
+            Some(DeviceKey::File {
+                dev: meta.dev(),
+                ino: meta.ino(),
+                name: "nvidia0".into()
+            })
+        );
         assert_eq!(key("nvidiactl"), None);
         assert_eq!(key("nvidia-uvm"), None);
         // A character device goes by its number, whatever its name.

@@ -8,12 +8,15 @@ mod control;
 mod core;
 mod daemon;
 mod gate;
+mod holders;
 mod metrics;
 mod nvml;
 mod preempt;
 mod server;
 mod trace_session;
 mod watched;
+
+pub use daemon::log_writer;
 
 use std::{os::unix::fs::PermissionsExt, path::PathBuf};
 
@@ -36,6 +39,10 @@ pub struct AgentArgs {
     /// The log file under --daemon (default: agent.log next to the socket).
     #[arg(long)]
     log_file: Option<PathBuf>,
+    /// Under --daemon, the log file's size cap in bytes (at least 65536): before a line would pass it, the
+    /// file becomes <log>.1 (replacing the older one) and a new one starts.
+    #[arg(long, default_value_t = 8 << 20, value_parser = clap::value_parser!(u64).range(65536..))]
+    log_max_bytes: u64,
     /// Co-runner controller: never keep a co-runner frozen longer than this at a stretch (ms).
     #[arg(long, default_value_t = 1000)]
     max_frozen_ms: u64,
@@ -49,12 +56,17 @@ pub struct AgentArgs {
     input_silence_ms: u64,
     /// Co-runner controller: a shim thaws a co-runner by itself when the agent has not renewed its freeze
     /// for this long (ms): an agent that hangs leaves nothing frozen for longer.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = baton_agent_api::DEFAULT_FREEZE_LEASE_MS)]
     freeze_lease_ms: u64,
     /// Serve Prometheus metrics at http://ADDR/metrics (IP:PORT; port 0 picks a free one), or `off`. A port
     /// that cannot be bound is logged and the agent runs without metrics.
     #[arg(long, default_value = metrics::DEFAULT_ADDR)]
     metrics_addr: metrics::MetricsAddr,
+    /// A cgroup v2 path whose processes (and those of the cgroups below it) are the node's own GPU daemons
+    /// (DCGM, a device plugin) and never count as holders of a GPU; repeatable. Processes outside any
+    /// container (in the node's mount namespace) never count anyway.
+    #[arg(long = "exempt-cgroup", value_name = "PATH")]
+    exempt_cgroups: Vec<String>,
 }
 
 impl AgentArgs {
@@ -63,9 +75,14 @@ impl AgentArgs {
         if !(0.0..0.9).contains(&self.min_run_share) {
             bail!("--min-run-share must be at least 0 and below 0.9");
         }
-        if self.max_frozen_ms == 0 || self.input_silence_ms == 0 || self.freeze_lease_ms < 30 {
+        let lease_max = baton_agent_api::MAX_FREEZE_LEASE_MS;
+        if self.max_frozen_ms == 0
+            || self.input_silence_ms == 0
+            || !(30..=lease_max).contains(&self.freeze_lease_ms)
+        {
             bail!(
-                "--max-frozen-ms and --input-silence-ms must be > 0, --freeze-lease-ms at least 30"
+                "--max-frozen-ms and --input-silence-ms must be > 0, --freeze-lease-ms from 30 to \
+                 {lease_max} (the longest lease a shim grants)"
             );
         }
         Ok(control::Bounds {
@@ -92,7 +109,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     if args.daemon {
         let log = args.log_file.unwrap_or_else(|| dir.join("agent.log"));
-        daemon::detach(&log)?;
+        daemon::detach(&log, args.log_max_bytes)?;
     }
     let _lock = match daemon::take_lock(&socket)? {
         daemon::LockOutcome::Taken(lock) => lock,
@@ -128,7 +145,11 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let (events, _) = broadcast::channel(4096);
     let (commands, rx) = mpsc::channel(64);
     let controller = control::spawn(bounds, commands.clone());
-    let core = tokio::spawn(self::core::Core::new(events.clone(), controller.clone()).run(rx));
+    let exempt = holders::Exempt {
+        cgroups: args.exempt_cgroups.clone(),
+    };
+    let core =
+        tokio::spawn(self::core::Core::new(events.clone(), controller.clone(), exempt).run(rx));
     metrics::spawn(&args.metrics_addr, commands.clone());
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;

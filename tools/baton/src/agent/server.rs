@@ -1,13 +1,19 @@
 //! The agent's socket: root-only connections (SO_PEERCRED), one JSON request per line, one reply per
 //! request; `watch` turns the connection into an event stream, `trace` into a stream of trace lines.
+//! A process inside a watched container is refused (the core knows their cgroups), and a line longer than
+//! [`MAX_REQUEST_LINE`] gets an error reply and ends its connection, the others served as before.
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use baton_agent_api::{
-    EventLine, Filter, PROTOCOL_VERSION, Reply, ReplyLine, Request, RequestLine, TraceLine,
+    BoundedLines, EventLine, Filter, MAX_REQUEST_LINE, PROTOCOL_VERSION, Reply, ReplyLine, Request,
+    RequestLine, TraceLine,
 };
 use tokio::{
-    io::{AsyncBufReadExt, AsyncWriteExt, BufReader},
-    net::{UnixListener, UnixStream, unix::OwnedWriteHalf},
+    io::{AsyncWriteExt, BufReader},
+    net::{
+        UnixListener, UnixStream,
+        unix::{OwnedReadHalf, OwnedWriteHalf},
+    },
     sync::{broadcast, mpsc, oneshot},
 };
 
@@ -53,6 +59,7 @@ async fn connection(
     let cred = stream.peer_cred()?;
     let peer_pid = cred.pid().and_then(|p| u32::try_from(p).ok()).unwrap_or(0);
     let (read, mut write) = stream.into_split();
+    let mut lines = BoundedLines::new(BufReader::new(read), MAX_REQUEST_LINE);
     if cred.uid() != 0 {
         let error = format!(
             "the baton agent serves root only (this process runs as uid {}): run the client as root",
@@ -63,10 +70,23 @@ async fn connection(
             uid = cred.uid(),
             "agent: refused a non-root client"
         );
-        return send_reply(&mut write, Reply::Error { error }).await;
+        return refuse(&mut lines, &mut write, error).await;
     }
-    let mut lines = BufReader::new(read).lines();
-    while let Some(line) = lines.next_line().await? {
+    if let Err(error) = check_peer(&commands, peer_pid).await {
+        tracing::warn!(peer_pid, "agent: refused a client: {error}");
+        return refuse(&mut lines, &mut write, error).await;
+    }
+    loop {
+        let line = match lines.next_line().await {
+            Ok(Some(line)) => line,
+            Ok(None) => break,
+            Err(e) if baton_agent_api::lines::is_too_long(&e) => {
+                tracing::warn!(peer_pid, "agent: closing a connection: {e}");
+                let error = e.to_string();
+                return send_reply(&mut write, Reply::Error { error }).await;
+            }
+            Err(e) => return Err(e),
+        };
         let request = match parse(&line) {
             Ok(r) => r,
             Err(error) => {
@@ -143,6 +163,29 @@ async fn connection(
     Ok(())
 }
 
+/// How long a refused client has to send its first request, whose answer is the refusal.
+const REFUSAL_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Answers a refused client with `error` and ends the connection: after its first request line (or
+/// [`REFUSAL_WAIT`]), so that a client that writes before it reads sees the reason, not a broken pipe.
+async fn refuse(
+    lines: &mut BoundedLines<BufReader<OwnedReadHalf>>,
+    write: &mut OwnedWriteHalf,
+    error: String,
+) -> std::io::Result<()> {
+    let _ = tokio::time::timeout(REFUSAL_WAIT, lines.next_line()).await;
+    send_reply(write, Reply::Error { error }).await
+}
+
+/// Whether the core serves peer `peer_pid` (not a process inside a watched container).
+async fn check_peer(commands: &mpsc::Sender<Command>, peer_pid: u32) -> Result<(), String> {
+    let (tx, rx) = oneshot::channel();
+    match ask(commands, What::CheckPeer(tx), peer_pid).await {
+        Reply::Error { error } => Err(error),
+        _ => rx.await.unwrap_or(Ok(())),
+    }
+}
+
 /// Trace sessions are numbered across connections.
 static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
 
@@ -168,7 +211,7 @@ async fn stream_trace(
     commands: &mpsc::Sender<Command>,
     peer_pid: u32,
     mut write: OwnedWriteHalf,
-    mut lines: tokio::io::Lines<BufReader<tokio::net::unix::OwnedReadHalf>>,
+    mut lines: BoundedLines<BufReader<OwnedReadHalf>>,
 ) -> std::io::Result<()> {
     let mut ended = false;
     loop {
@@ -238,7 +281,7 @@ async fn stream_events(
     filter: Filter,
     peer_pid: u32,
     mut write: OwnedWriteHalf,
-    mut lines: tokio::io::Lines<BufReader<tokio::net::unix::OwnedReadHalf>>,
+    mut lines: BoundedLines<BufReader<OwnedReadHalf>>,
 ) -> std::io::Result<()> {
     loop {
         tokio::select! {

@@ -41,6 +41,9 @@ impl Write for LineSender {
     }
 }
 
+/// The device directory a trace follows when it names none.
+pub const DEFAULT_DEVICE_DIR: &str = "/dev/";
+
 /// One client's trace.
 pub struct TraceSession {
     selection: Selection,
@@ -51,6 +54,8 @@ pub struct TraceSession {
     meter: LaunchMeter,
     /// Between launch lines.
     pub launch_every: std::time::Duration,
+    /// The device directories it follows (`/dev/` when it named none): their probe slots stay while it runs.
+    pub prefixes: Vec<String>,
     last_launch_ns: u64,
 }
 
@@ -101,6 +106,11 @@ impl TraceSession {
                 req.launch_interval_ms.unwrap_or(1000).max(1),
             ),
             last_launch_ns: t0,
+            prefixes: if req.prefixes.is_empty() {
+                vec![DEFAULT_DEVICE_DIR.to_owned()]
+            } else {
+                req.prefixes.clone()
+            },
             selection,
             output: Output {
                 out: LineSender {

@@ -12,6 +12,7 @@ use baton_tracer::{
     event::{Body, Event as Record},
 };
 
+use super::holders::{Classifier, Holding, pids_of_cgroup_tree};
 use crate::trace::now_monotonic_ns;
 
 /// A watched container.
@@ -32,6 +33,9 @@ pub struct Watched {
     held_vram: u64,
     /// Parked, or being preempted or resumed (from the shim's registration and the agent's preemptions).
     pub preemption: Option<baton_agent_api::PreemptState>,
+    /// Processes of its cgroup that /proc shows holding NVIDIA files the records never showed them take:
+    /// its release waits for them.
+    hidden: BTreeSet<u32>,
 }
 
 impl Watched {
@@ -55,6 +59,7 @@ impl Watched {
             holders: BTreeSet::new(),
             held_objects: 0,
             held_vram: 0,
+            hidden: BTreeSet::new(),
         };
         if tracer.gpu_state(cgroup_id).pins_files() {
             w.gpu = GpuHold::Held;
@@ -65,8 +70,15 @@ impl Watched {
     }
 
     /// Applies a batch of records (or a resync or /proc confirmation); returns the transitions it caused:
-    /// acquired, released, or both when a process opened and dropped its files within the batch.
-    pub fn update(&mut self, tracer: &Tracer, records: &[Record]) -> Vec<EventBody> {
+    /// acquired, released, or both when a process opened and dropped its files within the batch. A release
+    /// is published only once /proc agrees that no process of its cgroup holds an NVIDIA file or mapping
+    /// (see [`Watched::hidden_holders`]).
+    pub fn update(
+        &mut self,
+        tracer: &mut Tracer,
+        records: &[Record],
+        classifier: &Classifier,
+    ) -> Vec<EventBody> {
         let mine = || records.iter().filter(|r| r.cgroup_id == self.cgroup_id);
         let state = tracer.gpu_state(self.cgroup_id);
         let has_files = state.has_files();
@@ -88,9 +100,50 @@ impl Watched {
         if has_files {
             self.note_holders(tracer);
         } else if self.gpu == GpuHold::Held && !state.pins_files() {
-            out.push(EventBody::Released(self.released(tracer, &state)));
+            let hidden = self.hidden_holders(tracer, classifier);
+            if hidden.is_empty() {
+                self.hidden.clear();
+                out.push(EventBody::Released(self.released(tracer, &state)));
+            } else {
+                self.follow_hidden(tracer, &hidden);
+            }
         }
         out
+    }
+
+    /// Whether its release waits for holders only /proc showed (the agent looks again until they let go).
+    pub fn awaits_hidden_holders(&self) -> bool {
+        !self.hidden.is_empty()
+    }
+
+    /// What the processes of its cgroup (and the cgroups below) hold, read from /proc: the kernel's word,
+    /// whatever the records said.
+    fn hidden_holders(&self, tracer: &mut Tracer, classifier: &Classifier) -> Vec<Holding> {
+        let Some(dir) = tracer.cgroup_dir(self.cgroup_id) else {
+            return Vec::new();
+        };
+        classifier.holdings_of_all(pids_of_cgroup_tree(&dir))
+    }
+
+    /// Keeps the container held by `hidden`, and has the probes follow each holder from now on (its calls,
+    /// closes and exit then come as records).
+    fn follow_hidden(&mut self, tracer: &mut Tracer, hidden: &[Holding]) {
+        let pids: BTreeSet<u32> = hidden.iter().map(|h| h.pid).collect();
+        for h in hidden.iter().filter(|h| !self.hidden.contains(&h.pid)) {
+            tracing::warn!(
+                id = self.registration.container.id,
+                "agent: {h} holds an NVIDIA file the probes never saw it take (passed over a unix socket, \
+                 taken with pidfd_getfd, a shared fd table, io_uring or a device node of another name): the \
+                 release waits for it"
+            );
+        }
+        for &pid in pids.difference(&self.hidden) {
+            if let Err(e) = tracer.adopt(pid) {
+                tracing::warn!(pid, "agent: cannot follow hidden holder {pid}: {e}");
+            }
+            self.holders.insert(pid);
+        }
+        self.hidden = pids;
     }
 
     /// The container's files are gone and the kernel has released them: the `released` event.

@@ -6,7 +6,9 @@
 //! Only co-runners are frozen by the shield, the duty cycle and the governor; a latency-critical
 //! container is never frozen at all. Fail-safes: every freeze carries a lease the shim enforces, the
 //! shim releases what a connection froze when it ends (an agent that dies), silence on the input drops the
-//! open requests, and no co-runner stays frozen longer than `max_frozen_ms` at a stretch.
+//! open requests, and no co-runner stays frozen longer than `max_frozen_ms` at a stretch. A link whose shim
+//! cannot be reached is retried with a capped exponential backoff (`backoff.rs`), one warning per streak.
+mod backoff;
 mod gaps;
 mod link;
 mod plan;
@@ -135,6 +137,8 @@ struct Controller {
     /// What each link was last told (`None`: unknown, after an error).
     applied: HashMap<ContainerRef, Option<bool>>,
     reasons: HashMap<ContainerRef, Option<&'static str>>,
+    /// Each link's streak of failures: no new attempt before its wait is over (unless a client waits).
+    backoff: HashMap<ContainerRef, backoff::Backoff>,
     stats: HashMap<ContainerRef, Stats>,
     reports_tx: mpsc::UnboundedSender<link::Report>,
     reports: mpsc::UnboundedReceiver<link::Report>,
@@ -158,6 +162,7 @@ impl Controller {
             links: HashMap::new(),
             applied: HashMap::new(),
             reasons: HashMap::new(),
+            backoff: HashMap::new(),
             stats: HashMap::new(),
             reports_tx,
             reports,
@@ -253,7 +258,7 @@ impl Controller {
         mut answer: Option<(ContainerRef, oneshot::Sender<Reply>)>,
     ) -> Option<u64> {
         let now = now_monotonic_ns();
-        let (decisions, next) = self.plan.decide(now);
+        let (decisions, mut next) = self.plan.decide(now);
         for (c, reason) in decisions {
             let want = reason.is_some();
             self.reasons.insert(c.clone(), reason);
@@ -265,6 +270,12 @@ impl Controller {
                 if let Some(tx) = waiter {
                     let _ = tx.send(self.unchanged_reply(&c, reason));
                 }
+                continue;
+            }
+            let backing_off = self.backoff.get(&c).and_then(|b| b.holds_until(now));
+            if let (Some(retry_at), None) = (backing_off, &waiter) {
+                // The link failed lately: try again when its wait is over (a client's request goes now).
+                next = Some(next.map_or(retry_at, |n| n.min(retry_at)));
                 continue;
             }
             self.send(&c, want, waiter);
@@ -344,8 +355,17 @@ impl Controller {
         let Some(stats) = self.stats.get_mut(&r.container) else {
             return;
         };
+        let backoff = self.backoff.entry(r.container.clone()).or_default();
         match r.result {
             Ok(f) => {
+                let failures = backoff.succeeded();
+                if failures > 0 {
+                    tracing::info!(
+                        id = r.container.id,
+                        failures,
+                        "controller: the shim answers again"
+                    );
+                }
                 stats.error = None;
                 stats.note = f.note.clone();
                 let t = f.t_confirmed_ns;
@@ -392,7 +412,14 @@ impl Controller {
                 self.plan.timeline.record(t, all);
             }
             Err(e) => {
-                tracing::warn!(id = r.container.id, "controller: {e}");
+                if backoff.failed(now_monotonic_ns()) {
+                    tracing::warn!(
+                        id = r.container.id,
+                        "controller: {e} (retrying, at most once a second; logged again when it answers)"
+                    );
+                } else {
+                    tracing::debug!(id = r.container.id, "controller: again: {e}");
+                }
                 stats.error = Some(e);
                 self.applied.insert(r.container, None);
             }
@@ -451,6 +478,7 @@ impl Controller {
         self.links.retain(|c, _| members.contains_key(c));
         self.launches.retain(|c, _| members.contains_key(c));
         self.applied.retain(|c, _| members.contains_key(c));
+        self.backoff.retain(|c, _| members.contains_key(c));
         self.members = members;
     }
 

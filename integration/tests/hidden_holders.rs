@@ -1,0 +1,203 @@
+//! Holders the probes cannot see, end to end (real containerd, runc, the Baton shim and agent, the FUSE mock
+//! driver, the kernel): a file passed over a unix socket with SCM_RIGHTS, a file taken with pidfd_getfd, a
+//! mapping kept after its fd was closed, and a container Baton does not watch. Each keeps the container
+//! "held" (no `released` event) or the GPU-free gate shut until the hidden holder lets go; then the release
+//! comes, or the gate opens. The agent reads /proc before it publishes a release or opens a gate.
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers fail the test by panicking"
+)]
+use std::time::Duration;
+
+use baton_integration::{
+    agent::{AgentWatch, container_status, wait_until},
+    holder::{GpuRig as Rig, HolderContainer},
+};
+use serde_json::{Value, json};
+
+const WITHIN: Duration = Duration::from_secs(30);
+
+fn expect_transition(w: &mut AgentWatch, id: &str, kind: &str) -> Value {
+    let e = w.next_transition(id, WITHIN).unwrap();
+    assert_eq!(e["kind"], json!(kind), "{e}");
+    e
+}
+
+/// The pids of the container's processes that the agent shows holding NVIDIA fds.
+fn fd_holders(rig: &Rig, id: &str) -> Vec<u64> {
+    rig.status(id)["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["fds"].as_u64().unwrap_or(0) > 0)
+        .map(|p| p["pid"].as_u64().unwrap())
+        .collect()
+}
+
+/// Waits until the agent follows a holder of container `id` other than `not` (the hidden one it adopted
+/// from /proc), then checks that the container is still held and no release was published.
+fn expect_still_held_by_another(rig: &Rig, w: &mut AgentWatch, id: &str, not: u64) {
+    assert!(
+        wait_until(WITHIN, || fd_holders(rig, id).iter().any(|p| *p != not)),
+        "the agent follows the hidden holder: {}",
+        rig.status(id)
+    );
+    assert_eq!(rig.status(id)["gpu"], json!("held"), "{}", rig.status(id));
+    let early: Vec<Value> = w
+        .drain_for(Duration::ZERO)
+        .into_iter()
+        .filter(|e| e["kind"] == json!("released"))
+        .collect();
+    assert!(
+        early.is_empty(),
+        "released while a holder remains: {early:?}"
+    );
+}
+
+/// The release that follows the hidden holder's last close, made between `before` and `returned_at`.
+fn expect_release_after(w: &mut AgentWatch, id: &str, before: u64, returned_at: u64) {
+    let e = expect_transition(w, id, "released");
+    let last = e["t_last_close_ns"].as_u64().unwrap();
+    assert!(
+        last >= before && last <= returned_at,
+        "the release is the hidden holder's close ({before}..{returned_at}): {e}"
+    );
+}
+
+#[test]
+fn a_file_passed_over_scm_rights_keeps_the_container_held_until_the_receiver_closes_it() {
+    let Some(rig) = Rig::start("hidden-scm") else {
+        return;
+    };
+    let mut h = rig.holder("scm");
+    let mut w = rig.watch("scm");
+    // The receiver is forked before the open: it never inherits the file, it is sent it.
+    let child = h.num("fork-receiver").unwrap();
+    let fd = h.num("open nvidiactl").unwrap();
+    expect_transition(&mut w, "scm", "acquired");
+    let opener = fd_holders(&rig, "scm");
+    assert_eq!(opener.len(), 1, "{}", rig.status("scm"));
+    h.cmd(&format!("send-fd {child} {fd}")).unwrap();
+    h.num(&format!("close {fd}")).unwrap();
+    expect_still_held_by_another(&rig, &mut w, "scm", opener[0]);
+    // The receiver's calls are followed from then on: its close is the release.
+    let before = h.num("stamp").unwrap();
+    let t = h.num(&format!("child-close {child}")).unwrap();
+    expect_release_after(&mut w, "scm", before, t);
+}
+
+#[test]
+fn a_file_taken_with_pidfd_getfd_keeps_the_container_held_until_the_taker_closes_it() {
+    let Some(rig) = Rig::start("hidden-pidfd") else {
+        return;
+    };
+    let mut h = rig.holder("pidfd");
+    let mut w = rig.watch("pidfd");
+    let child = h.num("fork-receiver").unwrap();
+    let cfd = h.num(&format!("child-open {child} nvidiactl")).unwrap();
+    expect_transition(&mut w, "pidfd", "acquired");
+    let opener = fd_holders(&rig, "pidfd");
+    assert_eq!(opener.len(), 1, "{}", rig.status("pidfd"));
+    let mine = h.num(&format!("grab-fd {child} {cfd}")).unwrap();
+    h.num(&format!("child-close {child}")).unwrap();
+    expect_still_held_by_another(&rig, &mut w, "pidfd", opener[0]);
+    let before = h.num("stamp").unwrap();
+    let t = h.num(&format!("close {mine}")).unwrap();
+    expect_release_after(&mut w, "pidfd", before, t);
+}
+
+#[test]
+fn a_file_registered_in_io_uring_keeps_the_container_held_until_the_ring_goes() {
+    let Some(rig) = Rig::start("hidden-ring") else {
+        return;
+    };
+    let mut h = rig.holder("ring");
+    let mut w = rig.watch("ring");
+    let fd = h.num("open nvidiactl").unwrap();
+    expect_transition(&mut w, "ring", "acquired");
+    let ring = h.num(&format!("ring-file {fd}")).unwrap();
+    h.num(&format!("close {fd}")).unwrap();
+    // The close is applied (no fd left in the mirror) and still no release: the ring holds the file.
+    assert!(wait_until(WITHIN, || rig.status("ring")["nvidia_fds"] == json!(0)));
+    let early: Vec<Value> = w
+        .drain_for(Duration::from_millis(300))
+        .into_iter()
+        .filter(|e| e["kind"] == json!("released"))
+        .collect();
+    assert!(
+        early.is_empty(),
+        "released while io_uring holds the file: {early:?}"
+    );
+    assert_eq!(rig.status("ring")["gpu"], json!("held"));
+    h.num(&format!("close {ring}")).unwrap();
+    expect_transition(&mut w, "ring", "released");
+}
+
+/// Starts holder container `id` behind the gate.
+fn start_behind_gate(rig: &Rig, id: &str) -> anyhow::Result<HolderContainer> {
+    HolderContainer::start(
+        &rig.env,
+        id,
+        rig.mock_dir.path(),
+        &[("baton.io/wait-gpu-free", "1m")],
+    )
+}
+
+/// Asserts that the gated Start has not returned, once the agent has the gate's request.
+fn expect_gate_shut<T>(rig: &Rig, id: &str, start: &std::thread::ScopedJoinHandle<'_, T>) {
+    let socket = rig.env.containerd().agent_socket();
+    assert!(
+        wait_until(WITHIN, || container_status(&socket, id)
+            .ok()
+            .flatten()
+            .is_some()),
+        "the gated container is registered"
+    );
+    assert!(
+        !wait_until(Duration::from_millis(800), || start.is_finished()),
+        "the gate opened while the GPU was held"
+    );
+}
+
+#[test]
+fn a_mapping_kept_after_its_fd_was_closed_keeps_the_gate_shut_until_the_munmap() {
+    let Some(rig) = Rig::start("hidden-map") else {
+        return;
+    };
+    let mut a = rig.holder("mapper");
+    let fd = a.num("open nvidia0").unwrap();
+    let addr = a.num(&format!("mmap {fd}")).unwrap();
+    a.num(&format!("close {fd}")).unwrap();
+    assert!(wait_until(WITHIN, || rig.status("mapper")["nvidia_fds"] == json!(0)));
+    assert_eq!(rig.status("mapper")["gpu"], json!("held"));
+    std::thread::scope(|s| {
+        let start = s.spawn(|| start_behind_gate(&rig, "server"));
+        expect_gate_shut(&rig, "server", &start);
+        a.num(&format!("munmap 0x{addr:x}")).unwrap();
+        let mut server = start.join().unwrap().unwrap();
+        server.num("stamp").unwrap();
+    });
+}
+
+#[test]
+fn a_container_baton_does_not_watch_keeps_the_gate_shut_until_it_lets_go() {
+    let Some(rig) = Rig::start("hidden-unwatched") else {
+        return;
+    };
+    // The same mock GPU in a container of containerd's own runc shim: no registration, no probes.
+    let mut u = HolderContainer::start_with_runtime(
+        &rig.env,
+        "plain",
+        rig.mock_dir.path(),
+        "io.containerd.runc.v2",
+    )
+    .unwrap();
+    let fd = u.num("open nvidia0").unwrap();
+    std::thread::scope(|s| {
+        let start = s.spawn(|| start_behind_gate(&rig, "server"));
+        expect_gate_shut(&rig, "server", &start);
+        u.num(&format!("close {fd}")).unwrap();
+        let mut server = start.join().unwrap().unwrap();
+        server.num("stamp").unwrap();
+    });
+}

@@ -1,0 +1,371 @@
+//! Who holds NVIDIA files, from kernel facts: `/proc/PID/fd` and `/proc/PID/map_files` of each process,
+//! read when the probes' mirror says a container let go (before its `released` is published) and when the
+//! gate is about to open. The probes follow opens, dups, forks, closes and mappings, but a file can also
+//! move in ways they do not see (SCM_RIGHTS, pidfd_getfd, a shared fd table, io_uring, a device node made
+//! with mknod under another name); these reads see every holder whatever way it came by the file.
+//!
+//! A file is an NVIDIA file when it is a character device with NVIDIA's numbers (`baton_nvidia::fdkind`),
+//! or, for a file that is not a device (the FUSE mock driver), when its name is an NVIDIA device's. Each
+//! distinct mapped file is looked at once per scan, and only shared mappings and those named as an NVIDIA
+//! device are looked at: device memory is mapped shared, and a CUDA process has hundreds of private library
+//! mappings (a private mapping of a device node of another name is not seen; see the README).
+use std::{
+    collections::{BTreeSet, HashMap},
+    os::unix::fs::{FileTypeExt, MetadataExt},
+    path::Path,
+};
+
+use baton_nvidia::fdkind::{self, FdKind};
+
+use super::gate::DeviceKey;
+
+/// One NVIDIA file a process holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holding {
+    /// The holding process.
+    pub pid: u32,
+    /// What kind of NVIDIA file.
+    pub kind: FdKind,
+    /// Which device (the gate compares these).
+    pub key: DeviceKey,
+    /// How it holds it.
+    pub via: Via,
+}
+
+/// How a process holds a file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Via {
+    /// Open as this fd.
+    Fd(i32),
+    /// Mapped at this address.
+    Map(u64),
+    /// Registered in the io_uring instance open as this fd (a fixed file, in no fd table).
+    Ring(i32),
+}
+
+impl std::fmt::Display for Holding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let how = match self.via {
+            Via::Fd(fd) => format!("fd {fd}"),
+            Via::Map(addr) => format!("a mapping at 0x{addr:x}"),
+            Via::Ring(fd) => format!("a file registered in io_uring fd {fd}"),
+        };
+        write!(f, "process {} ({how} of {})", self.pid, self.key)
+    }
+}
+
+/// Tells NVIDIA files apart (the UVM major is dynamic: read once from /proc/devices).
+#[derive(Clone, Debug, Default)]
+pub struct Classifier {
+    uvm_major: u32,
+}
+
+impl Classifier {
+    /// A classifier for this node.
+    pub fn new() -> Self {
+        let uvm_major = std::fs::read_to_string("/proc/devices")
+            .ok()
+            .and_then(|text| major_named(&text, fdkind::UVM_DEVICES_NAME))
+            .unwrap_or(0);
+        Self { uvm_major }
+    }
+
+    /// What NVIDIA file `path` (a /proc link, followed) is; `name` is the link's target as the process sees it.
+    fn classify(&self, path: &Path, name: &str) -> Option<(FdKind, DeviceKey)> {
+        let meta = std::fs::metadata(path).ok()?;
+        if meta.file_type().is_char_device() {
+            let dev = meta.rdev();
+            let (major, minor) = (nix::sys::stat::major(dev), nix::sys::stat::minor(dev));
+            let (kind, _) = fdkind::classify_chrdev(major as u32, minor as u32, self.uvm_major)?;
+            return Some((kind, DeviceKey::Number(major, minor)));
+        }
+        let base = name.rsplit('/').next().unwrap_or(name);
+        let (kind, _) = fdkind::classify_name(base.as_bytes())?;
+        (kind != FdKind::Unknown).then(|| {
+            (
+                kind,
+                DeviceKey::File {
+                    dev: meta.dev(),
+                    ino: meta.ino(),
+                    name: base.to_owned(),
+                },
+            )
+        })
+    }
+
+    /// The NVIDIA files process `pid` holds now (none when it is gone).
+    #[cfg(test)]
+    pub fn holdings_of(&self, pid: u32) -> Vec<Holding> {
+        let mut cache = HashMap::new();
+        self.holdings_cached(pid, &mut cache)
+    }
+
+    /// [`Classifier::holdings_of`], looking at each distinct mapped file (by the maps entry's device and
+    /// inode) once across the calls that share `cache`.
+    fn holdings_cached(
+        &self,
+        pid: u32,
+        cache: &mut HashMap<(u64, u64), Option<(FdKind, DeviceKey)>>,
+    ) -> Vec<Holding> {
+        let Ok(proc) = procfs::process::Process::new(pid as i32) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for fd in proc.fd().into_iter().flatten().flatten() {
+            if matches!(&fd.target, procfs::process::FDTarget::AnonInode(a) if a.contains("io_uring"))
+            {
+                out.extend(ring_holdings(pid, fd.fd));
+                continue;
+            }
+            let procfs::process::FDTarget::Path(target) = &fd.target else {
+                continue;
+            };
+            let link = format!("/proc/{pid}/fd/{}", fd.fd);
+            if let Some((kind, key)) = self.classify(Path::new(&link), &target.to_string_lossy()) {
+                out.push(Holding {
+                    pid,
+                    kind,
+                    key,
+                    via: Via::Fd(fd.fd),
+                });
+            }
+        }
+        for m in proc.maps().into_iter().flatten() {
+            let procfs::process::MMapPath::Path(target) = &m.pathname else {
+                continue;
+            };
+            // Device memory is mapped shared; a private mapping is looked at only when its name is an
+            // NVIDIA device's (a library's private mappings, most of a process's, cost nothing here).
+            let shared = m.perms.contains(procfs::process::MMPermissions::SHARED);
+            let named = fdkind::classify_name(
+                target
+                    .file_name()
+                    .map(|n| n.as_encoded_bytes())
+                    .unwrap_or_default(),
+            )
+            .is_some();
+            if m.inode == 0 || !(shared || named) {
+                continue;
+            }
+            let dev = nix::sys::stat::makedev(m.dev.0 as u64, m.dev.1 as u64);
+            let classified = cache.entry((dev, m.inode)).or_insert_with(|| {
+                let link = format!("/proc/{pid}/map_files/{:x}-{:x}", m.address.0, m.address.1);
+                self.classify(Path::new(&link), &target.to_string_lossy())
+            });
+            if let Some((kind, key)) = classified.clone() {
+                out.push(Holding {
+                    pid,
+                    kind,
+                    key,
+                    via: Via::Map(m.address.0),
+                });
+            }
+        }
+        out
+    }
+
+    /// What the processes `pids` hold.
+    pub fn holdings_of_all(&self, pids: impl IntoIterator<Item = u32>) -> Vec<Holding> {
+        let mut cache = HashMap::new();
+        pids.into_iter()
+            .flat_map(|pid| self.holdings_cached(pid, &mut cache))
+            .collect()
+    }
+}
+
+/// The NVIDIA files registered in io_uring instance `fd` of `pid` (its fdinfo lists them under `UserFiles:`,
+/// one `INDEX: PATH` line each). They are known by name only: the key carries no file identity, and the
+/// gate matches it with any device of that name.
+fn ring_holdings(pid: u32, fd: i32) -> Vec<Holding> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).unwrap_or_default();
+    registered_files(&text)
+        .filter_map(|path| {
+            let name = path.rsplit('/').next().unwrap_or(path);
+            let (kind, _) = fdkind::classify_name(name.as_bytes())?;
+            (kind != FdKind::Unknown).then(|| Holding {
+                pid,
+                kind,
+                key: DeviceKey::File {
+                    dev: 0,
+                    ino: 0,
+                    name: name.to_owned(),
+                },
+                via: Via::Ring(fd),
+            })
+        })
+        .collect()
+}
+
+/// The paths of the `UserFiles:` section of an io_uring fdinfo.
+fn registered_files(fdinfo: &str) -> impl Iterator<Item = &str> {
+    fdinfo
+        .lines()
+        .skip_while(|l| !l.starts_with("UserFiles:"))
+        .skip(1)
+        .map_while(|l| {
+            let (index, path) = l.split_once(": ")?;
+            index.trim().parse::<u32>().ok().map(|_| path.trim())
+        })
+}
+
+/// The major named `name` in the text of /proc/devices.
+fn major_named(devices: &str, name: &str) -> Option<u32> {
+    devices
+        .lines()
+        .skip_while(|l| !l.starts_with("Character devices"))
+        .skip(1)
+        .take_while(|l| !l.trim().is_empty())
+        .find_map(|l| {
+            let (num, n) = l.trim().split_once(' ')?;
+            (n.trim() == name).then(|| num.parse().ok())?
+        })
+}
+
+/// The pids of cgroup v2 `dir` (an absolute folder under the v2 mount) and of the cgroups below it.
+pub fn pids_of_cgroup_tree(dir: &Path) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        if let Ok(text) = std::fs::read_to_string(d.join("cgroup.procs")) {
+            out.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+        }
+        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                todo.push(entry.path());
+            }
+        }
+    }
+    out
+}
+
+/// Which processes do not count as holders: the node's own (in the mount namespace of the node's init, or
+/// of the agent where that one cannot be read), the agent, and those in the operator's exempt cgroups.
+#[derive(Clone, Debug, Default)]
+pub struct Exempt {
+    /// cgroup v2 paths whose processes (and those of the cgroups below) are the node's daemons.
+    pub cgroups: Vec<String>,
+}
+
+impl Exempt {
+    /// Whether process `pid` is one of the node's own. A process whose namespace cannot be read counts as a
+    /// container's (the check fails closed).
+    fn is_nodes_own(&self, pid: u32, host_mnt: Option<u64>) -> bool {
+        if pid == std::process::id() {
+            return true;
+        }
+        let mnt = std::fs::metadata(format!("/proc/{pid}/ns/mnt")).map(|m| m.ino());
+        if host_mnt.is_some() && mnt.as_ref().ok() == host_mnt.as_ref() {
+            return true;
+        }
+        !self.cgroups.is_empty()
+            && baton_tracer::cgroups::v2_path_of_pid(pid)
+                .is_some_and(|p| self.cgroups.iter().any(|e| is_within(&p, e)))
+    }
+}
+
+/// Whether cgroup path `path` is `top` or below it.
+pub fn is_within(path: &str, top: &str) -> bool {
+    let top = top.trim_end_matches('/');
+    path == top || path.strip_prefix(top).is_some_and(|r| r.starts_with('/'))
+}
+
+/// The node's mount namespace: pid 1's, or the agent's own where pid 1's cannot be read.
+fn host_mount_namespace() -> Option<u64> {
+    std::fs::metadata("/proc/1/ns/mnt")
+        .or_else(|_| std::fs::metadata("/proc/self/ns/mnt"))
+        .ok()
+        .map(|m| m.ino())
+}
+
+/// Every process on the node in a container (not the node's own, see [`Exempt`]) and outside cgroup
+/// `except` (a v2 path, with the cgroups below it) that holds a GPU device file in `devices` (any GPU device
+/// file when empty): the holders the gate must wait for, watched by Baton or not.
+pub fn node_gpu_holders(
+    classifier: &Classifier,
+    exempt: &Exempt,
+    devices: &BTreeSet<DeviceKey>,
+    except: Option<&str>,
+) -> Vec<Holding> {
+    let host_mnt = host_mount_namespace();
+    let mut cache = HashMap::new();
+    let mut out = Vec::new();
+    for pid in baton_tracer::seed::all_pids() {
+        let pid = pid as u32;
+        if exempt.is_nodes_own(pid, host_mnt) {
+            continue;
+        }
+        let held: Vec<Holding> = classifier
+            .holdings_cached(pid, &mut cache)
+            .into_iter()
+            .filter(|h| h.kind == FdKind::Device)
+            .filter(|h| devices.is_empty() || devices.iter().any(|d| d.same_device(&h.key)))
+            .collect();
+        if held.is_empty() {
+            continue;
+        }
+        if except.is_some_and(|e| {
+            baton_tracer::cgroups::v2_path_of_pid(pid).is_some_and(|p| is_within(&p, e))
+        }) {
+            continue;
+        }
+        out.extend(held);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_uvm_major_is_read_from_the_character_devices() {
+        let text =
+            "Character devices:\n  1 mem\n195 nvidia\n508 nvidia-uvm\n\nBlock devices:\n 8 sd\n";
+        assert_eq!(major_named(text, "nvidia-uvm"), Some(508));
+        assert_eq!(major_named(text, "sd"), None);
+        assert_eq!(major_named(text, "nvidia-caps"), None);
+    }
+
+    #[test]
+    fn io_uring_registered_files_are_read_from_its_fdinfo() {
+        let text = "pos:\t0\nflags:\t02000002\nSqMask:\t0x0\nUserFiles:\t2\n    0: /dev/nvidiactl\n    1: /tmp/x\nUserBufs:\t0\n";
+        let files: Vec<&str> = registered_files(text).collect();
+        assert_eq!(files, ["/dev/nvidiactl", "/tmp/x"]);
+        assert_eq!(registered_files("UserFiles:\t0\nUserBufs:\t0\n").count(), 0);
+    }
+
+    #[test]
+    fn cgroup_paths_are_within_their_parents_only_at_a_separator() {
+        assert!(is_within("/kubepods/dcgm", "/kubepods/dcgm"));
+        assert!(is_within("/kubepods/dcgm/c1", "/kubepods/dcgm/"));
+        assert!(!is_within("/kubepods/dcgm-evil", "/kubepods/dcgm"));
+    }
+
+    #[test]
+    fn a_file_named_as_a_device_held_by_this_process_is_seen_through_fd_and_mapping() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nvidia0");
+        std::fs::write(&path, vec![0u8; 4096]).unwrap();
+        let other = dir.path().join("notes");
+        std::fs::write(&other, b"x").unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let _plain = std::fs::File::open(&other).unwrap();
+        let c = Classifier::new();
+        let mine = c.holdings_of(std::process::id());
+        let fds: Vec<&Holding> = mine
+            .iter()
+            .filter(|h| matches!(h.via, Via::Fd(_)) && h.key.to_string().contains("nvidia0"))
+            .collect();
+        assert_eq!(fds.len(), 1, "{mine:?}");
+        assert_eq!(fds[0].kind, FdKind::Device);
+        assert!(mine.iter().all(|h| !h.key.to_string().contains("notes")));
+        drop(file);
+        assert!(
+            c.holdings_of(std::process::id()).iter().all(|h| !h
+                .key
+                .to_string()
+                .contains(&path.display().to_string())
+                || !matches!(h.via, Via::Fd(_))),
+        );
+    }
+}
