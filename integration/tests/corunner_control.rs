@@ -900,3 +900,98 @@ fn an_endless_line_does_not_grow_the_agent_and_other_clients_are_still_answered(
     let (out, err, ok) = rig.baton(&["status"]);
     assert!(ok, "baton status after the endless line: {err}\n{out}");
 }
+
+/// A co-runner frozen nearly all the time by a duty cycle (run 20 ms of every 2 s), with a lease renewed
+/// every 100 ms.
+fn duty_cycled_rig(name: &str, command: &[&str]) -> Option<(Rig, u32)> {
+    let rig = Rig::start(
+        name,
+        &[
+            "--freeze-lease-ms",
+            "300",
+            "--max-frozen-ms",
+            "600000",
+            "--min-run-share",
+            "0",
+        ],
+    )?;
+    rig.env
+        .run_detached("trainer", &[("baton.io/role", "co-runner")], command)
+        .unwrap();
+    let mut pid = 0;
+    assert!(wait_until(WITHIN, || {
+        pid = rig.status()["containers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["id"] == json!("trainer"))
+            .and_then(|c| c["init_pid"].as_u64())
+            .unwrap_or(0) as u32;
+        pid != 0
+    }));
+    let r = rig
+        .conn()
+        .call(json!({"op": "duty", "id": "trainer", "run_ms": 20, "window_ms": 2000}))
+        .unwrap();
+    assert_eq!(r["reply"], json!("accepted"), "{r}");
+    wait_frozen(pid, true, "the duty cycle");
+    Some((rig, pid))
+}
+
+#[test]
+fn exec_into_a_duty_cycled_co_runner_succeeds_every_time() {
+    let Some((rig, _)) = duty_cycled_rig("ctl-duty-exec", SPIN) else {
+        return;
+    };
+    // An exec ends the hold and no renewal takes it again while runc execs; before, a renewal froze the
+    // container under runc now and then ("cannot exec in a paused container", or a hang).
+    for i in 0..20 {
+        let exec_id = format!("e{i}");
+        let out = rig.env.ctr(&[
+            "task",
+            "exec",
+            "--exec-id",
+            &exec_id,
+            "trainer",
+            "/bin/echo",
+            "exec-ok",
+        ]);
+        assert!(
+            out.success() && out.stdout.contains("exec-ok"),
+            "exec {i} into the duty-cycled co-runner: {} {}",
+            out.stdout,
+            out.stderr
+        );
+    }
+}
+
+#[test]
+fn a_kill_of_a_duty_cycled_co_runner_ends_it_promptly() {
+    // Its SIGTERM handler works for a while before it exits: a graceful shutdown.
+    let graceful = &[
+        "/bin/sh",
+        "-c",
+        "trap 'i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done; exit 3' TERM; while :; do :; done",
+    ];
+    let Some((rig, _)) = duty_cycled_rig("ctl-duty-kill", graceful) else {
+        return;
+    };
+    let api = rig.env.api().unwrap();
+    let t = Instant::now();
+    api.kill(
+        "trainer",
+        "",
+        nix::sys::signal::Signal::SIGTERM as u32,
+        false,
+    )
+    .unwrap();
+    // Frozen 99% of the time, its shutdown would take a hundred times as long: a killed co-runner is not
+    // frozen again while it stops.
+    let status = api.wait("trainer", "", WITHIN).unwrap();
+    assert_eq!(status, 3, "it exited through its handler");
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "it stopped {:?} after the kill",
+        t.elapsed()
+    );
+}

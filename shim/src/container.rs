@@ -119,7 +119,7 @@ pub struct Container {
     /// Parked, or being preempted or resumed (persisted in the bundle, see `preempt/state.rs`).
     pub preemption: std::sync::Mutex<Option<baton_agent_api::PreemptState>>,
     /// Frozen for the agent's co-runner controller (see `container/hold.rs`).
-    hold: std::sync::Mutex<Option<hold::Hold>>,
+    hold: std::sync::Mutex<hold::HoldSlot>,
     /// The cgroup freezer of the init (pid, freezer), looked up at the first pause (`container/pause.rs`).
     freezer: std::sync::Mutex<Option<(u32, Option<Arc<baton_cgroups::freezer::Freezer>>)>>,
 }
@@ -255,7 +255,7 @@ impl Container {
                 init_exit_seen: false,
             }),
             init_op: Mutex::new(()),
-            hold: std::sync::Mutex::new(None),
+            hold: std::sync::Mutex::default(),
             running_execs: watch::channel(0).0,
             tasks: std::sync::Mutex::new(Vec::new()),
             oom: std::sync::OnceLock::new(),
@@ -337,11 +337,18 @@ impl Container {
             p.check(Op::Kill)?;
             (p.pid, p.name())
         };
+        // A fatal signal first ends the controller's hold (the v1 freezer keeps it from a frozen task), and
+        // no new hold is taken while it is sent.
+        let _no_hold = if is_fatal(signal) {
+            Some(self.block_holds("a kill").await)
+        } else {
+            None
+        };
         if exec_id.is_empty() {
             self.runc_kill(signal, all).await?;
             self.thaw_if_killed(signal).await;
             if is_fatal(signal) {
-                self.end_hold_for("a kill").await;
+                self.stopping();
             }
             return Ok(());
         }

@@ -39,6 +39,11 @@ pub enum Freezer {
     Signal,
 }
 
+/// How long a cuda-checkpoint run may take by default: the copy of a large GPU's memory to host memory
+/// takes seconds to minutes.
+pub const DEFAULT_CUDA_CHECKPOINT_TIMEOUT: std::time::Duration =
+    std::time::Duration::from_secs(600);
+
 /// Baton's own per-container settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatonSettings {
@@ -57,6 +62,9 @@ pub struct BatonSettings {
     pub agent_autostart: bool,
     /// How long cuda-checkpoint's lock of each process may take (`cuda_lock_timeout`, e.g. "10s").
     pub cuda_lock_timeout: std::time::Duration,
+    /// How long any one cuda-checkpoint run (a checkpoint or a restore of a process) may take before the
+    /// shim stops it and rolls back (`cuda_checkpoint_timeout`, e.g. "10m").
+    pub cuda_checkpoint_timeout: std::time::Duration,
     /// Start waits until no other container holds the NVIDIA devices this one sees, at most this long
     /// (`wait-gpu-free`, e.g. "20s"; `baton.io/wait-gpu-free` on a pod or container). `None`: no wait.
     pub wait_gpu_free: Option<std::time::Duration>,
@@ -88,6 +96,7 @@ impl Default for BatonSettings {
             agent_socket: None,
             agent_autostart: true,
             cuda_lock_timeout: std::time::Duration::from_secs(10),
+            cuda_checkpoint_timeout: DEFAULT_CUDA_CHECKPOINT_TIMEOUT,
             wait_gpu_free: None,
             role: None,
             yields_to: Vec::new(),
@@ -171,6 +180,11 @@ impl BatonSettings {
             "cuda_lock_timeout" => {
                 self.cuda_lock_timeout =
                     parse_duration(value).ok_or_else(|| invalid(DURATION_SYNTAX))?;
+            }
+            "cuda_checkpoint_timeout" => {
+                self.cuda_checkpoint_timeout = parse_duration(value)
+                    .filter(|d| !d.is_zero())
+                    .ok_or_else(|| invalid(DURATION_SYNTAX))?;
             }
             "wait-gpu-free" => {
                 let within = parse_duration(value).ok_or_else(|| invalid(DURATION_SYNTAX))?;
@@ -785,6 +799,30 @@ mod tests {
             cfg.baton.cuda_checkpoint_path,
             PathBuf::from("/opt/cuda-checkpoint")
         );
+    }
+
+    #[test]
+    fn the_cuda_checkpoint_timeout_comes_from_the_node_only() {
+        let tenant: HashMap<String, String> = [(
+            "baton.io/cuda_checkpoint_timeout".to_string(),
+            "1ms".to_string(),
+        )]
+        .into();
+        let err = BatonSettings::default()
+            .with_annotations(&tenant, "container")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("baton.io/cuda_checkpoint_timeout"), "{err}");
+        let cfg = parse_toml_options("cuda_checkpoint_timeout = \"90s\"\n").unwrap();
+        assert_eq!(
+            cfg.baton.cuda_checkpoint_timeout,
+            std::time::Duration::from_secs(90)
+        );
+        assert_eq!(
+            BatonSettings::default().cuda_checkpoint_timeout,
+            DEFAULT_CUDA_CHECKPOINT_TIMEOUT
+        );
+        assert!(parse_toml_options("cuda_checkpoint_timeout = \"0s\"\n").is_err());
     }
 
     #[test]

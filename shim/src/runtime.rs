@@ -102,41 +102,83 @@ fn exit_status_from_code(code: i32) -> ExitStatus {
 
 #[async_trait]
 impl Spawner for ShimExecutor {
-    async fn execute(&self, mut cmd: Command) -> runc::Result<(ExitStatus, u32, String, String)> {
-        let mut sub = monitor_subscribe(Topic::Pid)
-            .await
-            .map_err(|e| runc::error::Error::Other(Box::new(e)))?;
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                let _ = monitor_unsubscribe(sub.id).await;
-                return Err(runc::error::Error::ProcessSpawnFailed(e));
+    async fn execute(&self, cmd: Command) -> runc::Result<(ExitStatus, u32, String, String)> {
+        let ran = execute_within(cmd, None).await?;
+        Ok((ran.status, ran.pid, ran.stdout, ran.stderr))
+    }
+}
+
+/// How a program run by [`execute_within`] ended.
+struct Ran {
+    status: ExitStatus,
+    pid: u32,
+    stdout: String,
+    stderr: String,
+    /// It ran past its time limit and was killed.
+    timed_out: bool,
+}
+
+/// Spawns `cmd` and waits for it through the exit monitor; past `limit` (if any) it is killed (SIGKILL) and
+/// waited for.
+async fn execute_within(mut cmd: Command, limit: Option<std::time::Duration>) -> runc::Result<Ran> {
+    let mut sub = monitor_subscribe(Topic::Pid)
+        .await
+        .map_err(|e| runc::error::Error::Other(Box::new(e)))?;
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = monitor_unsubscribe(sub.id).await;
+            return Err(runc::error::Error::ProcessSpawnFailed(e));
+        }
+    };
+    // `cmd` may hold fds meant for the child (stdio pipes): drop them now so EOF can come.
+    drop(cmd);
+    let pid = child.id().unwrap_or_default();
+    reaper::register_command(pid as i32);
+    let wait = async {
+        while let Some(ev) = sub.rx.recv().await {
+            if let Subject::Pid(p) = ev.subject
+                && p == pid as i32
+            {
+                return ev.exit_code;
             }
-        };
-        // `cmd` may hold fds meant for the child (stdio pipes): drop them now so EOF can come.
-        drop(cmd);
-        let pid = child.id().unwrap_or_default();
-        reaper::register_command(pid as i32);
-        let wait = async {
-            while let Some(ev) = sub.rx.recv().await {
-                if let Subject::Pid(p) = ev.subject
-                    && p == pid as i32
-                {
-                    return ev.exit_code;
-                }
-            }
-            -1
-        };
-        let (stdout, stderr, code) = tokio::join!(
+        }
+        -1
+    };
+    let outputs = async {
+        tokio::join!(
             read_all(child.stdout.take()),
             read_all(child.stderr.take()),
             wait
-        );
-        let _ = monitor_unsubscribe(sub.id).await;
-        // Its exit may have come before it was registered: drop the entry either way.
-        reaper::forget(pid as i32);
-        Ok((exit_status_from_code(code), pid, stdout, stderr))
-    }
+        )
+    };
+    tokio::pin!(outputs);
+    let mut timed_out = false;
+    let (stdout, stderr, code) = match limit {
+        None => outputs.await,
+        Some(limit) => match tokio::time::timeout(limit, &mut outputs).await {
+            Ok(done) => done,
+            Err(_) => {
+                timed_out = true;
+                // Killed, it exits and closes its pipes (the monitor still reports its exit).
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+                outputs.await
+            }
+        },
+    };
+    let _ = monitor_unsubscribe(sub.id).await;
+    // Its exit may have come before it was registered: drop the entry either way.
+    reaper::forget(pid as i32);
+    Ok(Ran {
+        status: exit_status_from_code(code),
+        pid,
+        stdout,
+        stderr,
+        timed_out,
+    })
 }
 
 /// Builds the runc client for a container from its global flags.
@@ -156,22 +198,39 @@ pub fn runc_client(global: &RuncGlobal) -> Result<Runc> {
     })
 }
 
+/// What became of a program the shim ran ([`run_program`]).
+#[derive(Debug)]
+pub enum ProgramError {
+    /// It could not be run.
+    Spawn(String),
+    /// It ran past its time limit and was killed; what it had printed.
+    TimedOut {
+        /// Its stdout and stderr.
+        output: String,
+    },
+}
+
 /// Runs any program the shim needs (cuda-checkpoint) through [`ShimExecutor`], so the reaper never steals
-/// its exit status: its status, stdout and stderr, or what made it fail to run.
+/// its exit status: its status, stdout and stderr, or what made it fail to run. Past `limit` it is killed.
 pub async fn run_program(
     binary: &Path,
     args: &[String],
-) -> std::result::Result<(ExitStatus, String, String), String> {
+    limit: Option<std::time::Duration>,
+) -> std::result::Result<(ExitStatus, String, String), ProgramError> {
     let mut cmd = Command::new(binary);
     cmd.args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    ShimExecutor
-        .execute(cmd)
+    let ran = execute_within(cmd, limit)
         .await
-        .map(|(status, _pid, stdout, stderr)| (status, stdout, stderr))
-        .map_err(|e| e.to_string())
+        .map_err(|e| ProgramError::Spawn(e.to_string()))?;
+    if ran.timed_out {
+        return Err(ProgramError::TimedOut {
+            output: format!("{}{}", ran.stdout.trim(), ran.stderr.trim()),
+        });
+    }
+    Ok((ran.status, ran.stdout, ran.stderr))
 }
 
 /// Runs `binary args...` (a runc subcommand the runc crate does not cover) through the

@@ -211,42 +211,19 @@ impl TaskService {
         if req.exec_id.is_empty() {
             self.wait_gpu_free(&c).await?;
         }
-        let restoring = c.procs.lock().await.init.restore.clone();
-        let gate = c.event_gate.lock().await;
         let (pid, early) = if req.exec_id.is_empty() {
-            let (pid, early) = c.start_init(&exits).await?;
-            self.shared.events.start(&req.id, pid).await;
-            // A restored init gets its pid (and so its memory cgroup) only now.
-            self.watch_oom(&c, pid);
-            let control_socket = self.control_socket(&c.settings);
-            self.shared.gpu.container_started(&GpuContainer {
-                id: &req.id,
-                namespace: &self.shared.namespace,
-                init_pid: pid,
-                settings: &c.settings,
-                control_socket: control_socket.as_deref(),
-                preemption: None,
-            });
-            if let Some(criu) = restoring
-                && let Err(e) = crate::preempt::restore_cuda_after_runc_restore(
-                    &c,
-                    Path::new(&criu.image_path),
-                    pid,
-                )
-                .await
-            {
-                tracing::warn!(id = %req.id, "restoring the CUDA processes after runc restore: {e}");
-            }
-            (pid, early)
+            self.start_init(&c, &req.id, &exits).await?
         } else {
-            let (pid, early) = c.start_exec(&req.exec_id, &exits).await?;
+            // runc runs outside the gate: a second exec, or the init's exit, never waits on this one's runc.
+            let started = c.run_exec(&req.exec_id).await?;
+            let _gate = c.event_gate.lock().await;
+            let (pid, early) = c.commit_exec(&req.exec_id, started, &exits).await?;
             self.shared
                 .events
                 .exec_started(&req.id, &req.exec_id, pid)
                 .await;
             (pid, early)
         };
-        drop(gate);
         if let Some(exit) = early {
             self.spawn_exit(c.id.clone(), req.exec_id.clone(), exit);
         }
@@ -254,6 +231,38 @@ impl TaskService {
             pid,
             ..Default::default()
         })
+    }
+
+    /// Starts (or restores) the init under the event gate and publishes TaskStart.
+    async fn start_init(
+        &self,
+        c: &Arc<Container>,
+        id: &str,
+        exits: &ExitSubscription,
+    ) -> Result<(u32, Option<crate::reaper::Exit>)> {
+        let restoring = c.procs.lock().await.init.restore.clone();
+        let _gate = c.event_gate.lock().await;
+        let (pid, early) = c.start_init(exits).await?;
+        self.shared.events.start(id, pid).await;
+        // A restored init gets its pid (and so its memory cgroup) only now.
+        self.watch_oom(c, pid);
+        let control_socket = self.control_socket(&c.settings);
+        self.shared.gpu.container_started(&GpuContainer {
+            id,
+            namespace: &self.shared.namespace,
+            init_pid: pid,
+            settings: &c.settings,
+            control_socket: control_socket.as_deref(),
+            preemption: None,
+        });
+        if let Some(criu) = restoring
+            && let Err(e) =
+                crate::preempt::restore_cuda_after_runc_restore(c, Path::new(&criu.image_path), pid)
+                    .await
+        {
+            tracing::warn!(id, "restoring the CUDA processes after runc restore: {e}");
+        }
+        Ok((pid, early))
     }
 
     async fn do_delete(&self, req: DeleteRequest) -> Result<DeleteResponse> {
@@ -366,7 +375,7 @@ impl Task for TaskService {
     }
 
     async fn pause(&self, _: &TtrpcContext, req: PauseRequest) -> TtrpcResult<Empty> {
-        self.container(&req.id)?.set_paused(true).await?;
+        self.container(&req.id)?.pause_by_user().await?;
         self.shared.events.paused(&req.id).await;
         Ok(Empty::new())
     }

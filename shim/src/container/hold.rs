@@ -1,12 +1,15 @@
 //! Freezes the node agent's co-runner controller asks for ("holds"), kept apart from the user's Task
 //! Pause: containerd still sees the container running, a user's Pause always wins (a hold's release never
 //! thaws a container the user paused, or a parked one), and a hold never outlives its bounds:
-//! - a lease: the agent renews a hold by asking again; one not renewed in time is released by the shim;
+//! - a lease: the agent renews a hold (`renew`); one not renewed in time is released by the shim. A renewal
+//!   never creates a hold: a renewal of a hold that ended (for an exec, a kill, a lapse) answers "not frozen";
 //! - its connection: when the agent's connection to this shim ends (the agent died or restarted), the holds
 //!   it made are released;
 //! - a kill or an exec releases the hold first (the v1 freezer keeps fatal signals from a frozen task, and
 //!   runc refuses to exec into a frozen container), and so does a preemption (cuda-checkpoint needs the
-//!   processes' restore threads), during which no hold is taken.
+//!   processes' restore threads), during which no hold is taken;
+//! - no new hold while an exec starts or a fatal signal is sent (the guard of [`Container::block_holds`]),
+//!   nor for [`KILL_GRACE`] after a SIGTERM or SIGKILL of the init: a container told to stop gets to stop.
 use std::{
     sync::{Arc, Weak},
     time::Duration,
@@ -32,16 +35,61 @@ pub struct Hold {
     pub generation: u64,
 }
 
+/// The controller's hold of a container, and what keeps a new one from being taken.
+#[derive(Debug, Default)]
+pub struct HoldSlot {
+    /// The hold in force.
+    current: Option<Hold>,
+    /// A hold is being taken (its freeze runs, under `init_op`).
+    freezing: bool,
+    /// Exec starts and signals in flight ([`HoldBlock`]s): no new hold meanwhile.
+    blockers: u32,
+    /// The init was told to stop (SIGTERM, SIGKILL): no new hold before this.
+    stopping_until: Option<Instant>,
+}
+
+impl HoldSlot {
+    /// Why no new hold may be taken now, if so.
+    fn refusal(&self) -> Option<&'static str> {
+        if self.blockers > 0 {
+            return Some("not frozen: an exec is starting in it, or a signal is being sent to it");
+        }
+        if self.stopping_until.is_some_and(|t| Instant::now() < t) {
+            return Some("not frozen: it was told to stop (SIGTERM or SIGKILL)");
+        }
+        None
+    }
+}
+
+/// How long after a SIGTERM or SIGKILL of its init a container is not frozen again, so that it stops
+/// promptly (a graceful shutdown runs at full speed); after it, a container that ignored the signal is
+/// controlled again.
+pub const KILL_GRACE: Duration = Duration::from_secs(30);
+
+/// While alive, no new hold is taken of its container (see [`Container::block_holds`]).
+pub struct HoldBlock<'a> {
+    c: &'a Container,
+}
+
+impl Drop for HoldBlock<'_> {
+    fn drop(&mut self) {
+        let mut slot = lock(&self.c.hold);
+        slot.blockers = slot.blockers.saturating_sub(1);
+    }
+}
+
 /// Numbers the holds, so that a lease watcher only ever watches its own.
 static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl Container {
     /// Freezes the container for the controller of connection `conn`, or renews its hold; `lease`: lapse
-    /// after this long unless renewed.
+    /// after this long unless renewed. A `renew` of a hold that is gone creates none: the reply says it is
+    /// not frozen (and why), and so does a freeze while an exec starts or a kill is sent.
     pub async fn hold(
         self: &Arc<Self>,
         conn: u64,
         lease: Option<Duration>,
+        renew: bool,
     ) -> Result<FreezerReply> {
         let _op = self.init_op.lock().await;
         // cuda-checkpoint needs the processes' restore threads running: no hold while a preemption runs
@@ -66,31 +114,53 @@ impl Container {
                 });
             }
         }
-        let renewed = {
-            let mut hold = lock(&self.hold);
-            match hold.as_mut() {
-                Some(h) => {
-                    h.conn = conn;
-                    h.deadline = deadline;
-                    true
-                }
-                None => false,
+        {
+            let mut slot = lock(&self.hold);
+            if let Some(h) = slot.current.as_mut() {
+                h.conn = conn;
+                h.deadline = deadline;
+                return Ok(self.freezer_reply(true, 0, None));
             }
-        };
-        if renewed {
-            return Ok(self.freezer_reply(true, 0, None));
+            if renew {
+                let note = "not frozen: the hold is gone (it ended for an exec, a kill, a user's pause or \
+                            resume, or its lease lapsed): freeze again to take a new one";
+                return Ok(self.freezer_reply(false, 0, Some(note.to_owned())));
+            }
+            if let Some(why) = slot.refusal() {
+                return Ok(self.freezer_reply(false, 0, Some(why.to_owned())));
+            }
+            slot.freezing = true;
         }
-        let latency = self.freeze_cgroup(true).await?;
+        let frozen = self.freeze_cgroup(true).await;
+        let mut slot = lock(&self.hold);
+        slot.freezing = false;
+        let latency = frozen?;
         let generation = GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        *lock(&self.hold) = Some(Hold {
+        slot.current = Some(Hold {
             conn,
             deadline,
             generation,
         });
+        drop(slot);
         if deadline.is_some() {
             tokio::spawn(watch_lease(Arc::downgrade(self), generation));
         }
         Ok(self.freezer_reply(true, nanos(latency), None))
+    }
+
+    /// No new hold is taken while the returned guard lives; the hold in force (or being taken) ends now.
+    /// For an exec start (runc refuses to exec into a frozen container, and a process joining one hangs)
+    /// and for a fatal signal (the v1 freezer keeps it from a frozen task).
+    pub(crate) async fn block_holds(&self, what: &str) -> HoldBlock<'_> {
+        lock(&self.hold).blockers += 1;
+        let block = HoldBlock { c: self };
+        self.end_hold_for(what).await;
+        block
+    }
+
+    /// The init was told to stop: no new hold for [`KILL_GRACE`].
+    pub(crate) fn stopping(&self) {
+        lock(&self.hold).stopping_until = Some(Instant::now() + KILL_GRACE);
     }
 
     /// Thaws a container the controller froze (`conn`: only if that connection holds it); a container
@@ -98,9 +168,9 @@ impl Container {
     pub async fn release_hold(&self, conn: Option<u64>, why: &str) -> Result<FreezerReply> {
         let _op = self.init_op.lock().await;
         let held = {
-            let mut hold = lock(&self.hold);
-            match *hold {
-                Some(h) if conn.is_none_or(|c| c == h.conn) => hold.take().is_some(),
+            let mut slot = lock(&self.hold);
+            match slot.current {
+                Some(h) if conn.is_none_or(|c| c == h.conn) => slot.current.take().is_some(),
                 _ => false,
             }
         };
@@ -118,28 +188,32 @@ impl Container {
 
     /// Whether connection `conn` holds the container frozen.
     pub fn held_by(&self, conn: u64) -> bool {
-        lock(&self.hold).is_some_and(|h| h.conn == conn)
+        lock(&self.hold).current.is_some_and(|h| h.conn == conn)
     }
 
     /// Whether the controller holds it frozen.
     pub fn is_held(&self) -> bool {
-        lock(&self.hold).is_some()
+        lock(&self.hold).current.is_some()
     }
 
     /// The user paused or resumed it: the controller's hold (if any) is over, the cgroup left as it is.
     pub(super) fn forget_hold(&self) {
-        lock(&self.hold).take();
+        lock(&self.hold).current.take();
     }
 
     /// Before a kill or an exec, and when the user pauses or resumes: the controller's hold ends (the
     /// user's word is the latest; the controller freezes again when it next decides).
     pub(crate) async fn end_hold_for(&self, what: &str) {
-        if !self.is_held() {
-            return;
+        {
+            let slot = lock(&self.hold);
+            if slot.current.is_none() && !slot.freezing {
+                return;
+            }
         }
+        // A hold being taken is in force once `init_op` is ours.
         let _op = self.init_op.lock().await;
         let paused = self.procs.lock().await.init.state == State::Paused;
-        let taken = lock(&self.hold).take().is_some();
+        let taken = lock(&self.hold).current.take().is_some();
         if taken && !paused {
             if let Err(e) = self.freeze_cgroup(false).await {
                 tracing::warn!(id = %self.id, "thawing the controller's hold before {what}: {e}");
@@ -180,7 +254,7 @@ async fn watch_lease(weak: Weak<Container>, generation: u64) {
             let Some(c) = weak.upgrade() else { return };
             let Some(Hold {
                 deadline: Some(d), ..
-            }) = mine(&lock(&c.hold))
+            }) = mine(&lock(&c.hold).current)
             else {
                 return;
             };
@@ -188,8 +262,8 @@ async fn watch_lease(weak: Weak<Container>, generation: u64) {
         };
         tokio::time::sleep_until(deadline).await;
         let Some(c) = weak.upgrade() else { return };
-        let lapsed =
-            mine(&lock(&c.hold)).is_some_and(|h| h.deadline.is_some_and(|d| d <= Instant::now()));
+        let lapsed = mine(&lock(&c.hold).current)
+            .is_some_and(|h| h.deadline.is_some_and(|d| d <= Instant::now()));
         if lapsed {
             tracing::warn!(
                 id = %c.id,

@@ -88,6 +88,35 @@ impl Container {
         Ok(())
     }
 
+    /// The user's Task Pause: refused while cuda-checkpoint runs in the container (a park, a resume, a Task
+    /// Checkpoint, a restore after runc restore), since a frozen process cannot answer it and the operation,
+    /// and the container, would hang.
+    pub async fn pause_by_user(&self) -> Result<()> {
+        let _no_preemption = self
+            .preempt_op
+            .try_lock()
+            .map_err(|_| ShimError::FailedPrecondition {
+                id: self.id.clone(),
+                action: "pause",
+                state: "parking, resuming or checkpointing its CUDA processes (cuda-checkpoint runs in \
+                        it and cannot while it is frozen): pause it once that is done"
+                    .into(),
+            })?;
+        self.set_paused(true).await
+    }
+
+    /// After cuda-checkpoint timed out: thaws the container's cgroup (frozen by someone else meanwhile, or
+    /// not at all) unless the user paused it, so that what rolls back can run.
+    pub(crate) async fn thaw_for_rollback(&self) {
+        let _op = self.init_op.lock().await;
+        if self.procs.lock().await.init.state == State::Paused {
+            return;
+        }
+        if let Err(e) = self.freeze_cgroup(false).await {
+            tracing::warn!(id = %self.id, "thawing for the rollback: {e}");
+        }
+    }
+
     /// `v1` or `v2`, or `runc` where runc freezes it.
     async fn freezer_version(&self) -> String {
         self.cgroup_freezer()

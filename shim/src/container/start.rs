@@ -49,6 +49,11 @@ impl StdioSetup {
     }
 }
 
+/// What `runc exec` of an exec process gave (its pid and copies, or the error), to commit.
+pub struct StartedExec {
+    started: Result<(u32, Attached)>,
+}
+
 /// The copies of a started process, made before they are committed to its table entry.
 struct Attached {
     console: Option<Console>,
@@ -219,21 +224,30 @@ impl Container {
         Ok(())
     }
 
-    /// Starts exec process `exec_id` (`runc exec --detach`) without holding the process table
-    /// across runc. Returns its pid and, when it already died, its exit (to publish after
-    /// TaskExecStarted).
-    pub async fn start_exec(
-        &self,
-        exec_id: &str,
-        exits: &ExitSubscription,
-    ) -> Result<(u32, Option<Exit>)> {
-        // runc refuses to exec into a frozen cgroup: the controller's hold gives way to the user's exec.
-        self.end_hold_for("an exec").await;
+    /// Runs `runc exec --detach` of exec process `exec_id`, holding neither the process table nor the
+    /// event gate across runc: a second exec of the container, its Kill, State and its init's exit go on
+    /// while this one's runc is slow or stuck. Its outcome goes to [`Self::commit_exec`].
+    pub async fn run_exec(&self, exec_id: &str) -> Result<StartedExec> {
+        // runc refuses to exec into a frozen container: the controller's hold gives way, and no new one is
+        // taken until runc is done.
+        let _no_hold = self.block_holds("an exec").await;
         let (spec, stdio, io, stdin) = self.begin_exec(exec_id).await?;
         let started = self.runc_exec(exec_id, &spec, &stdio, &io, &stdin).await;
+        Ok(StartedExec { started })
+    }
+
+    /// Commits the outcome of [`Self::run_exec`] to exec `exec_id`: its pid and copies, or back to created.
+    /// Called under the event gate, so that its exit (registered here) comes after its TaskExecStarted.
+    /// Returns its pid and, when it already died, its exit.
+    pub async fn commit_exec(
+        &self,
+        exec_id: &str,
+        started: StartedExec,
+        exits: &ExitSubscription,
+    ) -> Result<(u32, Option<Exit>)> {
         let mut procs = self.procs.lock().await;
         let p = procs.get_mut(&self.id, exec_id)?;
-        match started {
+        match started.started {
             Ok((pid, attached)) => {
                 commit(p, attached);
                 p.pid = pid;

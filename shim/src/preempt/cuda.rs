@@ -10,7 +10,7 @@ use std::{
     time::Duration,
 };
 
-use crate::runtime;
+use crate::runtime::{self, ProgramError};
 
 pub use baton_nvidia::cuda_checkpoint::Action;
 
@@ -36,6 +36,21 @@ pub enum CudaError {
         /// Its exit status.
         status: String,
         /// What it printed.
+        output: String,
+    },
+    /// It ran past `cuda_checkpoint_timeout` and was stopped.
+    #[error(
+        "cuda-checkpoint --action {action} --pid {pid} did not finish within {after:?} \
+         (cuda_checkpoint_timeout): stopped it{output}"
+    )]
+    TimedOut {
+        /// The action.
+        action: &'static str,
+        /// The process.
+        pid: u32,
+        /// The limit it ran past.
+        after: Duration,
+        /// What it had printed (": ..." or empty).
         output: String,
     },
     /// The pid is not a process of the container.
@@ -64,7 +79,9 @@ impl CudaError {
     /// The process the error concerns, if one.
     pub fn pid(&self) -> Option<u32> {
         match self {
-            CudaError::Failed { pid, .. } | CudaError::NotInContainer { pid, .. } => Some(*pid),
+            CudaError::Failed { pid, .. }
+            | CudaError::TimedOut { pid, .. }
+            | CudaError::NotInContainer { pid, .. } => Some(*pid),
             _ => None,
         }
     }
@@ -74,6 +91,8 @@ impl CudaError {
 #[derive(Clone, Debug)]
 pub struct CudaCheckpoint {
     path: PathBuf,
+    /// How long one run may take before it is stopped.
+    limit: Option<Duration>,
     scope: Option<Scope>,
 }
 
@@ -141,10 +160,23 @@ impl CudaCheckpoint {
             })
         };
         found
-            .map(|path| Self { path, scope: None })
+            .map(|path| Self {
+                path,
+                limit: None,
+                scope: None,
+            })
             .ok_or(CudaError::NotFound {
                 path: configured.to_path_buf(),
             })
+    }
+
+    /// The same program, each run stopped (and failed) after `limit`: a wedged process, or one frozen
+    /// meanwhile, never holds a preemption for good.
+    pub fn within(self, limit: Duration) -> Self {
+        Self {
+            limit: Some(limit),
+            ..self
+        }
     }
 
     /// The same program, acting only on processes of container `container` (id), whose init is `init`.
@@ -181,7 +213,7 @@ impl CudaCheckpoint {
             args.push("--timeout".to_owned());
             args.push(t.as_millis().to_string());
         }
-        let (status, stdout, stderr) = self.exec(&args).await?;
+        let (status, stdout, stderr) = self.exec(action.name(), pid, &args).await?;
         if status.success() {
             return Ok(());
         }
@@ -201,7 +233,7 @@ impl CudaCheckpoint {
             "--pid".to_owned(),
             pid.to_string(),
         ];
-        let (status, stdout, stderr) = self.exec(&args).await?;
+        let (status, stdout, stderr) = self.exec("get-state", pid, &args).await?;
         if status.success() {
             return Ok(stdout.trim().to_owned());
         }
@@ -215,13 +247,27 @@ impl CudaCheckpoint {
 
     async fn exec(
         &self,
+        action: &'static str,
+        pid: u32,
         args: &[String],
     ) -> Result<(std::process::ExitStatus, String, String), CudaError> {
-        runtime::run_program(&self.path, args)
+        runtime::run_program(&self.path, args, self.limit)
             .await
-            .map_err(|message| CudaError::Spawn {
-                path: self.path.clone(),
-                message,
+            .map_err(|e| match e {
+                ProgramError::Spawn(message) => CudaError::Spawn {
+                    path: self.path.clone(),
+                    message,
+                },
+                ProgramError::TimedOut { output } => CudaError::TimedOut {
+                    action,
+                    pid,
+                    after: self.limit.unwrap_or_default(),
+                    output: if output.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {output}")
+                    },
+                },
             })
     }
 }

@@ -69,6 +69,8 @@ pub async fn restore_cuda_after_runc_restore(c: &Container, image: &Path, init: 
     if pids.is_empty() {
         return Ok(());
     }
+    // No Task Pause while cuda-checkpoint runs in it.
+    let _op = c.preempt_op.lock().await;
     let cuda = c.cuda_checkpoint(init)?;
     let mut steps = Steps::new(
         baton_agent_api::ContainerRef {

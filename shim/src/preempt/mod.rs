@@ -6,8 +6,12 @@
 //! - **snapshot**: as park up to the release, then `runc checkpoint` (CRIU) of the container.
 //!
 //! No cgroup is ever frozen while a lock, checkpoint or restore runs in it (cuda-checkpoint needs the
-//! process's restore thread to run). A failed step undoes what was done (restore what was checkpointed,
-//! unlock what was locked, thaw) and the error names the pid and what cuda-checkpoint printed.
+//! process's restore thread to run): the controller takes no hold, and Task Pause is refused, meanwhile.
+//! Each cuda-checkpoint run is stopped after `cuda_checkpoint_timeout` (a wedged process never holds a
+//! preemption, or the container, for good). A failed step undoes what was done (thaw after a timeout,
+//! restore what was checkpointed, unlock what was locked) and the error names the pid and what
+//! cuda-checkpoint printed. A resume that fails for some processes leaves those parked (a second resume
+//! retries them) and the others running.
 pub mod cuda;
 mod gpu_checkpoint;
 pub mod state;
@@ -27,6 +31,7 @@ use crate::{
     errors::{Result, ShimError},
     process::State,
 };
+use baton_nvidia::cuda_checkpoint::CudaState;
 use cuda::{Action, CudaCheckpoint, CudaError};
 
 pub use gpu_checkpoint::restore_cuda_after_runc_restore;
@@ -148,10 +153,12 @@ impl Container {
         self.set_preemption(None);
     }
 
-    /// The container's cuda-checkpoint, acting only on processes in the cgroups of its init `init`.
+    /// The container's cuda-checkpoint, acting only on processes in the cgroups of its init `init`, each
+    /// run stopped after `cuda_checkpoint_timeout`.
     fn cuda_checkpoint(&self, init: u32) -> Result<CudaCheckpoint> {
         CudaCheckpoint::find(&self.settings.cuda_checkpoint_path)
             .map(|c| c.confined_to(&self.id, init))
+            .map(|c| c.within(self.settings.cuda_checkpoint_timeout))
             .map_err(|e| ShimError::FailedPrecondition {
                 id: self.id.clone(),
                 action: "preempt",
@@ -272,9 +279,11 @@ impl Container {
     ) -> Result<()> {
         let timeout = Some(self.settings.cuda_lock_timeout);
         let locks = on_all(cuda, Action::Lock, pids, timeout, |_, _| {}).await;
-        let locked = succeeded(&locks);
+        let mut locked = succeeded(&locks);
         if let Some(e) = first_error(&locks) {
             steps.emit(Phase::RollingBack, e.pid(), e.to_string());
+            let (_, late) = self.after_timeouts(cuda, &locks).await;
+            locked.extend(late);
             self.undo(cuda, &[], &locked).await;
             return Err(self.failed("lock", &e));
         }
@@ -288,10 +297,42 @@ impl Container {
         .await;
         if let Some(e) = first_error(&checkpoints) {
             steps.emit(Phase::RollingBack, e.pid(), e.to_string());
-            self.undo(cuda, &succeeded(&checkpoints), pids).await;
+            let mut checkpointed = succeeded(&checkpoints);
+            let (late, _) = self.after_timeouts(cuda, &checkpoints).await;
+            checkpointed.extend(late);
+            self.undo(cuda, &checkpointed, pids).await;
             return Err(self.failed("checkpoint", &e));
         }
         Ok(())
+    }
+
+    /// After runs of cuda-checkpoint that timed out (a wedged process, or one frozen meanwhile): thaws the
+    /// container unless the user paused it (cuda-checkpoint needs the process running), and asks each such
+    /// process where it got to. Returns those now checkpointed, and those now locked.
+    async fn after_timeouts(
+        &self,
+        cuda: &CudaCheckpoint,
+        results: &[(u32, std::result::Result<(), CudaError>)],
+    ) -> (Vec<u32>, Vec<u32>) {
+        let timed_out: Vec<u32> = results
+            .iter()
+            .filter(|(_, r)| matches!(r, Err(CudaError::TimedOut { .. })))
+            .map(|(pid, _)| *pid)
+            .collect();
+        if timed_out.is_empty() {
+            return (Vec::new(), Vec::new());
+        }
+        self.thaw_for_rollback().await;
+        let (mut checkpointed, mut locked) = (Vec::new(), Vec::new());
+        for pid in timed_out {
+            match cuda.state(pid).await.map(|s| CudaState::parse(&s)) {
+                Ok(Some(CudaState::Checkpointed)) => checkpointed.push(pid),
+                Ok(Some(CudaState::Locked)) => locked.push(pid),
+                Ok(_) => {}
+                Err(e) => tracing::error!(id = %self.id, pid, "rollback: {e}"),
+            }
+        }
+        (checkpointed, locked)
     }
 
     async fn freeze_parked(
@@ -384,16 +425,42 @@ impl Container {
             since_ns: now_monotonic_ns(),
             ..parked.clone()
         }));
-        if let Err(e) = self.set_paused(false).await {
-            self.set_preemption(Some(parked));
-            return Err(e);
+        // The hold, if any, ends; a container left running by a resume that failed part-way is not frozen.
+        self.end_hold_for("a resume").await;
+        if self.procs.lock().await.init.state == State::Paused {
+            if let Err(e) = self.set_paused(false).await {
+                self.set_preemption(Some(parked));
+                return Err(e);
+            }
+            steps.emit(Phase::Thawed, None, "");
         }
-        steps.emit(Phase::Thawed, None, "");
-        let outcome = self.restore_and_unlock(&cuda, &parked.pids, steps).await;
-        self.set_preemption(None);
-        outcome?;
-        steps.emit(Phase::Done, None, "resumed");
-        Ok(())
+        let failures = self
+            .restore_and_unlock_each(&cuda, &parked.pids, true, steps)
+            .await;
+        if failures.is_empty() {
+            self.set_preemption(None);
+            steps.emit(Phase::Done, None, "resumed");
+            return Ok(());
+        }
+        // The processes that were not given their GPU back stay parked (a second resume retries them); the
+        // others run.
+        for (pid, e) in &failures {
+            steps.emit(Phase::StillParked, Some(*pid), e.clone());
+        }
+        let failed: Vec<u32> = failures.iter().map(|(pid, _)| *pid).collect();
+        self.set_preemption(Some(PreemptState {
+            state: PreemptPhase::Parked,
+            pids: failed.clone(),
+            since_ns: now_monotonic_ns(),
+            ..parked
+        }));
+        let detail: Vec<&str> = failures.iter().map(|(_, e)| e.as_str()).collect();
+        Err(ShimError::Other(format!(
+            "resume {}: {}; still parked: pid(s) {failed:?} (the others run): `baton resume {}` retries them",
+            self.id,
+            detail.join("; "),
+            self.id
+        )))
     }
 
     /// Restores and unlocks `pids`; returns an error naming those that failed and are still alive.
@@ -403,7 +470,42 @@ impl Container {
         pids: &[u32],
         steps: &mut Steps,
     ) -> Result<()> {
-        let restores = on_all(cuda, Action::Restore, pids, None, |pid, r| {
+        let failures = self.restore_and_unlock_each(cuda, pids, false, steps).await;
+        if failures.is_empty() {
+            return Ok(());
+        }
+        let detail: Vec<String> = failures.into_iter().map(|(_, e)| e).collect();
+        Err(ShimError::Other(format!(
+            "resume {}: {}",
+            self.id,
+            detail.join("; ")
+        )))
+    }
+
+    /// Restores and unlocks `pids` (`ask_first`: each process is asked where it is first, so that one a
+    /// resume left locked is only unlocked); returns each one that failed and is still alive, with why.
+    async fn restore_and_unlock_each(
+        &self,
+        cuda: &CudaCheckpoint,
+        pids: &[u32],
+        ask_first: bool,
+        steps: &mut Steps,
+    ) -> Vec<(u32, String)> {
+        let mut to_restore = pids.to_vec();
+        let mut only_unlock = Vec::new();
+        if ask_first {
+            // Restored already (a resume that failed at the unlock), or given back already: no restore.
+            for &pid in pids {
+                let state = cuda.state(pid).await.map(|s| CudaState::parse(&s));
+                if let Ok(Some(CudaState::Locked | CudaState::Running)) = state {
+                    to_restore.retain(|&p| p != pid);
+                }
+                if let Ok(Some(CudaState::Locked)) = state {
+                    only_unlock.push(pid);
+                }
+            }
+        }
+        let restores = on_all(cuda, Action::Restore, &to_restore, None, |pid, r| {
             if r.is_ok() {
                 steps.emit(Phase::Restored, Some(pid), "");
             }
@@ -416,17 +518,18 @@ impl Container {
                     let detail = self.exit_detail(*pid).await;
                     steps.emit(Phase::Finished, Some(*pid), detail);
                 } else {
-                    failures.push(e.to_string());
+                    failures.push((*pid, e.to_string()));
                 }
             }
         }
-        let restored = succeeded(&restores);
+        let mut restored = succeeded(&restores);
+        restored.extend(only_unlock);
         let unlocks = on_all(cuda, Action::Unlock, &restored, None, |_, _| {}).await;
         for (pid, r) in &unlocks {
             if let Err(e) = r
                 && !process_gone(*pid)
             {
-                failures.push(e.to_string());
+                failures.push((*pid, e.to_string()));
             }
         }
         if !restored.is_empty() {
@@ -436,14 +539,7 @@ impl Container {
                 format!("{} process(es)", restored.len()),
             );
         }
-        if failures.is_empty() {
-            return Ok(());
-        }
-        Err(ShimError::Other(format!(
-            "resume {}: {}",
-            self.id,
-            failures.join("; ")
-        )))
+        failures
     }
 
     /// "exited with status N" for the init (its exit is the shim's), "exited" for another process.

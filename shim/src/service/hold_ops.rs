@@ -15,7 +15,7 @@ impl TaskService {
             Err(error) => return Reply::Error { error },
         };
         match self.target(&r.target) {
-            Ok(c) => reply(c.hold(conn, Some(lease)).await),
+            Ok(c) => reply(c.hold(conn, Some(lease), r.renew).await),
             Err(e) => reply(Err(e)),
         }
     }

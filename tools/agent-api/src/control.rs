@@ -90,6 +90,10 @@ pub struct FreezeRequest {
     /// [`MAX_FREEZE_LEASE_MS`]); a client of the agent leaves it out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_ms: Option<u64>,
+    /// From the agent to a shim: only renew the hold in force; a hold that is gone (it ended for an exec, a
+    /// kill, a user's pause) is not taken again, and the reply says `frozen: false` with why.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub renew: bool,
 }
 
 /// The answer to `freeze` and `thaw`.

@@ -20,6 +20,9 @@ pub const AGENT_SOCKET: &str = "agent_socket";
 pub const AGENT_AUTOSTART: &str = "agent_autostart";
 /// How long cuda-checkpoint's lock of each process may take.
 pub const CUDA_LOCK_TIMEOUT: &str = "cuda_lock_timeout";
+/// How long each cuda-checkpoint run (a checkpoint, a restore) may take before the shim stops it and rolls back
+/// (node only: a tiny one would make a tenant's container impossible to preempt).
+pub const CUDA_CHECKPOINT_TIMEOUT: &str = "cuda_checkpoint_timeout";
 /// Start waits until no other container holds the GPU.
 pub const WAIT_GPU_FREE: &str = "wait-gpu-free";
 /// "latency-critical" | "co-runner".
@@ -33,7 +36,7 @@ pub const LAUNCH_BLOCKING: &str = "launch-blocking";
 pub const SNAPSHOT_DIR: &str = "snapshot_dir";
 
 /// Every Baton key, in TOML and (prefixed with [`ANNOTATION_PREFIX`]) in annotations.
-pub const BATON_KEYS: [&str; 12] = [
+pub const BATON_KEYS: [&str; 13] = [
     EBPF,
     CUDA_CHECKPOINT_PATH,
     FREEZER,
@@ -41,6 +44,7 @@ pub const BATON_KEYS: [&str; 12] = [
     AGENT_SOCKET,
     AGENT_AUTOSTART,
     CUDA_LOCK_TIMEOUT,
+    CUDA_CHECKPOINT_TIMEOUT,
     WAIT_GPU_FREE,
     ROLE,
     YIELDS_TO,
@@ -51,14 +55,16 @@ pub const BATON_KEYS: [&str; 12] = [
 /// The keys only the node's TOML may set, as annotations come from whoever writes the pod spec: they name
 /// programs the shim (root) runs, the agent it trusts or where it writes, or decide what the probes see (a
 /// container that turned `ebpf` off, or moved `trace_prefix` elsewhere, would hold a GPU no other
-/// container's gate sees, and distinct prefixes would use up the probe set's few slots for the whole node).
-pub const NODE_ONLY_KEYS: [&str; 6] = [
+/// container's gate sees, and distinct prefixes would use up the probe set's few slots for the whole node), or
+/// bound a preemption (a tiny `cuda_checkpoint_timeout` would make a container impossible to preempt).
+pub const NODE_ONLY_KEYS: [&str; 7] = [
     CUDA_CHECKPOINT_PATH,
     AGENT_SOCKET,
     AGENT_AUTOSTART,
     SNAPSHOT_DIR,
     EBPF,
     TRACE_PREFIX,
+    CUDA_CHECKPOINT_TIMEOUT,
 ];
 
 /// runc's `Options` keys (Go spelling) that `baton install` copies from the node's runc runtime, so that

@@ -163,6 +163,9 @@ pub enum Phase {
     RollingBack,
     /// A process exited during the operation (`pid`, `detail` has its exit status).
     Finished,
+    /// A resume could not give this process (`pid`) its GPU back (`detail` says why): it stays parked, and
+    /// a second resume retries it.
+    StillParked,
     /// The operation is complete.
     Done,
 }
@@ -185,6 +188,7 @@ impl Phase {
             Phase::GpuAcquired => "GPU acquired",
             Phase::RollingBack => "rolling back",
             Phase::Finished => "finished",
+            Phase::StillParked => "still parked",
             Phase::Done => "done",
         }
     }

@@ -65,6 +65,7 @@ pub async fn freeze(args: FreezeArgs, freeze: bool) -> anyhow::Result<()> {
             target,
             hold_ms: args.hold_ms,
             lease_ms: None,
+            renew: false,
         })
     } else {
         Request::Thaw(target)

@@ -58,6 +58,9 @@ struct Args {
     /// Make this action (lock, checkpoint, restore, unlock) fail without changing anything.
     #[arg(long, value_parser = parse_action)]
     fail_at: Option<Action>,
+    /// The `--fail-at` failure happens the first time only (a retry succeeds).
+    #[arg(long, requires = "fail_at")]
+    fail_once: bool,
     /// On a restore request, exit at once with this code (a job that finished while checkpointed).
     #[arg(long)]
     exit_at_restore: Option<i32>,
@@ -149,6 +152,7 @@ fn restore_options(args: &Args) -> RestoreOptions {
         copy_mib_per_s: args.copy_mib_per_s,
         lock_delay: Duration::from_millis(args.lock_delay_ms),
         fail_at: args.fail_at,
+        fail_once: args.fail_once,
         exit_at_restore: args.exit_at_restore,
         start_checkpointed: args.restored_checkpointed,
         weights_seed: weights::DEFAULT_SEED,

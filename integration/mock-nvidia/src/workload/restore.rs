@@ -26,6 +26,8 @@ pub struct RestoreOptions {
     pub lock_delay: Duration,
     /// This action answers an injected failure and changes nothing.
     pub fail_at: Option<Action>,
+    /// The injected failure happens once; the action then works.
+    pub fail_once: bool,
     /// A restore request makes the process exit at once with this code.
     pub exit_at_restore: Option<i32>,
     /// Seed of the weights.
@@ -148,6 +150,9 @@ impl RestoreThread {
             ));
         }
         if self.options.fail_at == Some(action) {
+            if self.options.fail_once {
+                self.options.fail_at = None;
+            }
             return Err(format!("mock failure injected at {action}"));
         }
         match request {

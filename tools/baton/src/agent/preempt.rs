@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use baton_agent_api::{
     Client, ContainerRef, EventBody, HandoffOrder, HandoffRequest, Outcome, PROTOCOL_VERSION,
-    Phase, PreemptRequest, Reply, Request, Step, StepLine, Target,
+    Phase, PreemptPhase, PreemptRequest, PreemptState, Reply, Request, Step, StepLine, Target,
 };
 use tokio::{
     net::unix::OwnedWriteHalf,
@@ -386,11 +386,25 @@ pub async fn forward(
     }
     let outcome = call.outcome().await;
     if outcome.is_err() && is_resume {
-        // A failed resume leaves the container thawed and no longer parked (the shim says which pids
-        // failed), except when the thaw itself failed, which the next attempt reports again.
+        // A failed resume leaves parked only the processes it could not give their GPU back (the shim's
+        // `still_parked` steps; a second resume retries them), and the others running.
+        let still: Vec<u32> = timeline
+            .steps
+            .iter()
+            .filter(|s| s.phase == Phase::StillParked)
+            .filter_map(|s| s.pid)
+            .collect();
+        let preemption = match (still.is_empty(), r.preemption.clone()) {
+            (false, Some(p)) => Some(PreemptState {
+                state: PreemptPhase::Parked,
+                pids: still,
+                ..p
+            }),
+            _ => None,
+        };
         ctx.set_preemption(&Outcome {
             container: r.container.clone(),
-            preemption: None,
+            preemption,
             steps: Vec::new(),
         })
         .await;

@@ -71,10 +71,14 @@ impl Link {
                 () = sleep_until_opt(renew) => None,
             };
             let Some(first) = first else {
-                // Renew the lease; a failure is reported like any other.
-                if let Err(e) = self.call(true).await {
-                    frozen = false;
-                    let _ = reports.send(self.report(Err(e), true));
+                // Renew the lease. A renewal never freezes again: a hold that ended (for an exec or a kill)
+                // is reported thawed, and a failure is reported like any other.
+                match self.call(true, true).await {
+                    Ok(r) if r.frozen => {}
+                    result => {
+                        frozen = false;
+                        let _ = reports.send(self.report(result, true));
+                    }
                 }
                 continue;
             };
@@ -85,7 +89,7 @@ impl Link {
                 want = w.frozen;
                 answers.extend(w.answer);
             }
-            let result = self.call(want).await;
+            let result = self.call(want, false).await;
             frozen = want && result.as_ref().is_ok_and(|r| r.frozen);
             for a in answers {
                 let _ = a.send(result.clone());
@@ -102,13 +106,15 @@ impl Link {
         }
     }
 
-    /// Sends one freeze or thaw, connecting first if need be (once more after a broken connection).
-    async fn call(&mut self, freeze: bool) -> Result<FreezerReply, String> {
+    /// Sends one freeze (`renew`: of the hold in force only) or thaw, connecting first if need be (once more
+    /// after a broken connection).
+    async fn call(&mut self, freeze: bool, renew: bool) -> Result<FreezerReply, String> {
         let request = if freeze {
             Request::Freeze(FreezeRequest {
                 target: Target::exact(&self.container),
                 hold_ms: None,
                 lease_ms: Some(u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX)),
+                renew,
             })
         } else {
             Request::Thaw(Target::exact(&self.container))
