@@ -1,6 +1,7 @@
 //! Holders the probes cannot see, end to end (real containerd, runc, the Baton shim and agent, the FUSE mock
-//! driver, the kernel): a file passed over a unix socket with SCM_RIGHTS, a file taken with pidfd_getfd, a
-//! mapping kept after its fd was closed, and a container Baton does not watch. Each keeps the container
+//! driver, the kernel): a file passed over a unix socket with SCM_RIGHTS, a file taken with pidfd_getfd, an fd
+//! table shared with clone(CLONE_FILES), a file registered in io_uring, a mapping kept after its fd was
+//! closed, and a container Baton does not watch. Each keeps the container
 //! "held" (no `released` event) or the GPU-free gate shut until the hidden holder lets go; then the release
 //! comes, or the gate opens. The agent reads /proc before it publishes a release or opens a gate.
 #![allow(
@@ -104,6 +105,27 @@ fn a_file_taken_with_pidfd_getfd_keeps_the_container_held_until_the_taker_closes
     let before = h.num("stamp").unwrap();
     let t = h.num(&format!("close {mine}")).unwrap();
     expect_release_after(&mut w, "pidfd", before, t);
+}
+
+#[test]
+fn a_file_table_shared_with_clone_files_keeps_the_container_held_after_the_opener_exits() {
+    let Some(rig) = Rig::start("hidden-clone-files") else {
+        return;
+    };
+    let mut h = rig.holder("sharer");
+    let mut w = rig.watch("sharer");
+    // A child that shares the holder's fd table: what it opens, the holder has too, unseen by the probes.
+    let child = h.num("clone-files").unwrap();
+    let fd = h.num(&format!("child-open {child} nvidiactl")).unwrap();
+    expect_transition(&mut w, "sharer", "acquired");
+    let opener = fd_holders(&rig, "sharer");
+    assert_eq!(opener.len(), 1, "{}", rig.status("sharer"));
+    // The opener exits; the table, and the file, live on in the holder.
+    h.num(&format!("child-exit-now {child}")).unwrap();
+    expect_still_held_by_another(&rig, &mut w, "sharer", opener[0]);
+    let before = h.num("stamp").unwrap();
+    let t = h.num(&format!("close {fd}")).unwrap();
+    expect_release_after(&mut w, "sharer", before, t);
 }
 
 #[test]

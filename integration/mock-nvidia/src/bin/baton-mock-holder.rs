@@ -15,7 +15,8 @@
 //! any open, driven over a socket pair: `workload::receiver`) -> `ok PID`; `send-fd PID FD` (FD passed to it
 //! with SCM_RIGHTS) -> `ok N`; `child-open PID NAME` -> `ok FD` (of the child); `child-close PID` (the child
 //! closes all it holds) -> `ok T`; `grab-fd PID FD` (pidfd_getfd of the child's FD) -> `ok NEWFD`; `ring-file FD`
-//! (FD registered as a fixed file of a new io_uring) -> `ok RINGFD`; `exec-map PATH` (re-executes; the new program maps PATH before anything else) ->
+//! (FD registered as a fixed file of a new io_uring) -> `ok RINGFD`; `clone-files` (a receiver child that
+//! shares this process's fd table) -> `ok PID`; `child-exit-now PID` (the child exits, reaped) -> `ok T`; `exec-map PATH` (re-executes; the new program maps PATH before anything else) ->
 //! `ok T ADDR`.
 use std::{
     collections::HashMap,
@@ -189,6 +190,20 @@ impl Holder {
                 let pid = r.pid;
                 self.receivers.insert(pid, r);
                 pid.to_string()
+            }
+            "clone-files" => {
+                let r = Receiver::clone_files(&self.dev_dir)?;
+                let pid = r.pid;
+                self.receivers.insert(pid, r);
+                pid.to_string()
+            }
+            "child-exit-now" => {
+                let pid = num(1)? as i32;
+                self.receivers
+                    .remove(&pid)
+                    .ok_or_else(|| anyhow!("no receiver child {pid}"))?
+                    .exit()?;
+                now_ns().to_string()
             }
             "send-fd" => self.receiver(num(1)?)?.send_fd(num(2)? as RawFd)?,
             "child-open" => self.receiver(num(1)?)?.ask(&format!("open {}", arg(2)?))?,

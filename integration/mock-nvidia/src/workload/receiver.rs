@@ -7,7 +7,8 @@
 //! NAME` (-> `ok FD`), `close` (closes every fd it holds -> `ok T`, CLOCK_MONOTONIC ns after the last close
 //! returned), `exit`.
 //!
-//! Fork it before the process starts threads: the child allocates.
+//! Fork it before the process starts threads: the child allocates. [`Receiver::clone_files`] makes a child that
+//! shares the fd table instead (what it opens, its parent holds too).
 use std::{
     io::{IoSlice, IoSliceMut},
     os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
@@ -57,6 +58,54 @@ impl Receiver {
                 socket: mine,
             }),
         }
+    }
+
+    /// Like [`Receiver::fork`], but the child shares this process's fd table (`clone(CLONE_FILES)` without
+    /// CLONE_THREAD: two processes, one table): what either opens or closes, both have or lose, and the
+    /// table lives until both are gone.
+    pub fn clone_files(dev_dir: &Path) -> anyhow::Result<Self> {
+        let (mine, theirs) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )?;
+        let flags = (libc::CLONE_FILES | libc::SIGCHLD) as libc::c_ulong;
+        // SAFETY: clone without CLONE_VM and with no new stack returns twice like fork (the child runs on a
+        // copy of this stack); the caller clones before starting threads (module doc).
+        let pid = unsafe { libc::syscall(libc::SYS_clone, flags, 0usize, 0usize, 0usize, 0usize) };
+        match pid {
+            -1 => bail!("clone(CLONE_FILES): {}", std::io::Error::last_os_error()),
+            0 => {
+                // One table: closing either end here would close it for the parent too.
+                serve(&theirs, dev_dir);
+                // SAFETY: leaves at once without running the parent's atexit handlers or destructors.
+                unsafe { libc::_exit(0) }
+            }
+            child => {
+                // The child's end is the parent's too (one table): keep it open as long as this process.
+                std::mem::forget(theirs);
+                Ok(Self {
+                    pid: child as i32,
+                    socket: mine,
+                })
+            }
+        }
+    }
+
+    /// Tells the child to exit, and reaps it.
+    pub fn exit(self) -> anyhow::Result<()> {
+        sendmsg::<()>(
+            self.socket.as_raw_fd(),
+            &[IoSlice::new(b"exit")],
+            &[],
+            MsgFlags::empty(),
+            None,
+        )?;
+        nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(self.pid), None)?;
+        // With a shared table the socket is the child's too; leave it be (it goes with this process).
+        std::mem::forget(self.socket);
+        Ok(())
     }
 
     /// Passes `fd` to the child with SCM_RIGHTS; the number of fds it holds then.
