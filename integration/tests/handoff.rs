@@ -124,3 +124,51 @@ fn overlapped_handoff_starts_the_server_on_the_release_sequential_after_the_free
     let (_, err, ok) = rig.baton(&["handoff", "--from", "server", "--to", "trainer"]);
     assert!(!ok && err.contains("parked already"), "{err}");
 }
+
+/// A runc that fails every checkpoint (a CRIU dump that fails), after the CUDA processes were checkpointed.
+fn runc_whose_dump_fails(dir: &std::path::Path) -> std::path::PathBuf {
+    let script = r#"#!/bin/sh
+case " $* " in
+  *" checkpoint "*) echo "criu: dump failed (a runc wrapper of the test)" >&2; exit 1 ;;
+esac
+exec runc "$@"
+"#;
+    let path = dir.join("runc-dump-fails");
+    std::fs::write(&path, script).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    path
+}
+
+#[test]
+fn an_overlapped_handoff_whose_preemption_fails_after_the_server_started_says_where_both_are() {
+    let Some(rig) = CudaRig::start("handoff-a-fails") else {
+        return;
+    };
+    let dir = rig.gpu.env.scratch();
+    std::fs::create_dir_all(&dir).unwrap();
+    let runc = runc_whose_dump_fails(&dir);
+    let options = baton_integration::api::runtime_options_toml(&format!(
+        "BinaryName = \"{}\"\n",
+        runc.display()
+    ));
+    let _trainer = rig.create_with("trainer", &Trainer::default(), &[], Some(options));
+    rig.gpu.env.api().unwrap().start("trainer", "").unwrap();
+    wait_held(&rig, "trainer");
+    let _server = rig.create("server", &Trainer::default(), &[]);
+    // Snapshot: the trainer's GPU state goes (the release starts the server), then its dump fails.
+    let (out, err, ok) = rig.baton(&[
+        "handoff", "--from", "trainer", "--to", "server", "--mode", "snapshot",
+    ]);
+    assert!(!ok, "the handoff failed: {out}");
+    assert!(
+        err.contains("failed after server was started on its release")
+            && err.contains("server is running")
+            && err.contains("dump failed"),
+        "the answer says what failed and where the server is: {err}"
+    );
+    assert_eq!(rig.task_status("server").as_deref(), Some("RUNNING"));
+    wait_held(&rig, "server");
+    // The trainer was rolled back: running, its GPU state restored.
+    assert_eq!(rig.task_status("trainer").as_deref(), Some("RUNNING"));
+    wait_held(&rig, "trainer");
+}

@@ -446,8 +446,33 @@ impl Handoff {
     fn finished(&self) -> bool {
         let a_failed = matches!(self.a_outcome, Some(Err(_)));
         let b_failed = matches!(self.b_outcome, Some(Err(_)));
+        // `a` failing after `b` was started (overlapped: on the release) waits for `b`'s answer, so that the
+        // reply can say where both are.
+        let b_pending = self.b_call.is_some() && self.b_outcome.is_none();
         let a_done = self.a_outcome.is_some() && self.released;
-        a_failed || b_failed || (a_done && self.b_outcome.is_some() && self.acquired)
+        (a_failed && !b_pending)
+            || b_failed
+            || (a_done && self.b_outcome.is_some() && self.acquired)
+    }
+
+    /// The reply's error when `a`'s preemption failed (`error`), saying what became of `b` when it had been
+    /// started already.
+    fn a_failed(&self, error: &str, b: Option<&Result<Outcome, String>>) -> String {
+        let (a, b_id) = (&self.a.container.id, &self.b.container.id);
+        if self.b_call.is_none() {
+            return format!("preempting {a}: {error}");
+        }
+        let b_now = match b {
+            Some(Ok(_)) => "is running".to_owned(),
+            Some(Err(e)) => format!("did not start either: {e}"),
+            None => "has not answered".to_owned(),
+        };
+        format!(
+            "preempting {a} failed after {b_id} was started on its release: {error}; {b_id} {b_now}; the shim \
+             rolled {a} back as far as it could (its CUDA processes restored and unlocked, the container \
+             thawed), so both may hold the GPU now: `baton status` shows each, and `baton preempt {a}` or a \
+             stop of {b_id} settles it"
+        )
     }
 }
 
@@ -578,7 +603,7 @@ pub async fn handoff(
         }
     }
     let outcome = match (run.a_outcome.take(), run.b_outcome.take()) {
-        (Some(Err(e)), _) => Some(Err(format!("preempting {}: {e}", run.a.container.id))),
+        (Some(Err(e)), b) => Some(Err(run.a_failed(&e, b.as_ref()))),
         (_, Some(Err(e))) => Some(Err(format!(
             "{} was preempted, but starting {} failed: {e}",
             run.a.container.id, run.b.container.id
