@@ -1215,6 +1215,41 @@ fn check_cgroup_paths(
 mod tests {
     use super::*;
 
+    #[tokio::test]
+    async fn when_the_probes_fail_a_waiting_start_gets_an_error_never_free() {
+        let (events, _) = broadcast::channel(16);
+        let (commands, _rx) = mpsc::channel(16);
+        let bounds = control::Bounds {
+            max_frozen_ns: 1_000_000_000,
+            min_run_share: 0.05,
+            input_silence_ns: 1_000_000_000,
+            lease_ns: 2_000_000_000,
+        };
+        let mut core = Core::new(events, control::spawn(bounds, commands), Exempt::default());
+        let (reply, answer) = oneshot::channel();
+        core.waiters.push(Waiter {
+            container: ContainerRef {
+                id: "server".into(),
+                namespace: "n".into(),
+            },
+            cgroup: "/n/server".into(),
+            hidden_logged: false,
+            devices: Default::default(),
+            asked_ns: now_monotonic_ns(),
+            deadline: tokio::time::Instant::now() + std::time::Duration::from_secs(60),
+            reply,
+        });
+        // What the core's loop does with a failed read of the ring buffer.
+        let read_failed = std::io::Error::other("the ring buffer could not be read");
+        core.on_batch(Err(baton_tracer::TracerError::Poll(read_failed)));
+        core.check_gates();
+        match answer.await.unwrap() {
+            Reply::Error { error } => assert!(error.contains("gate stays shut"), "{error}"),
+            other => panic!("a waiting Start got {other:?} when the probes failed"),
+        }
+        assert!(core.waiters.is_empty());
+    }
+
     fn reg(cgroup: &str, init_pid: u32) -> Registration {
         Registration {
             container: ContainerRef {
