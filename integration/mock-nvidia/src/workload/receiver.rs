@@ -38,12 +38,7 @@ pub struct Receiver {
 impl Receiver {
     /// Forks the child; device names of `open` are looked up in `dev_dir`.
     pub fn fork(dev_dir: &Path) -> anyhow::Result<Self> {
-        let (mine, theirs) = socketpair(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            None,
-            SockFlag::SOCK_CLOEXEC,
-        )?;
+        let (mine, theirs) = command_pair()?;
         let dev_dir = dev_dir.to_path_buf();
         // SAFETY: the caller forks before starting threads (module doc), so no lock is held in the child.
         match unsafe { fork() }? {
@@ -64,12 +59,7 @@ impl Receiver {
     /// CLONE_THREAD: two processes, one table): what either opens or closes, both have or lose, and the
     /// table lives until both are gone.
     pub fn clone_files(dev_dir: &Path) -> anyhow::Result<Self> {
-        let (mine, theirs) = socketpair(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            None,
-            SockFlag::SOCK_CLOEXEC,
-        )?;
+        let (mine, theirs) = command_pair()?;
         let flags = (libc::CLONE_FILES | libc::SIGCHLD) as libc::c_ulong;
         // SAFETY: clone without CLONE_VM and with no new stack returns twice like fork (the child runs on a
         // copy of this stack); the caller clones before starting threads (module doc).
@@ -95,13 +85,7 @@ impl Receiver {
 
     /// Tells the child to exit, and reaps it.
     pub fn exit(self) -> anyhow::Result<()> {
-        sendmsg::<()>(
-            self.socket.as_raw_fd(),
-            &[IoSlice::new(b"exit")],
-            &[],
-            MsgFlags::empty(),
-            None,
-        )?;
+        self.send(b"exit", &[])?;
         nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(self.pid), None)?;
         // With a shared table the socket is the child's too; leave it be (it goes with this process).
         std::mem::forget(self.socket);
@@ -111,28 +95,26 @@ impl Receiver {
     /// Passes `fd` to the child with SCM_RIGHTS; the number of fds it holds then.
     pub fn send_fd(&self, fd: RawFd) -> anyhow::Result<String> {
         let fds = [fd];
-        let rights = [ControlMessage::ScmRights(&fds)];
-        sendmsg::<()>(
-            self.socket.as_raw_fd(),
-            &[IoSlice::new(b"take")],
-            &rights,
-            MsgFlags::empty(),
-            None,
-        )
-        .context("sendmsg with SCM_RIGHTS")?;
+        self.send(b"take", &[ControlMessage::ScmRights(&fds)])
+            .context("sendmsg with SCM_RIGHTS")?;
         self.answer()
     }
 
     /// Sends `command` to the child; its answer after `ok`.
     pub fn ask(&self, command: &str) -> anyhow::Result<String> {
+        self.send(command.as_bytes(), &[])?;
+        self.answer()
+    }
+
+    /// One command message, with `rights` (fds) attached.
+    fn send(&self, command: &[u8], rights: &[ControlMessage<'_>]) -> nix::Result<usize> {
         sendmsg::<()>(
             self.socket.as_raw_fd(),
-            &[IoSlice::new(command.as_bytes())],
-            &[],
+            &[IoSlice::new(command)],
+            rights,
             MsgFlags::empty(),
             None,
-        )?;
-        self.answer()
+        )
     }
 
     fn answer(&self) -> anyhow::Result<String> {
@@ -144,6 +126,16 @@ impl Receiver {
             None => bail!("receiver {}: {text}", self.pid),
         }
     }
+}
+
+/// The socket pair a parent and its receiver child talk over (one message a command).
+fn command_pair() -> nix::Result<(OwnedFd, OwnedFd)> {
+    socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
 }
 
 /// The child's loop: one command per message until `exit` or the parent's end closes.

@@ -44,31 +44,39 @@ impl DeviceKey {
     /// file (`nvidiactl` and `nvidia-uvm` are shared by every CUDA process: holding them is not holding a
     /// GPU).
     pub fn of(path: &Path, name: &str) -> Option<Self> {
+        Self::classify(path, name, 0)
+            .filter(|(kind, _)| *kind == FdKind::Device)
+            .map(|(_, key)| key)
+    }
+
+    /// What NVIDIA file `path` (followed) is, and its key: a character device by its numbers (`uvm_major`:
+    /// the dynamic UVM major, 0 when unknown), else by its name `name` (the FUSE mock), then known by its
+    /// file system and inode. The one classification of a device file, for the gate and the /proc checks.
+    pub fn classify(path: &Path, name: &str, uvm_major: u32) -> Option<(FdKind, Self)> {
         let base = name.rsplit('/').next().unwrap_or(name);
-        let meta = std::fs::metadata(path).ok();
-        if let Some(m) = meta.as_ref().filter(|m| m.file_type().is_char_device()) {
-            let dev = m.rdev();
+        let meta = std::fs::metadata(path).ok()?;
+        let (kind, key) = if meta.file_type().is_char_device() {
+            let dev = meta.rdev();
             let (major, minor) = (nix::sys::stat::major(dev), nix::sys::stat::minor(dev));
-            let (kind, _) = classify_chrdev(major as u32, minor as u32, 0)
+            let (kind, _) = classify_chrdev(major as u32, minor as u32, uvm_major)
                 .or_else(|| classify_name(base.as_bytes()))?;
-            return (kind == FdKind::Device).then_some(Self::Number(major, minor));
-        }
-        let (kind, _) = classify_name(base.as_bytes())?;
-        if kind != FdKind::Device {
-            return None;
-        }
-        let m = meta?;
-        Some(Self::File {
-            dev: m.dev(),
-            ino: m.ino(),
-            name: base.to_owned(),
-        })
+            (kind, Self::Number(major, minor))
+        } else {
+            let (kind, _) = classify_name(base.as_bytes())?;
+            let key = Self::File {
+                dev: meta.dev(),
+                ino: meta.ino(),
+                name: base.to_owned(),
+            };
+            (kind, key)
+        };
+        (kind != FdKind::Unknown).then_some((kind, key))
     }
 
     /// Whether two keys name the same device.
     pub fn same_device(&self, other: &Self) -> bool {
         match (self, other) {
-            (Self::Number(a, b), Self::Number(c, d)) => a == c && b == d,
+            (Self::Number(..), Self::Number(..)) => self == other,
             (
                 Self::File { dev, ino, .. },
                 Self::File {

@@ -11,7 +11,7 @@
 //! mappings (a private mapping of a device node of another name is not seen; see the README).
 use std::{
     collections::{BTreeSet, HashMap},
-    os::unix::fs::{FileTypeExt, MetadataExt},
+    os::unix::fs::MetadataExt,
     path::Path,
 };
 
@@ -70,29 +70,6 @@ impl Classifier {
         Self { uvm_major }
     }
 
-    /// What NVIDIA file `path` (a /proc link, followed) is; `name` is the link's target as the process sees it.
-    fn classify(&self, path: &Path, name: &str) -> Option<(FdKind, DeviceKey)> {
-        let meta = std::fs::metadata(path).ok()?;
-        if meta.file_type().is_char_device() {
-            let dev = meta.rdev();
-            let (major, minor) = (nix::sys::stat::major(dev), nix::sys::stat::minor(dev));
-            let (kind, _) = fdkind::classify_chrdev(major as u32, minor as u32, self.uvm_major)?;
-            return Some((kind, DeviceKey::Number(major, minor)));
-        }
-        let base = name.rsplit('/').next().unwrap_or(name);
-        let (kind, _) = fdkind::classify_name(base.as_bytes())?;
-        (kind != FdKind::Unknown).then(|| {
-            (
-                kind,
-                DeviceKey::File {
-                    dev: meta.dev(),
-                    ino: meta.ino(),
-                    name: base.to_owned(),
-                },
-            )
-        })
-    }
-
     /// The NVIDIA files process `pid` holds now (none when it is gone).
     #[cfg(test)]
     pub fn holdings_of(&self, pid: u32) -> Vec<Holding> {
@@ -121,7 +98,9 @@ impl Classifier {
                 continue;
             };
             let link = format!("/proc/{pid}/fd/{}", fd.fd);
-            if let Some((kind, key)) = self.classify(Path::new(&link), &target.to_string_lossy()) {
+            if let Some((kind, key)) =
+                DeviceKey::classify(Path::new(&link), &target.to_string_lossy(), self.uvm_major)
+            {
                 out.push(Holding {
                     pid,
                     kind,
@@ -150,7 +129,7 @@ impl Classifier {
             let dev = nix::sys::stat::makedev(m.dev.0 as u64, m.dev.1 as u64);
             let classified = cache.entry((dev, m.inode)).or_insert_with(|| {
                 let link = format!("/proc/{pid}/map_files/{:x}-{:x}", m.address.0, m.address.1);
-                self.classify(Path::new(&link), &target.to_string_lossy())
+                DeviceKey::classify(Path::new(&link), &target.to_string_lossy(), self.uvm_major)
             });
             if let Some((kind, key)) = classified.clone() {
                 out.push(Holding {
