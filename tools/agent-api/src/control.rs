@@ -6,7 +6,10 @@
 //! in order, sent as soon as the event is accepted (the freezes it causes follow on their own).
 use serde::{Deserialize, Serialize};
 
-use crate::{preempt::Target, protocol::ContainerRef};
+use crate::{
+    preempt::{PreemptMode, Target},
+    protocol::ContainerRef,
+};
 
 /// What a container is to the controller (`baton.io/role`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -37,6 +40,14 @@ impl Role {
     }
 }
 
+/// Whether `name`, as `baton.io/yields-to` and the request events write it (a container id, `namespace/id`, a
+/// pod name or `pod-namespace/pod-name`), names container `c` of pod `pod`.
+pub fn names_container(name: &str, c: &crate::ContainerRef, pod: Option<&str>) -> bool {
+    name == c.id
+        || name == format!("{}/{}", c.namespace, c.id)
+        || pod.is_some_and(|p| name == p || p.rsplit_once('/').is_some_and(|(_, n)| n == name))
+}
+
 /// A container's role as its shim registers it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RoleSpec {
@@ -52,6 +63,23 @@ pub struct RoleSpec {
     /// A co-runner: whether `CUDA_LAUNCH_BLOCKING=1` was put in its environment (`baton.io/launch-blocking`).
     #[serde(default)]
     pub launch_blocking: bool,
+    /// A co-runner the agent may preempt by itself, and how (`baton.io/preemptible`): for a latency-critical
+    /// container it yields to whose Start waits at the GPU-free gate. `None`: only an operator's `baton
+    /// preempt` preempts it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preemptible: Option<PreemptMode>,
+    /// A co-runner's base priority among the parked co-runners the agent resumes (`baton.io/priority`,
+    /// default 0; higher first, aged while parked).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub priority: i32,
+    /// A latency-critical container the agent parks after this long without a request event
+    /// (`baton.io/park-when-idle`), ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub park_when_idle_ms: Option<u64>,
+}
+
+fn is_zero(p: &i32) -> bool {
+    *p == 0
 }
 
 /// The lease a shim gives a `freeze` that carries none (ms): every freeze of a shim ends by itself unless

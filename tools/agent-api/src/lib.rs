@@ -7,6 +7,7 @@ pub mod client;
 pub mod control;
 pub mod devices;
 pub mod duration;
+pub mod gapfill;
 pub mod lines;
 pub mod option_keys;
 pub mod preempt;
@@ -16,6 +17,9 @@ pub use client::{Client, ClientError, Endpoint, connect_or_start};
 pub use control::*;
 pub use devices::nvidia_devices_in;
 pub use duration::{DURATION_SYNTAX, MAX_WAIT_GPU_FREE, parse_duration};
+pub use gapfill::{
+    FinishedCoRunner, GapFillStatus, GpuGapFill, ParkedCoRunner, Preempting, RateGateSettings,
+};
 pub use lines::{BoundedLines, MAX_REPLY_LINE, MAX_REQUEST_LINE};
 pub use preempt::*;
 pub use protocol::*;

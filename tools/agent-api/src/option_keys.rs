@@ -31,12 +31,26 @@ pub const ROLE: &str = "role";
 pub const YIELDS_TO: &str = "yields-to";
 /// `CUDA_LAUNCH_BLOCKING=1` for a co-runner.
 pub const LAUNCH_BLOCKING: &str = "launch-blocking";
+/// A co-runner the agent may preempt by itself for a latency-critical container behind the GPU-free gate:
+/// "park" | "snapshot" (gap-fill).
+pub const PREEMPTIBLE: &str = "preemptible";
+/// A co-runner's base priority among the parked ones the agent resumes (an integer, default 0).
+pub const PRIORITY: &str = "priority";
 /// Where snapshot preemptions put their images by default, one folder per namespace and container (node
 /// only; default [`crate::DEFAULT_SNAPSHOT_DIR`]).
 pub const SNAPSHOT_DIR: &str = "snapshot_dir";
+/// A latency-critical container with no request event for this long is parked by the agent, its GPU going
+/// to the parked co-runners; a `request_start` naming it hands the GPU back (a duration; gap-fill).
+pub const PARK_WHEN_IDLE: &str = "park-when-idle";
+/// Gap-fill's rate gate (node only): the least share of its GPU a parked co-runner is to keep, a number in
+/// [0, 1] (default [`crate::gapfill::DEFAULT_MIN_SHARE`]); below it the agent stops filling.
+pub const GAP_FILL_MIN_SHARE: &str = "gap_fill_min_share";
+/// Gap-fill's rate gate (node only): the sliding window over which the agent counts preemptions per GPU (a
+/// duration, default [`crate::gapfill::DEFAULT_WINDOW`]).
+pub const GAP_FILL_WINDOW: &str = "gap_fill_window";
 
 /// Every Baton key, in TOML and (prefixed with [`ANNOTATION_PREFIX`]) in annotations.
-pub const BATON_KEYS: [&str; 13] = [
+pub const BATON_KEYS: [&str; 18] = [
     EBPF,
     CUDA_CHECKPOINT_PATH,
     FREEZER,
@@ -50,14 +64,20 @@ pub const BATON_KEYS: [&str; 13] = [
     YIELDS_TO,
     LAUNCH_BLOCKING,
     SNAPSHOT_DIR,
+    PREEMPTIBLE,
+    PRIORITY,
+    GAP_FILL_MIN_SHARE,
+    GAP_FILL_WINDOW,
+    PARK_WHEN_IDLE,
 ];
 
 /// The keys only the node's TOML may set, as annotations come from whoever writes the pod spec: they name
 /// programs the shim (root) runs, the agent it trusts or where it writes, or decide what the probes see (a
 /// container that turned `ebpf` off, or moved `trace_prefix` elsewhere, would hold a GPU no other
 /// container's gate sees, and distinct prefixes would use up the probe set's few slots for the whole node), or
-/// bound a preemption (a tiny `cuda_checkpoint_timeout` would make a container impossible to preempt).
-pub const NODE_ONLY_KEYS: [&str; 7] = [
+/// bound a preemption (a tiny `cuda_checkpoint_timeout` would make a container impossible to preempt), or
+/// concern every container of the node (gap-fill's rate gate).
+pub const NODE_ONLY_KEYS: [&str; 9] = [
     CUDA_CHECKPOINT_PATH,
     AGENT_SOCKET,
     AGENT_AUTOSTART,
@@ -65,6 +85,8 @@ pub const NODE_ONLY_KEYS: [&str; 7] = [
     EBPF,
     TRACE_PREFIX,
     CUDA_CHECKPOINT_TIMEOUT,
+    GAP_FILL_MIN_SHARE,
+    GAP_FILL_WINDOW,
 ];
 
 /// runc's `Options` keys (Go spelling) that `baton install` copies from the node's runc runtime, so that

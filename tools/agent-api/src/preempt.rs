@@ -46,6 +46,13 @@ impl PreemptMode {
             PreemptMode::Snapshot => "snapshot",
         }
     }
+
+    /// The mode a label names (surrounding blanks allowed), as [`PreemptMode::label`] writes it.
+    pub fn parse(text: &str) -> Option<Self> {
+        [PreemptMode::Park, PreemptMode::Snapshot]
+            .into_iter()
+            .find(|m| m.label() == text.trim())
+    }
 }
 
 /// `preempt`: take the GPU away from a container.
@@ -66,6 +73,11 @@ pub struct PreemptRequest {
     /// `<snapshot_dir>/<namespace>/<id>`, with the node's `snapshot_dir` ([`DEFAULT_SNAPSHOT_DIR`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_path: Option<String>,
+    /// Gap-fill: the agent preempts the container by itself for this latency-critical container; the shim
+    /// keeps it in the container's state, so that an agent restarted meanwhile resumes it still. The agent
+    /// drops it from a client's request (what an operator preempts, an operator resumes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parked_for: Option<ContainerRef>,
 }
 
 /// Where snapshot images go when neither the request nor the node's `snapshot_dir` names a place: on disk,
@@ -249,6 +261,10 @@ pub struct PreemptState {
     /// Snapshot: the image directory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_path: Option<String>,
+    /// Gap-fill: the latency-critical container the agent preempted it for by itself (the agent resumes it
+    /// when no such container needs its GPU any more, after a restart of the agent too).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parked_for: Option<ContainerRef>,
 }
 
 /// What a `preempt`, `resume`, `start` or `handoff` did.
@@ -283,6 +299,7 @@ mod tests {
                 mode: PreemptMode::Park,
                 pids: vec![],
                 image_path: None,
+                parked_for: None,
             })
         );
         let handoff: RequestLine = serde_json::from_str(

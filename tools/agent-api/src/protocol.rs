@@ -221,12 +221,18 @@ impl KubernetesRef {
 pub struct WatchSettings {
     /// Device path prefix the probes follow for this container (`/dev/nvidia`).
     pub trace_prefix: String,
+    /// Gap-fill's rate gate as the node's TOML sets it, when it sets either key: node-wide, the agent
+    /// takes it from the latest registration that carries it (every shim of a node reads the same TOML).
+    /// Boxed, so that a `Request` stays small.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_gate: Option<Box<crate::gapfill::RateGateSettings>>,
 }
 
 impl Default for WatchSettings {
     fn default() -> Self {
         Self {
             trace_prefix: "/dev/nvidia".to_owned(),
+            rate_gate: None,
         }
     }
 }
@@ -359,6 +365,9 @@ pub struct NodeStatus {
     /// The co-runner controller.
     #[serde(default)]
     pub controller: ControllerStatus,
+    /// Gap-fill: the co-runners the agent parked by itself, in resume order.
+    #[serde(default)]
+    pub gap_fill: crate::gapfill::GapFillStatus,
 }
 
 /// Whether a container holds the GPU.
