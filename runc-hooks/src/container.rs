@@ -132,6 +132,7 @@ pub fn registration_of(
         devices,
         settings: WatchSettings {
             trace_prefix: trace_prefix.to_owned(),
+            rate_gate: None,
         },
         control_socket: None,
         preemption: None,

@@ -213,6 +213,7 @@ fn registration_of(c: &GpuContainer<'_>) -> Option<Registration> {
         devices,
         settings: WatchSettings {
             trace_prefix: c.settings.trace_prefix.clone(),
+            rate_gate: c.settings.rate_gate.map(Box::new),
         },
         control_socket: c.control_socket.map(|p| p.display().to_string()),
         preemption: c.preemption.cloned(),
@@ -231,9 +232,10 @@ pub fn agent_socket(settings: &BatonSettings) -> PathBuf {
     endpoint_of(settings).socket
 }
 
-/// Waits, at most `within`, until the agent says no other container holds the NVIDIA devices `c` sees;
-/// the error says who holds them, or that no agent answered.
-pub async fn wait_gpu_free(c: &GpuContainer<'_>, within: Duration) -> Result<u64, String> {
+/// Waits, at most `within`, until the agent says no other container holds the NVIDIA devices `c` sees: how
+/// long it waited and when (CLOCK_MONOTONIC ns) it found them free; the error says who holds them, or that no
+/// agent answered.
+pub async fn wait_gpu_free(c: &GpuContainer<'_>, within: Duration) -> Result<(u64, u64), String> {
     let endpoint = endpoint_of(c.settings);
     let mut client = baton_agent_api::connect_or_start(&endpoint, REGISTER_TIMEOUT.min(within))
         .await
@@ -249,7 +251,10 @@ pub async fn wait_gpu_free(c: &GpuContainer<'_>, within: Duration) -> Result<u64
     // `within`; the sum saturates all the same, so no value can overflow here.)
     let bound = within.saturating_add(REGISTER_TIMEOUT);
     match tokio::time::timeout(bound, client.call(request)).await {
-        Ok(Ok(Reply::GpuFree { waited_ns, .. })) => Ok(waited_ns),
+        Ok(Ok(Reply::GpuFree {
+            waited_ns,
+            t_free_ns,
+        })) => Ok((waited_ns, t_free_ns)),
         Ok(Ok(other)) => Err(format!("unexpected reply from the agent: {other:?}")),
         Ok(Err(baton_agent_api::ClientError::Refused(e))) => Err(e),
         Ok(Err(e)) => Err(format!("cannot tell whether the GPU is free: {e}")),

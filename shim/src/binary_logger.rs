@@ -2,6 +2,8 @@
 //! its stderr pipe on fd 4 and a ready pipe on fd 5 that it closes once it reads, with CONTAINER_ID and
 //! CONTAINER_NAMESPACE in its environment. Nothing else of the shim's reaches it: every other shim fd is
 //! close-on-exec, the ready pipe included, so the logger's close is the last one and the shim sees EOF.
+//! The process's output counts as written out once the logger exited (it reads its pipes to their end and
+//! exits), watched through a pidfd; Wait and TaskExit wait for that, bounded as for the other targets.
 
 use std::{
     fs::File,
@@ -14,6 +16,7 @@ use std::{
 use command_fds::{CommandFdExt, FdMapping};
 
 use crate::errors::{Result, ShimError};
+use crate::io::{OutputDrain, Tracked};
 
 /// How long a logging binary may take to signal it is ready (closing fd 5).
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -42,6 +45,7 @@ pub async fn start(
     stderr: Option<&OwnedFd>,
     id: &str,
     namespace: &str,
+    output: &OutputDrain,
 ) -> Result<()> {
     let (ready_r, ready_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
         .map_err(|e| ShimError::io("create logger ready pipe", e.into()))?;
@@ -75,6 +79,7 @@ pub async fn start(
     // only write end left is the logger's.
     drop(cmd);
     tracing::debug!(pid = child.id(), binary = %path.display(), "logging binary started");
+    watch_exit(&child, output.track(tokio::io::empty()));
     // The shim's reaper collects the logger when it exits.
     let ready = tokio::task::spawn_blocking(move || {
         let mut buf = [0u8; 1];
@@ -87,4 +92,34 @@ pub async fn start(
             path.display()
         ))),
     }
+}
+
+/// Keeps `open` (the process's output, as [`OutputDrain`] counts it) until the logger `child` exited. The pidfd is
+/// opened at once, before the logger can have read its pipes to their end; a logger already gone (it failed
+/// at start) holds nothing.
+fn watch_exit(child: &std::process::Child, open: Tracked<tokio::io::Empty>) {
+    let Some(pid) = rustix::process::Pid::from_raw(child.id() as i32) else {
+        return;
+    };
+    let pidfd = match rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::NONBLOCK) {
+        Ok(fd) => fd,
+        Err(e) => {
+            tracing::debug!(
+                pid = child.id(),
+                "logging binary gone before its exit was watched: {e}"
+            );
+            return;
+        }
+    };
+    tokio::spawn(async move {
+        // A pidfd reads as ready once its process exited.
+        // SAFETY: the AsyncFd owns the pidfd, which stays open and unchanged until the AsyncFd is dropped.
+        let watched = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
+        };
+        if let Ok(fd) = watched {
+            let _ = fd.readable().await;
+        }
+        drop(open);
+    });
 }

@@ -50,8 +50,6 @@ pub struct Procs {
     pub init: Process,
     /// Exec processes by exec id.
     pub execs: HashMap<String, Process>,
-    /// The init's exit was seen (its TaskExit may still wait for the execs'): no exec starts.
-    pub init_exit_seen: bool,
 }
 
 impl Procs {
@@ -103,6 +101,9 @@ pub struct Container {
     pub kill_all_on_exit: bool,
     /// The processes.
     pub procs: Mutex<Procs>,
+    /// The init's exit status as the shim reaped it (its TaskExit may still wait for the execs' and the output):
+    /// once set, no exec starts. Set under the `procs` lock, so that what is read under it is consistent.
+    pub init_reaped: watch::Sender<Option<u32>>,
     /// Serialises the runc operations that change the init's state.
     init_op: Mutex<()>,
     /// Exec processes starting or running (their TaskExit comes before the init's).
@@ -252,8 +253,8 @@ impl Container {
             procs: Mutex::new(Procs {
                 init: Process::new(&id, "", StdioSpec::default()),
                 execs: HashMap::new(),
-                init_exit_seen: false,
             }),
+            init_reaped: watch::channel(None).0,
             init_op: Mutex::new(()),
             hold: std::sync::Mutex::default(),
             running_execs: watch::channel(0).0,
@@ -510,7 +511,7 @@ impl Container {
         // An init whose exit was seen is deleted only once its TaskExit is queued, so that
         // TaskDelete can never come first.
         let mut exited = self.exit_receiver("").await?;
-        if self.procs.lock().await.init_exit_seen {
+        if self.init_reaped.borrow().is_some() {
             let _ = exited.wait_for(Option::is_some).await;
         }
         let (pid, exit) = {

@@ -345,7 +345,7 @@ pub async fn start_pipe_copies(
         OutputTarget::Binary { path, args } => {
             let out = pipes.pipes.stdout.as_ref().map(|p| &p.rd);
             let err = pipes.pipes.stderr.as_ref().map(|p| &p.rd);
-            crate::binary_logger::start(&path, &args, out, err, id, namespace).await?;
+            crate::binary_logger::start(&path, &args, out, err, id, namespace, output).await?;
         }
     }
     Ok(file_copies)

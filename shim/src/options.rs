@@ -17,7 +17,9 @@ use containerd_shim_protos::{
     shim::oci::Options as RuncOptions,
 };
 
-use baton_agent_api::{DURATION_SYNTAX, MAX_WAIT_GPU_FREE, Role, RoleSpec, parse_duration};
+use baton_agent_api::{
+    DURATION_SYNTAX, MAX_WAIT_GPU_FREE, PreemptMode, Role, RoleSpec, parse_duration,
+};
 
 use crate::errors::{Result, ShimError};
 
@@ -80,6 +82,19 @@ pub struct BatonSettings {
     /// Where snapshot images go by default, in a folder per namespace and container (`snapshot_dir`, node
     /// only, absolute; default /var/lib/baton/snapshots).
     pub snapshot_dir: PathBuf,
+    /// A co-runner the agent may preempt by itself for a latency-critical container behind the GPU-free
+    /// gate, and how (`preemptible`: "park" | "snapshot"; none: only an operator preempts it). Ignored
+    /// without `role: co-runner`.
+    pub preemptible: Option<PreemptMode>,
+    /// A co-runner's base priority among the parked co-runners the agent resumes (`priority`, an integer,
+    /// default 0).
+    pub priority: i32,
+    /// Gap-fill's rate gate (`gap_fill_min_share`, `gap_fill_window`; node only), when the TOML sets either:
+    /// the shim passes it to the agent with its registrations.
+    pub rate_gate: Option<baton_agent_api::RateGateSettings>,
+    /// A latency-critical container the agent parks after this long without a request event
+    /// (`park-when-idle`, a duration).
+    pub park_when_idle: Option<std::time::Duration>,
     /// The pod (`pod-namespace/pod-name`) from CRI's sandbox annotations; not a key.
     pub pod: Option<String>,
     /// The pod and container names from CRI's annotations (for the agent's metrics); not a key.
@@ -102,6 +117,10 @@ impl Default for BatonSettings {
             yields_to: Vec::new(),
             launch_blocking: true,
             snapshot_dir: PathBuf::from(baton_agent_api::DEFAULT_SNAPSHOT_DIR),
+            preemptible: None,
+            priority: 0,
+            rate_gate: None,
+            park_when_idle: None,
             pod: None,
             kubernetes: None,
         }
@@ -221,6 +240,41 @@ impl BatonSettings {
                 }
                 self.snapshot_dir = PathBuf::from(value);
             }
+            "preemptible" => {
+                self.preemptible = Some(
+                    PreemptMode::parse(value).ok_or_else(|| invalid("\"park\" or \"snapshot\""))?,
+                );
+            }
+            "priority" => {
+                self.priority = value
+                    .trim()
+                    .parse()
+                    .map_err(|_| invalid("an integer (a 32-bit one, higher resumes first)"))?;
+            }
+            "gap_fill_min_share" => {
+                let share: f64 = value
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|s: &f64| (0.0..=1.0).contains(s))
+                    .ok_or_else(|| invalid("a number from 0 to 1 (the least share, e.g. 0.25)"))?;
+                self.rate_gate
+                    .get_or_insert_with(Default::default)
+                    .min_share = share;
+            }
+            "park-when-idle" => {
+                self.park_when_idle = Some(
+                    parse_duration(value)
+                        .filter(|d| !d.is_zero())
+                        .ok_or_else(|| invalid(DURATION_SYNTAX))?,
+                );
+            }
+            "gap_fill_window" => {
+                let window = parse_duration(value)
+                    .filter(|d| !d.is_zero())
+                    .ok_or_else(|| invalid(DURATION_SYNTAX))?;
+                self.rate_gate.get_or_insert_with(Default::default).window_s = window.as_secs_f64();
+            }
             _ => return Ok(false),
         }
         Ok(true)
@@ -239,6 +293,12 @@ impl BatonSettings {
             },
             pod: self.pod.clone(),
             launch_blocking: co_runner && self.launch_blocking,
+            preemptible: self.preemptible.filter(|_| co_runner),
+            priority: if co_runner { self.priority } else { 0 },
+            park_when_idle_ms: self
+                .park_when_idle
+                .filter(|_| !co_runner)
+                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
         })
     }
 
@@ -511,6 +571,13 @@ fn options_from_table(table: &toml::Table, origin: &str) -> Result<RuntimeConfig
             "CriuWorkPath" => r.criu_work_path = string()?,
             "ebpf" => cfg.baton.ebpf = boolean()?,
             "agent_autostart" => cfg.baton.agent_autostart = boolean()?,
+            "gap_fill_min_share" if value.as_float().is_some() || value.as_integer().is_some() => {
+                let share = value
+                    .as_float()
+                    .or_else(|| value.as_integer().map(|i| i as f64));
+                let text = share.map(|f| f.to_string()).unwrap_or_default();
+                cfg.baton.set("gap_fill_min_share", &text, origin)?;
+            }
             k if BATON_KEYS.contains(&k) => {
                 let text = string()?;
                 cfg.baton.set(k, &text, origin)?;
@@ -689,6 +756,48 @@ mod tests {
     }
 
     #[test]
+    fn preemptible_and_priority_reach_a_co_runners_role_spec_and_bad_values_name_the_key() {
+        let a: HashMap<String, String> = [
+            ("baton.io/role".to_string(), "co-runner".to_string()),
+            ("baton.io/preemptible".to_string(), "snapshot".to_string()),
+            ("baton.io/priority".to_string(), "-3".to_string()),
+        ]
+        .into();
+        let c = BatonSettings::default()
+            .with_annotations(&a, "container")
+            .unwrap();
+        let spec = c.role_spec().unwrap();
+        assert_eq!(spec.preemptible, Some(PreemptMode::Snapshot));
+        assert_eq!(spec.priority, -3);
+        // A server is never preempted by the agent, whatever its annotations say.
+        let server: HashMap<String, String> = [
+            ("baton.io/role".to_string(), "latency-critical".to_string()),
+            ("baton.io/preemptible".to_string(), "park".to_string()),
+        ]
+        .into();
+        let s = BatonSettings::default()
+            .with_annotations(&server, "pod")
+            .unwrap();
+        assert_eq!(s.role_spec().unwrap().preemptible, None);
+        for (key, value, expected) in [
+            ("baton.io/preemptible", "yes", "\"park\" or \"snapshot\""),
+            ("baton.io/priority", "high", "an integer"),
+            ("baton.io/priority", "99999999999", "an integer"),
+        ] {
+            let bad: HashMap<String, String> = [(key.to_string(), value.to_string())].into();
+            let err = BatonSettings::default()
+                .with_annotations(&bad, "container")
+                .unwrap_err()
+                .to_string();
+            let short = key.trim_start_matches("baton.io/");
+            assert!(
+                err.contains(&format!("container annotation {short}=")) && err.contains(expected),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
     fn role_annotations_make_a_role_spec() {
         let a: HashMap<String, String> = [
             ("baton.io/role".to_string(), "co-runner".to_string()),
@@ -823,6 +932,63 @@ mod tests {
             DEFAULT_CUDA_CHECKPOINT_TIMEOUT
         );
         assert!(parse_toml_options("cuda_checkpoint_timeout = \"0s\"\n").is_err());
+    }
+
+    #[test]
+    fn park_when_idle_is_a_servers_duration_and_a_co_runner_does_not_register_it() {
+        let annotations: HashMap<String, String> = [
+            ("baton.io/role".to_string(), "latency-critical".to_string()),
+            ("baton.io/park-when-idle".to_string(), "30s".to_string()),
+        ]
+        .into();
+        let s = BatonSettings::default()
+            .with_annotations(&annotations, "container")
+            .unwrap();
+        assert_eq!(s.role_spec().unwrap().park_when_idle_ms, Some(30_000));
+        let co = BatonSettings {
+            role: Some(Role::CoRunner),
+            ..s
+        };
+        assert_eq!(co.role_spec().unwrap().park_when_idle_ms, None);
+        let bad: HashMap<String, String> =
+            [("baton.io/park-when-idle".to_string(), "0s".to_string())].into();
+        assert!(
+            BatonSettings::default()
+                .with_annotations(&bad, "container")
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn the_rate_gate_comes_from_the_node_only_and_is_bounded() {
+        assert_eq!(BatonSettings::default().rate_gate, None);
+        let cfg = parse_toml_options("gap_fill_min_share = \"0.5\"\n").unwrap();
+        let gate = cfg.baton.rate_gate.unwrap();
+        assert_eq!(gate.min_share, 0.5);
+        assert_eq!(gate.window_s, 3600.0, "the default window");
+        let cfg = parse_toml_options("gap_fill_window = \"10s\"\n").unwrap();
+        assert_eq!(cfg.baton.rate_gate.unwrap().window_s, 10.0);
+        assert_eq!(cfg.baton.rate_gate.unwrap().min_share, 0.25);
+        let cfg = parse_toml_options("gap_fill_min_share = 0.75\n").unwrap();
+        assert_eq!(
+            cfg.baton.rate_gate.unwrap().min_share,
+            0.75,
+            "a TOML number"
+        );
+        for bad in [
+            "gap_fill_min_share = \"1.5\"\n",
+            "gap_fill_min_share = \"NaN\"\n",
+            "gap_fill_window = \"0s\"\n",
+        ] {
+            assert!(parse_toml_options(bad).is_err(), "{bad}");
+        }
+        let annotations: HashMap<String, String> =
+            [("baton.io/gap_fill_min_share".to_string(), "0.9".to_string())].into();
+        let err = BatonSettings::default()
+            .with_annotations(&annotations, "container")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("baton.io/gap_fill_min_share"), "{err}");
     }
 
     #[test]

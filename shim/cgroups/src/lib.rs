@@ -185,6 +185,21 @@ pub fn process_gone(pid: u32) -> bool {
     }
 }
 
+/// Whether process `pid` has exited or is exiting: [`process_gone`], or inside the kernel's exit (`PF_EXITING`:
+/// it has called `exit` or was killed, and closes its files and memory before it becomes a zombie, which can take
+/// a while on a loaded node or with files on a slow FUSE driver).
+pub fn process_ending(pid: u32) -> bool {
+    match procfs::process::Process::new(pid as i32).and_then(|p| p.stat()) {
+        Ok(stat) => {
+            matches!(stat.state, 'Z' | 'X' | 'x')
+                || stat
+                    .flags()
+                    .is_ok_and(|f| f.contains(procfs::process::StatFlags::PF_EXITING))
+        }
+        Err(_) => true,
+    }
+}
+
 /// The cgroups of a process, one per hierarchy (/proc/PID/cgroup, read by procfs): the one place Baton reads it.
 pub fn of_pid(pid: u32) -> Option<Vec<procfs::ProcessCGroup>> {
     let pid = i32::try_from(pid).ok()?;

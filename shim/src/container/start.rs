@@ -270,7 +270,9 @@ impl Container {
         exec_id: &str,
     ) -> Result<(oci_spec::runtime::Process, StdioSpec, IoTasks, StdinCloser)> {
         let mut procs = self.procs.lock().await;
-        if procs.init_exit_seen || matches!(procs.init.state, State::Stopped | State::Deleted) {
+        if self.init_reaped.borrow().is_some()
+            || matches!(procs.init.state, State::Stopped | State::Deleted)
+        {
             return Err(ShimError::FailedPrecondition {
                 id: self.id.clone(),
                 action: "exec in",

@@ -114,11 +114,15 @@ fn first_error(results: &[(u32, std::result::Result<(), CudaError>)]) -> Option<
     results.iter().find_map(|(_, r)| r.as_ref().err().cloned())
 }
 
-/// Waits up to `within` for `pid` to exit; whether it did.
-async fn exits_within(pid: u32, within: Duration) -> bool {
+/// How long a resume waits for the shim to reap an init that is exiting (it closes its files first, which can take
+/// a while on a loaded node); past it the step says "exited" without the status.
+const REAP_WAIT: Duration = Duration::from_secs(30);
+
+/// Waits up to `within` for `pid` to exit or begin its exit; whether it did.
+async fn ends_within(pid: u32, within: Duration) -> bool {
     let deadline = tokio::time::Instant::now() + within;
     loop {
-        if process_gone(pid) {
+        if baton_cgroups::process_ending(pid) {
             return true;
         }
         if tokio::time::Instant::now() >= deadline {
@@ -187,6 +191,7 @@ impl Container {
         pids: &[u32],
         mode: PreemptMode,
         image: Option<String>,
+        parked_for: Option<ContainerRef>,
         steps: &mut Steps,
     ) -> Result<PreemptState> {
         let image = match mode {
@@ -209,6 +214,7 @@ impl Container {
             pids: pids.to_vec(),
             since_ns,
             image_path: None,
+            parked_for,
         };
         self.set_preemption(Some(state.clone()));
         if let Err(e) = self.release_gpu(&cuda, pids, steps).await {
@@ -514,7 +520,7 @@ impl Container {
         let mut failures = Vec::new();
         for (pid, r) in &restores {
             if let Err(e) = r {
-                if exits_within(*pid, Duration::from_secs(1)).await {
+                if ends_within(*pid, Duration::from_secs(1)).await {
                     let detail = self.exit_detail(*pid).await;
                     steps.emit(Phase::Finished, Some(*pid), detail);
                 } else {
@@ -542,20 +548,17 @@ impl Container {
         failures
     }
 
-    /// "exited with status N" for the init (its exit is the shim's), "exited" for another process.
+    /// "exited with status N" for the init (its exit is the shim's: the status as reaped, without waiting for
+    /// its TaskExit, which waits for its execs and its output), "exited" for another process.
     async fn exit_detail(&self, pid: u32) -> String {
         let init = self.procs.lock().await.init.pid;
         if pid != init {
             return "exited".into();
         }
-        let Ok(mut rx) = self.exit_receiver("").await else {
-            return "exited".into();
-        };
-        let waited =
-            tokio::time::timeout(Duration::from_secs(2), rx.wait_for(Option::is_some)).await;
-        match waited {
-            Ok(Ok(exit)) => match exit.as_ref() {
-                Some(e) => format!("exited with status {}", e.status),
+        let mut reaped = self.init_reaped.subscribe();
+        match tokio::time::timeout(REAP_WAIT, reaped.wait_for(Option::is_some)).await {
+            Ok(Ok(status)) => match *status {
+                Some(status) => format!("exited with status {status}"),
                 None => "exited".into(),
             },
             _ => "exited".into(),

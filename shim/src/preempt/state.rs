@@ -61,6 +61,7 @@ mod tests {
             pids: vec![3, 4],
             since_ns: 9,
             image_path: None,
+            parked_for: None,
         };
         save(dir.path(), Some(&state)).unwrap();
         assert_eq!(load(dir.path()), Some(state));

@@ -115,11 +115,11 @@ impl TaskService {
         let pid = {
             // After TaskStart, which is published under the gate.
             let _gate = c.event_gate.lock().await;
-            let mut procs = c.procs.lock().await;
-            if procs.init_exit_seen {
+            let procs = c.procs.lock().await;
+            if c.init_reaped.borrow().is_some() {
                 return;
             }
-            procs.init_exit_seen = true;
+            c.init_reaped.send_replace(Some(exit.code as u32));
             procs.init.pid
         };
         c.thaw_after_init_exit().await;

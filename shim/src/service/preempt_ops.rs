@@ -80,7 +80,9 @@ impl TaskService {
     async fn preempt(&self, r: PreemptRequest, tx: mpsc::UnboundedSender<Step>) -> Result<Outcome> {
         let c = self.target(&r.target)?;
         let mut steps = Steps::new(self.container_ref(&c.id), Some(tx));
-        let state = c.preempt(&r.pids, r.mode, r.image_path, &mut steps).await?;
+        let state = c
+            .preempt(&r.pids, r.mode, r.image_path, r.parked_for, &mut steps)
+            .await?;
         let topic = match r.mode {
             baton_agent_api::PreemptMode::Park => PARKED_TOPIC,
             baton_agent_api::PreemptMode::Snapshot => SNAPSHOTTED_TOPIC,
@@ -205,19 +207,23 @@ impl TaskService {
             return Ok(());
         }
         match agent::wait_gpu_free(&gpu, within).await {
-            Ok(waited_ns) => {
+            Ok((waited_ns, t_free_ns)) => {
                 tracing::info!(
                     id = %c.id,
                     waited = ?Duration::from_nanos(waited_ns),
+                    t_free_ns,
                     "wait-gpu-free: the GPU is free: starting"
                 );
                 Ok(())
             }
-            Err(e) => Err(ShimError::FailedPrecondition {
-                id: c.id.clone(),
-                action: "start",
-                state: format!("waiting for a free GPU (baton.io/wait-gpu-free): {e}"),
-            }),
+            Err(e) => {
+                tracing::warn!(id = %c.id, "wait-gpu-free: not starting: {e}");
+                Err(ShimError::FailedPrecondition {
+                    id: c.id.clone(),
+                    action: "start",
+                    state: format!("waiting for a free GPU (baton.io/wait-gpu-free): {e}"),
+                })
+            }
         }
     }
 
