@@ -18,17 +18,25 @@
 //! With `--sigstop PID,...` it does the 000 seed's shield itself instead: SIGSTOP to those processes from
 //! any request's start until its first token, SIGCONT after. With neither, it only forwards.
 //!
+//! With `--hold-for CONTAINER` (gap-fill: a server with `baton.io/park-when-idle`), the request events name that
+//! container, and each request is held after its `request_start` (which makes the agent hand the GPU back to a
+//! parked server) until the container holds its GPU and is not parked; only then is it forwarded. At most
+//! `--max-waiting` requests wait at once: one more is answered `503 ...` at once, and one that waited
+//! `--hold-timeout` seconds is answered `503 ...` too, each line saying why.
+//!
 //! `cargo run -p baton --example request_proxy -- --listen /tmp/p.sock --server /run/srv.sock --agent /run/baton/agent.sock`
 use std::{
     io::{BufRead, BufReader, Write},
     os::unix::net::{UnixListener, UnixStream},
     path::{Path, PathBuf},
     sync::{Arc, Mutex, mpsc},
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result, bail};
 use baton_agent_api::{
-    PROTOCOL_VERSION, ReplyLine, Request, RequestEvent, RequestLine, now_monotonic_ns,
+    Filter, GpuHold, PROTOCOL_VERSION, Reply, ReplyLine, Request, RequestEvent, RequestLine,
+    now_monotonic_ns,
 };
 use clap::Parser;
 use nix::{
@@ -51,22 +59,58 @@ struct Args {
     /// Shield by SIGSTOP/SIGCONT of these pids instead (comma-separated).
     #[arg(long, value_delimiter = ',')]
     sigstop: Vec<i32>,
+    /// Hold each request until this container (`ID` or `NAMESPACE/ID`) holds its GPU and is not parked.
+    #[arg(long, requires = "agent")]
+    hold_for: Option<String>,
+    /// With --hold-for: how many requests may wait at once (one more is answered 503 at once).
+    #[arg(long, default_value_t = 64)]
+    max_waiting: usize,
+    /// With --hold-for: seconds a request may wait before it is answered 503.
+    #[arg(long, default_value_t = 60)]
+    hold_timeout: u64,
 }
+
+/// `--hold-for`: requests wait until their server holds its GPU.
+struct Hold {
+    /// The agent's socket, for `status`.
+    agent: PathBuf,
+    /// Which container.
+    filter: Filter,
+    max_waiting: usize,
+    timeout: Duration,
+    /// Requests waiting now.
+    waiting: Mutex<usize>,
+    /// The last answer and when it came: every waiter shares one status call per [`HOLD_POLL`].
+    last: Mutex<Option<(Instant, bool)>>,
+}
+
+/// How often the waiting requests ask the agent whether their server holds its GPU.
+const HOLD_POLL: Duration = Duration::from_millis(20);
 
 /// How the proxy protects the requests it forwards.
 enum Shield {
     /// Not at all.
     None,
-    /// Events to the agent, through the writer thread.
-    Agent(mpsc::Sender<Request>),
+    /// Events to the agent, through the writer thread, naming `server` (`None`: the node's only one).
+    Agent {
+        tx: mpsc::Sender<Request>,
+        server: Option<String>,
+    },
     /// SIGSTOP/SIGCONT of the co-runner's processes; the count of requests before their first token.
     Sigstop { pids: Vec<Pid>, open: Mutex<usize> },
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    let hold = match (&args.hold_for, &args.agent) {
+        (Some(server), Some(agent)) => Some(Hold::new(agent, server, &args)),
+        _ => None,
+    };
     let shield = Arc::new(match (&args.agent, args.sigstop.is_empty()) {
-        (Some(agent), _) => Shield::Agent(connect_agent(agent)?),
+        (Some(agent), _) => Shield::Agent {
+            tx: connect_agent(agent)?,
+            server: args.hold_for.clone(),
+        },
         (None, false) => Shield::Sigstop {
             pids: args.sigstop.iter().map(|p| Pid::from_raw(*p)).collect(),
             open: Mutex::new(0),
@@ -78,11 +122,12 @@ fn main() -> Result<()> {
         .with_context(|| format!("listening on {}", args.listen.display()))?;
     println!("listening on {}", args.listen.display());
     std::io::stdout().flush()?;
+    let hold = Arc::new(hold);
     for (n, client) in listener.incoming().enumerate() {
         let client = client.context("accepting a client")?;
-        let (shield, server) = (Arc::clone(&shield), args.server.clone());
+        let (shield, hold, server) = (Arc::clone(&shield), Arc::clone(&hold), args.server.clone());
         std::thread::spawn(move || {
-            if let Err(e) = forward(n, client, &server, &shield) {
+            if let Err(e) = forward(n, client, &server, &shield, hold.as_ref().as_ref()) {
                 eprintln!("request_proxy: request {n}: {e:#}");
             }
         });
@@ -137,8 +182,15 @@ fn read_replies(replies: BufReader<UnixStream>) {
     eprintln!("request_proxy: the agent closed the connection");
 }
 
-/// One request: its id line to the server, the server's lines back to the client, the events around it.
-fn forward(n: usize, client: UnixStream, server: &Path, shield: &Shield) -> Result<()> {
+/// One request: its id line to the server (once the server holds its GPU, with `--hold-for`), the server's lines
+/// back to the client, the events around it.
+fn forward(
+    n: usize,
+    mut client: UnixStream,
+    server: &Path,
+    shield: &Shield,
+    hold: Option<&Hold>,
+) -> Result<()> {
     let mut id = String::new();
     BufReader::new(&client).read_line(&mut id)?;
     let id = match id.trim() {
@@ -147,9 +199,124 @@ fn forward(n: usize, client: UnixStream, server: &Path, shield: &Shield) -> Resu
     };
     shield.request_start(&id);
     let mut tokens = 0;
-    let result = stream_tokens(&id, &client, server, shield, &mut tokens);
+    let result = match hold.map(Hold::until_resident).transpose() {
+        Ok(_) => stream_tokens(&id, &client, server, shield, &mut tokens),
+        Err(refusal) => writeln!(client, "503 {refusal}").map_err(Into::into),
+    };
     shield.request_end(&id, tokens > 0);
     result
+}
+
+impl Hold {
+    fn new(agent: &Path, server: &str, args: &Args) -> Self {
+        let (namespace, id) = match server.split_once('/') {
+            Some((ns, id)) => (Some(ns.to_owned()), id),
+            None => (None, server),
+        };
+        Self {
+            agent: agent.to_owned(),
+            filter: Filter {
+                container: Some(id.to_owned()),
+                namespace,
+                mine: false,
+            },
+            max_waiting: args.max_waiting,
+            timeout: Duration::from_secs(args.hold_timeout),
+            waiting: Mutex::new(0),
+            last: Mutex::new(None),
+        }
+    }
+
+    /// Waits until the server holds its GPU; why not, as the 503 line says it.
+    fn until_resident(&self) -> std::result::Result<(), String> {
+        if self.resident() {
+            return Ok(());
+        }
+        let _waiting = self.admit()?;
+        let deadline = Instant::now() + self.timeout;
+        while Instant::now() < deadline {
+            std::thread::sleep(HOLD_POLL);
+            if self.resident() {
+                return Ok(());
+            }
+        }
+        Err(format!(
+            "{} did not hold its GPU within {:?}: try again later",
+            self.name(),
+            self.timeout
+        ))
+    }
+
+    /// Counts one more waiting request, or refuses it past `--max-waiting`.
+    fn admit(&self) -> std::result::Result<Waiting<'_>, String> {
+        let mut waiting = lock(&self.waiting);
+        if *waiting >= self.max_waiting {
+            return Err(format!(
+                "{} requests are already waiting for {} to hold its GPU (--max-waiting {}): try again later",
+                *waiting,
+                self.name(),
+                self.max_waiting
+            ));
+        }
+        *waiting += 1;
+        Ok(Waiting(self))
+    }
+
+    /// Whether the server holds its GPU and is not parked, asked at most once per [`HOLD_POLL`].
+    fn resident(&self) -> bool {
+        let mut last = lock(&self.last);
+        if let Some((at, answer)) = *last
+            && at.elapsed() < HOLD_POLL
+        {
+            return answer;
+        }
+        let answer = self.ask_agent().unwrap_or_else(|e| {
+            eprintln!(
+                "request_proxy: asking the agent about {}: {e:#}",
+                self.name()
+            );
+            false
+        });
+        *last = Some((Instant::now(), answer));
+        answer
+    }
+
+    fn ask_agent(&self) -> Result<bool> {
+        let mut stream = UnixStream::connect(&self.agent)
+            .with_context(|| format!("connecting to the agent at {}", self.agent.display()))?;
+        let line = RequestLine {
+            v: PROTOCOL_VERSION,
+            request: Request::Status(self.filter.clone()),
+        };
+        writeln!(stream, "{}", serde_json::to_string(&line)?)?;
+        let mut reply = String::new();
+        BufReader::new(&stream).read_line(&mut reply)?;
+        match serde_json::from_str::<ReplyLine>(&reply)?.reply {
+            Reply::Status(node) => Ok(node
+                .containers
+                .first()
+                .is_some_and(|c| c.gpu == GpuHold::Held && c.preemption.is_none())),
+            other => bail!("unexpected reply {other:?}"),
+        }
+    }
+
+    fn name(&self) -> &str {
+        self.filter.container.as_deref().unwrap_or_default()
+    }
+}
+
+/// One waiting request, counted until dropped.
+struct Waiting<'h>(&'h Hold);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let mut waiting = lock(&self.0.waiting);
+        *waiting = waiting.saturating_sub(1);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Sends the request and streams its tokens, counting them in `tokens`.
@@ -179,11 +346,9 @@ impl Shield {
     fn request_start(&self, id: &str) {
         match self {
             Shield::None => {}
-            Shield::Agent(tx) => send(tx, Request::RequestStart(event(id))),
+            Shield::Agent { tx, server } => send(tx, Request::RequestStart(event(id, server))),
             Shield::Sigstop { pids, open } => {
-                let mut open = open
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let mut open = lock(open);
                 *open += 1;
                 if *open == 1 {
                     signal_all(pids, Signal::SIGSTOP);
@@ -195,11 +360,11 @@ impl Shield {
     fn token(&self, id: &str, first: bool) {
         match self {
             Shield::None => {}
-            Shield::Agent(tx) => {
+            Shield::Agent { tx, server } => {
                 if first {
-                    send(tx, Request::FirstToken(event(id)));
+                    send(tx, Request::FirstToken(event(id, server)));
                 }
-                send(tx, Request::Token(event(id)));
+                send(tx, Request::Token(event(id, server)));
             }
             Shield::Sigstop { .. } if first => self.drop_shield(),
             Shield::Sigstop { .. } => {}
@@ -210,7 +375,7 @@ impl Shield {
     fn request_end(&self, id: &str, had_first_token: bool) {
         match self {
             Shield::None => {}
-            Shield::Agent(tx) => send(tx, Request::RequestEnd(event(id))),
+            Shield::Agent { tx, server } => send(tx, Request::RequestEnd(event(id, server))),
             Shield::Sigstop { .. } if !had_first_token => self.drop_shield(),
             Shield::Sigstop { .. } => {}
         }
@@ -219,9 +384,7 @@ impl Shield {
     /// One request less before its first token; SIGCONT when none is left.
     fn drop_shield(&self) {
         if let Shield::Sigstop { pids, open } = self {
-            let mut open = open
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut open = lock(open);
             *open = open.saturating_sub(1);
             if *open == 0 {
                 signal_all(pids, Signal::SIGCONT);
@@ -230,11 +393,11 @@ impl Shield {
     }
 }
 
-/// A request event of `id`, stamped now (the agent's clock: CLOCK_MONOTONIC).
-fn event(id: &str) -> RequestEvent {
+/// A request event of `id` for `server`, stamped now (the agent's clock: CLOCK_MONOTONIC).
+fn event(id: &str, server: &Option<String>) -> RequestEvent {
     RequestEvent {
         id: id.to_owned(),
-        server: None,
+        server: server.clone(),
         t_ns: Some(now_monotonic_ns()),
     }
 }

@@ -6,6 +6,51 @@ use baton_agent_api::{
 
 use crate::node::AgentSocket;
 
+/// What `baton freeze` does (its help line).
+pub const FREEZE_ABOUT: &str = "Freeze a container through its shim's cgroup freezer (not a latency-critical \
+     one); prints the confirmed latency";
+/// What `baton thaw` does (its help line).
+pub const THAW_ABOUT: &str = "Thaw a container frozen by `baton freeze` (one the controller or the user holds \
+     stays frozen)";
+
+/// `baton freeze` and `baton thaw` (`args`: the whole command line), run without the rest of the CLI: the
+/// parser of that one command (the same arguments, help and errors as in the whole CLI), a current-thread
+/// runtime, and the log only when `BATON_LOG` asks for one. These commands are a step of
+/// whatever calls them, so their cost is the process's: building the parsers of every command (page faults
+/// over the binary's code) and the log took longer than the agent and the shim take to freeze. `None`
+/// for any other command.
+pub fn run_alone(args: &[std::ffi::OsString]) -> Option<std::process::ExitCode> {
+    use clap::FromArgMatches as _;
+    let freeze = match args.get(1)?.to_str()? {
+        "freeze" => true,
+        "thaw" => false,
+        _ => return None,
+    };
+    let parsed = alone_command(freeze)
+        .try_get_matches_from(&args[1..])
+        .and_then(|m| FreezeArgs::from_arg_matches(&m));
+    let parsed = match parsed {
+        Ok(a) => a,
+        // Help, or a usage error: printed and exited as clap does for the whole CLI.
+        Err(e) => e.exit(),
+    };
+    if std::env::var_os("BATON_LOG").is_some() {
+        crate::init_log("warn");
+    }
+    let result = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| anyhow::anyhow!("cannot start the async runtime: {e}"))
+        .and_then(|rt| rt.block_on(self::freeze(parsed, freeze)));
+    Some(match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("baton: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    })
+}
+
 /// Arguments of `baton freeze` and `baton thaw`.
 #[derive(clap::Args, Debug)]
 pub struct FreezeArgs {
@@ -81,6 +126,20 @@ pub async fn freeze(args: FreezeArgs, freeze: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The parser of `baton freeze` (`freeze`) or `baton thaw` alone: what the whole CLI has for it.
+fn alone_command(freeze: bool) -> clap::Command {
+    use clap::Args as _;
+    let (name, about) = if freeze {
+        ("freeze", FREEZE_ABOUT)
+    } else {
+        ("thaw", THAW_ABOUT)
+    };
+    // The about after the arguments: theirs is the struct's doc comment.
+    FreezeArgs::augment_args(clap::Command::new(name))
+        .bin_name(format!("baton {name}"))
+        .about(about)
+}
+
 fn render(r: &FreezerReply, freeze: bool) -> String {
     let state = if r.frozen { "frozen" } else { "running" };
     let what = if freeze { "freeze" } else { "thaw" };
@@ -141,4 +200,45 @@ fn accepted(reply: Reply) -> anyhow::Result<()> {
         a.frozen, a.shielded
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    /// What a parser shows of itself: its about and each argument's id, flags, help and whether required.
+    fn shape(c: &clap::Command) -> Vec<String> {
+        let mut v = vec![format!("{:?}", c.get_about().map(ToString::to_string))];
+        v.extend(c.get_arguments().map(|a| {
+            format!(
+                "{} {:?} {:?} {:?} {}",
+                a.get_id(),
+                a.get_long(),
+                a.get_short(),
+                a.get_help().map(ToString::to_string),
+                a.is_required_set()
+            )
+        }));
+        v
+    }
+
+    #[test]
+    fn freeze_and_thaw_alone_parse_what_the_whole_cli_does() {
+        let mut whole = crate::Cli::command();
+        whole.build();
+        for (name, freeze) in [("freeze", true), ("thaw", false)] {
+            let mut alone = super::alone_command(freeze);
+            alone.build();
+            let sub = whole.find_subcommand(name).unwrap();
+            assert_eq!(shape(&alone), shape(sub), "{name}");
+        }
+    }
+
+    #[test]
+    fn only_freeze_and_thaw_run_alone() {
+        let args = |a: &[&str]| a.iter().map(std::ffi::OsString::from).collect::<Vec<_>>();
+        assert!(super::run_alone(&args(&["baton", "status"])).is_none());
+        assert!(super::run_alone(&args(&["baton"])).is_none());
+        assert!(super::run_alone(&args(&["baton", "--version"])).is_none());
+    }
 }

@@ -1,17 +1,14 @@
-//! `baton`: the node agent (`baton agent`) and its clients (`baton status`, `baton events`, `baton freeze`,
+//! `baton`: the node agent (`baton agent`, a call into the `baton-agent` crate) and its clients (`baton status`, `baton events`, `baton freeze`,
 //! `baton preempt`, ...), strace for the
 //! NVIDIA driver per container (`baton trace`), a self-contained demo on the mock driver (`baton demo`), and
 //! the probe benchmarks (`baton bench`), and `baton install` / `baton uninstall` (containerd's config,
 //! the agent's unit).
-mod agent;
 mod bench;
 mod control_cli;
 mod demo;
 mod install;
 mod node;
 mod preempt_cli;
-mod render;
-mod summary;
 mod timeline;
 mod trace;
 
@@ -28,7 +25,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// The node agent: owns the probes and every watched container's GPU ledger and release signal.
-    Agent(agent::AgentArgs),
+    Agent(baton_agent::AgentArgs),
     /// The containers the agent watches: pids, NVIDIA fds, mappings, objects, memory, held/released.
     Status(node::StatusArgs),
     /// Stream the agent's events (registered, acquired, released, unregistered).
@@ -40,10 +37,9 @@ enum Cmd {
     Resume(preempt_cli::ResumeArgs),
     /// Preempt one container and start (a created task) or resume (a parked one) another.
     Handoff(preempt_cli::HandoffArgs),
-    /// Freeze a container through its shim's cgroup freezer (not a latency-critical one); prints the
-    /// confirmed latency.
+    #[command(about = control_cli::FREEZE_ABOUT)]
     Freeze(control_cli::FreezeArgs),
-    /// Thaw a container frozen by `baton freeze` (one the controller or the user holds stays frozen).
+    #[command(about = control_cli::THAW_ABOUT)]
     Thaw(control_cli::FreezeArgs),
     /// Run the co-runners only RUN_MS of every WINDOW_MS.
     Duty(control_cli::DutyArgs),
@@ -76,22 +72,32 @@ struct TimelineArgs {
     outputs: timeline::Outputs,
 }
 
-fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
-    // The agent is a daemon: its log says what it does. The other commands only warn.
-    let default_level = if matches!(cli.cmd, Cmd::Agent(_)) {
-        "info"
-    } else {
-        "warn"
-    };
+/// Logs to stderr (the agent's log file for the agent) at `BATON_LOG`'s filter, else `default_level`.
+fn init_log(default_level: &str) {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("BATON_LOG")
                 .unwrap_or_else(|_| default_level.into()),
         )
-        .with_writer(agent::log_writer)
+        .with_writer(baton_agent::log_writer)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+}
+
+fn main() -> std::process::ExitCode {
+    // `baton freeze` and `baton thaw` are parsed and run on their own (control_cli::run_alone): building
+    // every command's parser, then the log, cost them more than the agent and the shim take to answer.
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if let Some(code) = control_cli::run_alone(&args) {
+        return code;
+    }
+    let cli = Cli::parse_from(args);
+    // The agent is a daemon: its log says what it does. The other commands only warn.
+    init_log(if matches!(cli.cmd, Cmd::Agent(_)) {
+        "info"
+    } else {
+        "warn"
+    });
     if let Cmd::BenchWorker(a) = cli.cmd {
         return match bench::worker_main(a) {
             Ok(()) => std::process::ExitCode::SUCCESS,
@@ -113,7 +119,7 @@ fn main() -> std::process::ExitCode {
     };
     let result = rt.block_on(async {
         match cli.cmd {
-            Cmd::Agent(a) => agent::run(a).await,
+            Cmd::Agent(a) => baton_agent::run(a).await.map_err(anyhow::Error::from),
             Cmd::Status(a) => node::status(a).await,
             Cmd::Events(a) => node::events(a).await,
             Cmd::Preempt(a) => preempt_cli::preempt(a).await,

@@ -130,6 +130,100 @@ pub fn render_status(s: &NodeStatus, now_ns: u64) -> String {
         out.push_str(&render_container(c, now_ns));
     }
     out.push_str(&render_controller(&s.controller));
+    out.push_str(&render_gap_fill(&s.gap_fill));
+    out
+}
+
+/// Gap-fill's part of `baton status`: the co-runners the agent parked by itself, in the order it resumes
+/// them, with their ages; those it is preempting; those that finished instead (nothing when all are empty).
+fn render_gap_fill(g: &baton_agent_api::GapFillStatus) -> String {
+    let mut out = render_rate_gate(g);
+    if g.parked.is_empty() && g.preempting.is_empty() && g.finished.is_empty() {
+        return out;
+    }
+    out.push_str(&format!(
+        "gap-fill: resume order (priority + {} per second parked)\n{:<4} {:<16} {:<10} {:<9} {:>8} {:>9} {:>9}  {}\n",
+        baton_agent_api::gapfill::AGING_PER_SECOND,
+        "NEXT",
+        "PARKED",
+        "NAMESPACE",
+        "MODE",
+        "PRIORITY",
+        "PARKED",
+        "EFFECTIVE",
+        "FOR"
+    ));
+    for (i, p) in g.parked.iter().enumerate() {
+        out.push_str(&format!(
+            "{:<4} {:<16} {:<10} {:<9} {:>8} {:>8.1}s {:>9.2}  {}{}\n",
+            i + 1,
+            p.container.id,
+            p.container.namespace,
+            p.mode.label(),
+            p.priority,
+            p.parked_ns as f64 / 1e9,
+            p.effective_priority,
+            p.parked_for.id,
+            if p.resuming { " (resuming)" } else { "" }
+        ));
+    }
+    for p in &g.preempting {
+        out.push_str(&format!(
+            "preempting {} (namespace {}) for {}\n",
+            p.container.id, p.container.namespace, p.parked_for.id
+        ));
+    }
+    for f in &g.finished {
+        out.push_str(&format!(
+            "finished {} (namespace {}): {}\n",
+            f.container.id, f.container.namespace, f.detail
+        ));
+    }
+    out
+}
+
+/// The rate gate's part of `baton status`: per GPU, its holders, waiters, parked co-runners, C, the
+/// preemptions per hour, the projected share and whether the agent fills it (nothing without a GPU).
+fn render_rate_gate(g: &baton_agent_api::GapFillStatus) -> String {
+    if g.gpus.is_empty() {
+        return String::new();
+    }
+    let ids = |cs: &[baton_agent_api::ContainerRef]| match cs.len() {
+        0 => "-".to_owned(),
+        _ => cs
+            .iter()
+            .map(|c| c.id.as_str())
+            .collect::<Vec<_>>()
+            .join(","),
+    };
+    let mut out = format!(
+        "gap-fill: rate gate (fills while 1 - rate * C / 3600 >= {}, rate over {}s)\n{:<12} {:<8} {:>8} {:>8} {:>6}  {:<16} {:<16} {}\n",
+        g.rate_gate.min_share,
+        g.rate_gate.window_s,
+        "GPU",
+        "FILLING",
+        "C",
+        "RATE/H",
+        "SHARE",
+        "HOLDERS",
+        "WAITERS",
+        "PARKED"
+    );
+    for gpu in &g.gpus {
+        out.push_str(&format!(
+            "{:<12} {:<8} {:>8} {:>8.1} {:>6}  {:<16} {:<16} {}\n",
+            gpu.device,
+            if gpu.filling { "on" } else { "off" },
+            gpu.c_s
+                .map_or_else(|| "-".to_owned(), |c| format!("{c:.2}s")),
+            gpu.preemptions_per_hour,
+            gpu.projected_share
+                .map_or_else(|| "-".to_owned(), |s| format!("{s:.3}")),
+            ids(&gpu.holders),
+            ids(&gpu.waiters),
+            ids(&gpu.parked)
+        ));
+    }
     out
 }
 

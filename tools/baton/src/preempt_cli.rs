@@ -110,6 +110,7 @@ pub async fn preempt(a: PreemptArgs) -> anyhow::Result<()> {
         mode: a.mode.into(),
         pids: Vec::new(),
         image_path: a.image_path,
+        parked_for: None,
     });
     run(&a.agent, request, a.json).await
 }

@@ -271,6 +271,13 @@ impl Timeline {
     }
 }
 
+/// `baton trace` adds its objects to the timeline as it prints them.
+impl baton_agent::trace_output::TimelineSink for Timeline {
+    fn add(&mut self, object: &Value) {
+        Timeline::add(self, object);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;

@@ -1,8 +1,6 @@
 //! `baton trace`: attaches the probes, follows the selected containers, prints one line (or one JSON
 //! object) per driver call and, every `--launch-interval`, per container the CUDA launches counted by the
 //! libcuda uprobes (standalone probe set only), and on exit a per-container summary.
-pub mod launches;
-mod session;
 mod via_agent;
 
 use std::{collections::HashSet, io::Write, path::PathBuf, time::Duration};
@@ -12,13 +10,9 @@ use baton_nvidia::layout::DriverVersion;
 use baton_tracer::{Tracer, TracerConfig, cgroups, event::Event};
 use clap::Args;
 
-use launches::LaunchMeter;
-pub use session::{Output, Selection, StateKind};
+use baton_agent::trace_output::{LaunchMeter, Output, Selection, Summary};
 
-use crate::{
-    summary::Summary,
-    timeline::{self, Timeline},
-};
+use crate::timeline::{self, Timeline};
 
 /// Options of `baton trace`.
 #[derive(Args, Clone, Debug, Default)]
@@ -228,7 +222,7 @@ pub async fn run_until(
 /// Prints the launches since `since_ns` of the traced containers; returns now.
 fn launch_lines<W: Write>(
     meter: &mut LaunchMeter,
-    output: &mut Output<W>,
+    output: &mut Output<W, Timeline>,
     tracer: &mut Tracer,
     sel: &Selection,
     all: bool,
@@ -253,24 +247,3 @@ fn report_drops(tracer: &Tracer, before: u64) -> u64 {
 }
 
 pub use baton_tracer::now_monotonic_ns;
-
-#[cfg(test)]
-mod tests {
-    use super::session::name_matches;
-
-    #[test]
-    fn container_names_match_ids_and_paths() {
-        let id = "0123456789abcdef".repeat(4);
-        assert!(name_matches("default/trainer", "/default/trainer"));
-        assert!(name_matches("trainer", "/default/trainer"));
-        assert!(name_matches(
-            &id,
-            &format!("/kubepods/besteffort/pod1/{id}")
-        ));
-        assert!(name_matches(
-            "0123456789ab",
-            &format!("/kubepods.slice/x.slice/cri-containerd-{id}.scope")
-        ));
-        assert!(!name_matches("train", "/default/trainer"));
-    }
-}

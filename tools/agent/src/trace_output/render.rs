@@ -51,8 +51,8 @@ pub fn state_line(c: &StateChange<'_>, t0_ns: u64) -> String {
     let t = c.ts_ns.saturating_sub(t0_ns);
     let what = match (c.phase, c.latency_ns) {
         (Some(phase), _) => match c.detail {
-            Some(d) => format!("preemption: {phase} ({d})"),
-            None => format!("preemption: {phase}"),
+            Some(d) => format!("{}: {phase} ({d})", c.event),
+            None => format!("{}: {phase}", c.event),
         },
         (None, Some(ns)) if ns > 0 => format!("{} (confirmed in {} us)", c.event, ns / 1000),
         _ => c.event.to_owned(),

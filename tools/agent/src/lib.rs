@@ -1,26 +1,34 @@
-//! `baton agent`: the node's one owner of the probes, the watched containers' fd mirrors and ledgers, and
-//! the acquired/released signal. Shims register their containers over its socket (docs/api.md); the CLI
-//! reads `status` and `watch` there.
+//! The Baton node agent, `baton agent`: the node's one owner of the probes, the watched containers' fd
+//! mirrors and ledgers, and the acquired/released signal. Shims register their containers over its socket
+//! (docs/api.md); the CLI reads `status` and `watch` there. The `baton` CLI runs [`run`] for `baton agent`
+//! and shares [`trace_output`] with it for `baton trace`.
 //!
 //! Started by a DaemonSet, by hand (foreground, for debugging), or by the first shim that finds nothing on
 //! the socket (`--daemon`: detached, one instance guaranteed by the lock next to the socket).
 mod control;
 mod core;
 mod daemon;
+mod error;
+mod gapfill;
 mod gate;
 mod holders;
 mod metrics;
 mod nvml;
 mod preempt;
+mod registry;
 mod server;
+pub mod trace_output;
 mod trace_session;
-mod watched;
 
 pub use daemon::log_writer;
+pub use error::AgentError;
 
-use std::{os::unix::fs::PermissionsExt, path::PathBuf};
+use std::{
+    os::unix::fs::PermissionsExt,
+    path::{Path, PathBuf},
+};
 
-use anyhow::{Context, bail};
+use error::{at, doing};
 use tokio::{
     net::UnixListener,
     signal::unix::{SignalKind, signal},
@@ -71,19 +79,21 @@ pub struct AgentArgs {
 
 impl AgentArgs {
     /// The controller's bounds, checked.
-    fn bounds(&self) -> anyhow::Result<control::Bounds> {
+    fn bounds(&self) -> Result<control::Bounds, AgentError> {
         if !(0.0..0.9).contains(&self.min_run_share) {
-            bail!("--min-run-share must be at least 0 and below 0.9");
+            return Err(AgentError::Options(
+                "--min-run-share must be at least 0 and below 0.9".to_owned(),
+            ));
         }
         let lease_max = baton_agent_api::MAX_FREEZE_LEASE_MS;
         if self.max_frozen_ms == 0
             || self.input_silence_ms == 0
             || !(30..=lease_max).contains(&self.freeze_lease_ms)
         {
-            bail!(
+            return Err(AgentError::Options(format!(
                 "--max-frozen-ms and --input-silence-ms must be > 0, --freeze-lease-ms from 30 to \
                  {lease_max} (the longest lease a shim grants)"
-            );
+            )));
         }
         Ok(control::Bounds {
             max_frozen_ns: self.max_frozen_ms * 1_000_000,
@@ -95,53 +105,87 @@ impl AgentArgs {
 }
 
 /// Runs the agent until SIGTERM or SIGINT.
-pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
+pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     if !nix::unistd::geteuid().is_root() {
-        bail!("baton agent needs root: it loads eBPF programs and reads other processes' /proc");
+        return Err(AgentError::NotRoot);
     }
     let bounds = args.bounds()?;
-    let socket = args.socket.unwrap_or_else(baton_agent_api::default_socket);
-    let dir = socket
+    let socket = args
+        .socket
+        .clone()
+        .unwrap_or_else(baton_agent_api::default_socket);
+    let dir = socket_dir(&socket);
+    std::fs::create_dir_all(&dir).map_err(at("cannot create", &dir))?;
+    if args.daemon {
+        let log = args
+            .log_file
+            .clone()
+            .unwrap_or_else(|| dir.join("agent.log"));
+        daemon::detach(&log, args.log_max_bytes)?;
+    }
+    let Some(_lock) = instance_lock(&socket, args.daemon)? else {
+        return Ok(());
+    };
+    let listener = listen(&socket)?;
+    let result = serve_until_signal(listener, bounds, &args).await;
+    let _ = std::fs::remove_file(&socket);
+    tracing::info!("agent: stopped");
+    result
+}
+
+/// The directory of `socket` (its lock and, under `--daemon`, its log go there).
+fn socket_dir(socket: &Path) -> PathBuf {
+    socket
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."));
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    if args.daemon {
-        let log = args.log_file.unwrap_or_else(|| dir.join("agent.log"));
-        daemon::detach(&log, args.log_max_bytes)?;
-    }
-    let _lock = match daemon::take_lock(&socket)? {
-        daemon::LockOutcome::Taken(lock) => lock,
-        daemon::LockOutcome::Held(pid) => {
-            let who = pid.map_or_else(String::new, |p| format!(" (pid {p})"));
-            let lock = daemon::lock_path(&socket);
-            if args.daemon {
-                tracing::info!(
-                    "agent: another agent{who} holds {}; exiting",
-                    lock.display()
-                );
-                return Ok(());
-            }
-            bail!(
-                "another baton agent{who} serves {} (it holds {})",
-                socket.display(),
-                lock.display()
-            );
-        }
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// Takes the lock that makes this the socket's one agent; `None` when another agent holds it and this one
+/// is a `--daemon` (which then exits quietly).
+fn instance_lock(socket: &Path, daemon: bool) -> Result<Option<daemon::InstanceLock>, AgentError> {
+    let pid = match daemon::take_lock(socket)? {
+        daemon::LockOutcome::Taken(lock) => return Ok(Some(lock)),
+        daemon::LockOutcome::Held(pid) => pid,
     };
-    // Holding the lock, whatever is at the socket path is a dead agent's.
-    let _ = std::fs::remove_file(&socket);
-    let listener = UnixListener::bind(&socket)
-        .with_context(|| format!("cannot listen on {}", socket.display()))?;
-    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("cannot restrict {} to root", socket.display()))?;
+    let who = pid.map_or_else(String::new, |p| format!(" (pid {p})"));
+    let lock = daemon::lock_path(socket);
+    if daemon {
+        tracing::info!(
+            "agent: another agent{who} holds {}; exiting",
+            lock.display()
+        );
+        return Ok(None);
+    }
+    Err(AgentError::AnotherAgent {
+        who,
+        socket: socket.display().to_string(),
+        lock: lock.display().to_string(),
+    })
+}
+
+/// Listens on `socket`, root only. Called holding the lock: whatever is at the path is a dead agent's.
+fn listen(socket: &Path) -> Result<UnixListener, AgentError> {
+    let _ = std::fs::remove_file(socket);
+    let listener = UnixListener::bind(socket).map_err(at("cannot listen on", socket))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(doing(
+        format!("cannot restrict {} to root", socket.display()),
+    ))?;
     tracing::info!(
         "agent: listening on {} (pid {})",
         socket.display(),
         std::process::id()
     );
+    Ok(listener)
+}
 
+/// Starts the core, the controller and the metrics, and serves `listener` until SIGTERM or SIGINT.
+async fn serve_until_signal(
+    listener: UnixListener,
+    bounds: control::Bounds,
+    args: &AgentArgs,
+) -> Result<(), AgentError> {
     let (events, _) = broadcast::channel(4096);
     let (commands, rx) = mpsc::channel(64);
     let controller = control::spawn(bounds, commands.clone());
@@ -151,16 +195,14 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let core =
         tokio::spawn(self::core::Core::new(events.clone(), controller.clone(), exempt).run(rx));
     metrics::spawn(&args.metrics_addr, commands.clone());
-    let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
-    let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
+    let mut term = signal(SignalKind::terminate()).map_err(doing("SIGTERM handler"))?;
+    let mut int = signal(SignalKind::interrupt()).map_err(doing("SIGINT handler"))?;
     let result = tokio::select! {
-        r = server::serve(listener, commands, events, controller) => r.context("accepting connections"),
+        r = server::serve(listener, commands, events, controller) => r.map_err(doing("accepting connections")),
         _ = term.recv() => Ok(()),
         _ = int.recv() => Ok(()),
     };
     core.abort();
-    let _ = std::fs::remove_file(&socket);
-    tracing::info!("agent: stopped");
     result
 }
 

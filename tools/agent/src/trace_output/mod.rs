@@ -1,15 +1,51 @@
-//! What a trace session is, wherever its probes are (its own, or the agent's): the selection the options
-//! resolve to, and the output (live lines or JSON objects, and the summary).
+//! What a trace session is, wherever its probes are (`baton trace`'s own, or the agent's): the selection the
+//! options resolve to, and the output (live lines or JSON objects, the launch lines and the summary). One
+//! definition for both, so that a trace through the agent prints what a standalone one does.
+pub mod launches;
+mod render;
+mod summary;
+
 use std::{collections::HashSet, io::Write};
 
 use baton_tracer::{
-    LaunchCounts, Tracer, cgroups,
+    LaunchCounts, Tracer, TracerError, cgroups,
     event::Event,
+    now_monotonic_ns,
     schema::{LaunchProbes, LaunchWindow, StateChange, TraceEvent},
 };
 
-use super::now_monotonic_ns;
-use crate::{render, summary::Summary, timeline::Timeline};
+pub use launches::LaunchMeter;
+pub use summary::Summary;
+
+/// Why a trace's output failed: writing, encoding or the probes (shown as the cause itself).
+#[derive(Debug, thiserror::Error)]
+pub enum OutputError {
+    /// Writing the lines failed.
+    #[error(transparent)]
+    Write(#[from] std::io::Error),
+    /// Encoding an object failed.
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    /// The probes refused to watch a cgroup.
+    #[error(transparent)]
+    Tracer(#[from] TracerError),
+}
+
+/// Where the objects of a trace also go, as `--json` prints them: the timeline `baton trace` builds
+/// (`--perfetto`, `--html`).
+pub trait TimelineSink {
+    /// Takes one object.
+    fn add(&mut self, object: &serde_json::Value);
+}
+
+/// No timeline: the agent's trace sessions (their client builds it from the JSON objects it asks for).
+pub enum NoTimeline {}
+
+impl TimelineSink for NoTimeline {
+    fn add(&mut self, _: &serde_json::Value) {
+        match *self {}
+    }
+}
 
 /// What the selection options resolve to.
 pub struct Selection {
@@ -21,7 +57,7 @@ pub struct Selection {
 
 impl Selection {
     /// Watches every cgroup whose container name or path matches a `--container` name.
-    pub fn refresh(&mut self, tracer: &mut Tracer) -> anyhow::Result<()> {
+    pub fn refresh(&mut self, tracer: &mut Tracer) -> Result<(), TracerError> {
         if self.names.is_empty() {
             return Ok(());
         }
@@ -55,7 +91,7 @@ pub fn name_matches(name: &str, path: &str) -> bool {
 }
 
 /// Where events go: the live lines or JSON objects, and the summary.
-pub struct Output<W: Write> {
+pub struct Output<W: Write, T: TimelineSink = NoTimeline> {
     /// Where lines go.
     pub out: W,
     /// Counts for `--summary`.
@@ -71,10 +107,10 @@ pub struct Output<W: Write> {
     /// The libcuda files (device, inode) whose launch uprobes it has shown.
     pub probes_shown: HashSet<(u64, u64)>,
     /// The timeline being built (`--perfetto`, `--html`), from the same objects `--json` prints.
-    pub timeline: Option<Timeline>,
+    pub timeline: Option<T>,
 }
 
-impl<W: Write> Output<W> {
+impl<W: Write, T: TimelineSink> Output<W, T> {
     /// Takes a batch of events: the ones `--pid` selects (and, when `only` is given, of those cgroups) are
     /// counted, handed to `on_event` and printed.
     pub fn take(
@@ -83,7 +119,7 @@ impl<W: Write> Output<W> {
         tracer: &mut Tracer,
         on_event: &mut impl FnMut(&Event),
         only: Option<&HashSet<u64>>,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), OutputError> {
         for e in events.iter().filter(|e| {
             (self.pids.is_empty() || self.pids.contains(&e.pid))
                 && only.is_none_or(|set| set.contains(&e.cgroup_id))
@@ -109,7 +145,7 @@ impl<W: Write> Output<W> {
     /// Prints a line for each libcuda file the tracer attached launch uprobes to since the last call: launches
     /// through it are counted from then on (and a workload that waits for this line launches only once they
     /// are, since the breakpoints appear in its code before the programs are attached).
-    fn show_new_launch_probes(&mut self, tracer: &Tracer) -> anyhow::Result<()> {
+    fn show_new_launch_probes(&mut self, tracer: &Tracer) -> Result<(), OutputError> {
         let now = now_monotonic_ns();
         for lib in tracer.launch_libraries() {
             if !self.probes_shown.insert((lib.dev, lib.ino)) || self.quiet {
@@ -157,9 +193,16 @@ pub enum StateKind<'a> {
         /// What it says.
         detail: &'a str,
     },
+    /// The rate gate started (`filling`) or stopped filling a GPU the container is on.
+    GapFill {
+        /// Whether the agent fills it now.
+        filling: bool,
+        /// The GPU and the rule with its figures.
+        detail: &'a str,
+    },
 }
 
-impl<W: Write> Output<W> {
+impl<W: Write, T: TimelineSink> Output<W, T> {
     /// Takes a state change of container `cgroup_id` at `ts_ns`: printed (`+++ frozen (52 us) +++`) and
     /// added to the timeline.
     pub fn state(
@@ -168,7 +211,7 @@ impl<W: Write> Output<W> {
         ts_ns: u64,
         kind: StateKind<'_>,
         tracer: &mut Tracer,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), OutputError> {
         let name = tracer.container_name(cgroup_id);
         let (event, phase, detail, latency_ns) = match kind {
             StateKind::Frozen { latency_ns } => ("frozen", None, None, Some(latency_ns)),
@@ -177,6 +220,12 @@ impl<W: Write> Output<W> {
                 "preemption",
                 Some(phase),
                 Some(detail).filter(|d| !d.is_empty()),
+                None,
+            ),
+            StateKind::GapFill { filling, detail } => (
+                "gap_fill",
+                Some(if filling { "on" } else { "off" }),
+                Some(detail),
                 None,
             ),
         };
@@ -213,7 +262,7 @@ impl<W: Write> Output<W> {
         tracer: &mut Tracer,
         ts_ns: u64,
         interval_ns: u64,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), OutputError> {
         self.show_new_launch_probes(tracer)?;
         for (id, n) in deltas {
             self.summary.add_launches(*id, n);
@@ -245,7 +294,13 @@ impl<W: Write> Output<W> {
     }
 }
 
-fn emit(out: &mut dyn Write, e: &Event, name: &str, json: bool, t0: u64) -> anyhow::Result<()> {
+fn emit(
+    out: &mut dyn Write,
+    e: &Event,
+    name: &str,
+    json: bool,
+    t0: u64,
+) -> Result<(), OutputError> {
     if json {
         serde_json::to_writer(&mut *out, &TraceEvent::new(e, name))?;
         writeln!(out)?;
@@ -253,4 +308,25 @@ fn emit(out: &mut dyn Write, e: &Event, name: &str, json: bool, t0: u64) -> anyh
         writeln!(out, "{}", render::line(e, name, t0))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn container_names_match_ids_and_paths() {
+        let id = "0123456789abcdef".repeat(4);
+        assert!(name_matches("default/trainer", "/default/trainer"));
+        assert!(name_matches("trainer", "/default/trainer"));
+        assert!(name_matches(
+            &id,
+            &format!("/kubepods/besteffort/pod1/{id}")
+        ));
+        assert!(name_matches(
+            "0123456789ab",
+            &format!("/kubepods.slice/x.slice/cri-containerd-{id}.scope")
+        ));
+        assert!(!name_matches("train", "/default/trainer"));
+    }
 }

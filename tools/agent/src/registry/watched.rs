@@ -12,8 +12,8 @@ use baton_tracer::{
     event::{Body, Event as Record},
 };
 
-use super::holders::{Classifier, Holding, pids_of_cgroup_tree};
-use crate::trace::now_monotonic_ns;
+use crate::holders::{Classifier, Holding, pids_of_cgroup_tree};
+use baton_tracer::now_monotonic_ns;
 
 /// A watched container.
 pub struct Watched {
@@ -165,7 +165,7 @@ impl Watched {
             confirmed_by,
             objects_freed: self.held_objects.saturating_sub(state.live_objects),
             bytes_freed: self.held_vram.saturating_sub(state.vram_bytes),
-            nvml: super::nvml::view(&self.holders),
+            nvml: crate::nvml::view(&self.holders),
         }
     }
 

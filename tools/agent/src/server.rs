@@ -19,8 +19,9 @@ use tokio::{
 
 use super::{
     control,
-    core::{Command, Published, What},
+    core::{Command, What},
     preempt,
+    registry::Published,
     trace_session::LINE_BUFFER,
 };
 
@@ -147,6 +148,13 @@ async fn connection(
             | Request::FirstToken(_)
             | Request::Token(_)
             | Request::RequestEnd(_)) => {
+                if let Request::RequestStart(e) | Request::RequestEnd(e) = &request {
+                    let seen = What::RequestSeen {
+                        server: e.server.clone(),
+                        start: matches!(request, Request::RequestStart(_)),
+                    };
+                    let _ = ask(&commands, seen, peer_pid).await;
+                }
                 let reply = controller.ask(request).await;
                 send_reply(&mut write, reply).await?;
             }

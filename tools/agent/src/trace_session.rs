@@ -4,14 +4,11 @@
 use std::{collections::HashSet, io::Write};
 
 use baton_agent_api::TraceRequest;
-use baton_tracer::{Tracer, cgroups, event::Event as Record};
+use baton_tracer::{Tracer, cgroups, event::Event as Record, now_monotonic_ns};
 use tokio::sync::mpsc;
 
 use super::core::{Note, NoteKind};
-use crate::{
-    summary::Summary,
-    trace::{Output, Selection, StateKind, launches::LaunchMeter, now_monotonic_ns},
-};
+use crate::trace_output::{LaunchMeter, Output, Selection, StateKind, Summary};
 
 /// Lines a slow trace client may fall behind by before lines are dropped (and counted).
 pub const LINE_BUFFER: usize = 16384;
@@ -168,6 +165,10 @@ impl TraceSession {
             },
             NoteKind::Preemption { phase, detail } => StateKind::Preemption {
                 phase: phase.label(),
+                detail,
+            },
+            NoteKind::GapFill { filling, detail } => StateKind::GapFill {
+                filling: *filling,
                 detail,
             },
         };

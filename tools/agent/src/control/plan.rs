@@ -125,12 +125,7 @@ pub struct Server {
 impl Server {
     /// Whether `name` (an id, `namespace/id`, a pod or `namespace/pod`) names it.
     pub fn is_named(&self, name: &str) -> bool {
-        let c = &self.container;
-        name == c.id
-            || name == format!("{}/{}", c.namespace, c.id)
-            || self.pod.as_deref().is_some_and(|p| {
-                name == p || p.rsplit_once('/').is_some_and(|(_, pod)| pod == name)
-            })
+        baton_agent_api::names_container(name, &self.container, self.pod.as_deref())
     }
 }
 

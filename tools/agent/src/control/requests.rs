@@ -18,7 +18,7 @@ const T_PAST_NS: u64 = 10_000 * MS;
 
 impl Controller {
     /// Answers `request` on `reply` (a freeze or thaw once its shim confirmed it).
-    pub(super) fn request(&mut self, request: Request, reply: oneshot::Sender<Reply>) {
+    pub(crate) fn request(&mut self, request: Request, reply: oneshot::Sender<Reply>) {
         let now = now_monotonic_ns();
         let result = match request {
             Request::Freeze(f) => return self.freeze(f, now, reply),

@@ -37,6 +37,7 @@ pub fn exposition(s: &Snapshot) -> Result<String, std::fmt::Error> {
     let mut r = Registry::with_prefix("baton");
     containers(&mut r, s);
     co_runners(&mut r, s);
+    gap_fill(&mut r, s);
     node(&mut r, s);
     events().register(&mut r);
     let mut text = String::new();
@@ -165,6 +166,62 @@ fn co_runners(r: &mut Registry, s: &Snapshot) {
         "corunner_frozen_now",
         "1 while the controller holds the co-runner frozen",
         frozen,
+    );
+}
+
+/// The label of a GPU's series: its device file.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+struct GpuLabels {
+    device: String,
+}
+
+/// Gap-fill's rate gate per GPU: C, the preemptions per hour, the projected share, filling, parked.
+fn gap_fill(r: &mut Registry, s: &Snapshot) {
+    let cost = Family::<GpuLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+    let rate = Family::<GpuLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+    let share = Family::<GpuLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+    let filling = Family::<GpuLabels, Gauge>::default();
+    let parked = Family::<GpuLabels, Gauge>::default();
+    for g in &s.gap_fill.gpus {
+        let l = GpuLabels {
+            device: g.device.clone(),
+        };
+        if let Some(c) = g.c_s {
+            cost.get_or_create(&l).set(c);
+        }
+        if let Some(p) = g.projected_share {
+            share.get_or_create(&l).set(p);
+        }
+        rate.get_or_create(&l).set(g.preemptions_per_hour);
+        filling.get_or_create(&l).set(i64::from(g.filling));
+        parked.get_or_create(&l).set(gauge(g.parked.len()));
+    }
+    r.register_with_unit(
+        "gapfill_preemption_cost",
+        "C: the co-runners' time lost per gap-fill preemption of the GPU (request to running again), \
+         the mean over the rate gate's window, else the last measured",
+        Unit::Seconds,
+        cost,
+    );
+    r.register(
+        "gapfill_preemptions_per_hour",
+        "Gap-fill preemptions of the GPU per hour, over the rate gate's window (gap_fill_window)",
+        rate,
+    );
+    r.register(
+        "gapfill_projected_share",
+        "The co-runners' projected share of the GPU, 1 - rate * C / 3600",
+        share,
+    );
+    r.register(
+        "gapfill_filling",
+        "1 while the agent fills the GPU (projected share at least gap_fill_min_share)",
+        filling,
+    );
+    r.register(
+        "gapfill_parked",
+        "Co-runners the agent parked from the GPU",
+        parked,
     );
 }
 

@@ -13,7 +13,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::super::{
     core::{Command, What},
-    watched::Watched,
+    registry::watched::Watched,
 };
 
 /// Scrapes closer together than this share one snapshot.
@@ -195,6 +195,8 @@ pub struct Snapshot {
     pub totals: TracerTotals,
     /// The co-runner controller's view (freezes).
     pub controller: ControllerStatus,
+    /// Gap-fill's view (per GPU: the rate gate).
+    pub gap_fill: baton_agent_api::GapFillStatus,
 }
 
 impl Snapshot {

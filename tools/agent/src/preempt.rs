@@ -16,12 +16,13 @@ use tokio::{
 };
 
 use super::{
-    core::{Command, Note, NoteKind, Published, Resolved, What},
+    core::{Command, Note, Resolved, What},
     metrics::events::events,
+    registry::Published,
     server::{send_line, send_reply},
     sleep_until_opt,
 };
-use crate::trace::now_monotonic_ns;
+use baton_tracer::now_monotonic_ns;
 
 /// How long after a preemption completed the agent waits for the release signal it has not seen yet.
 const RELEASE_GRACE: Duration = Duration::from_secs(2);
@@ -70,15 +71,7 @@ impl<'w> Timeline<'w> {
             v: PROTOCOL_VERSION,
             step: step.clone(),
         };
-        Note {
-            container: step.container.clone(),
-            t_ns: step.t_ns,
-            kind: NoteKind::Preemption {
-                phase: step.phase,
-                detail: step.detail.clone(),
-            },
-        }
-        .send(&self.core);
+        Note::of_step(&step).send(&self.core);
         self.steps.push(step);
         send_line(self.write, &line).await
     }
@@ -238,6 +231,7 @@ pub async fn preempt(
     let request = Request::Preempt(PreemptRequest {
         target: Target::exact(&a.container),
         pids: a.pids.clone(),
+        parked_for: None,
         ..r.clone()
     });
     let mut call = match ShimCall::start(&a, request) {
@@ -282,6 +276,42 @@ pub async fn preempt(
         mode: r.mode.label(),
     };
     finish(ctx, timeline, outcome, op).await
+}
+
+/// Runs `request` (a preempt or a resume) on `r`'s shim with no client to stream to (gap-fill, the agent
+/// acting by itself): its steps, in order, and the shim's outcome or why it failed. Each step is handed to
+/// `on_step` as it comes (the container's traces show it), after an `asked` step saying who asked (`by`).
+/// Counted in the metrics as the same operation asked by a client.
+pub async fn run_unattended(
+    r: &Resolved,
+    request: Request,
+    by: &str,
+    mut on_step: impl FnMut(&Step),
+) -> (Vec<Step>, Result<Outcome, String>) {
+    let (name, mode) = match &request {
+        Request::Preempt(p) => ("preempt", p.mode.label()),
+        _ => ("resume", ""),
+    };
+    on_step(&Step {
+        t_ns: now_monotonic_ns(),
+        container: r.container.clone(),
+        phase: Phase::Asked,
+        pid: None,
+        detail: [mode, "by", by].join(" ").trim_start().to_owned(),
+    });
+    let mut call = match ShimCall::start(r, request) {
+        Ok(c) => c,
+        Err(e) => return (Vec::new(), Err(e)),
+    };
+    let mut steps = Vec::new();
+    while let Some(s) = next_step(Some(&mut call)).await {
+        on_step(&s);
+        steps.push(s);
+    }
+    let outcome = call.outcome().await;
+    steps.sort_by_key(|s| s.t_ns);
+    events().preemption(name, mode, outcome.is_ok(), &steps);
+    (steps, outcome)
 }
 
 /// Which operation a timeline is of, for the metrics.
@@ -502,6 +532,7 @@ pub async fn handoff(
             mode: h.mode,
             pids: a.pids.clone(),
             image_path: None,
+            parked_for: None,
         });
         let (b_go, go) = oneshot::channel();
         let b_prepared =

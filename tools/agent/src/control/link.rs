@@ -8,7 +8,7 @@ use baton_agent_api::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::agent::sleep_until_opt;
+use crate::sleep_until_opt;
 
 /// What the controller asks of a link.
 pub struct Want {

@@ -15,8 +15,9 @@ use std::{
     sync::Mutex,
 };
 
-use anyhow::Context;
 use nix::fcntl::{Flock, FlockArg};
+
+use crate::error::{AgentError, at, doing};
 
 /// The held instance lock (`<socket>.lock`); released when the agent exits, however it exits.
 pub struct InstanceLock {
@@ -39,7 +40,7 @@ pub fn lock_path(socket: &Path) -> PathBuf {
 }
 
 /// Takes the instance lock without waiting and writes this process's pid into it.
-pub fn take_lock(socket: &Path) -> anyhow::Result<LockOutcome> {
+pub fn take_lock(socket: &Path) -> Result<LockOutcome, AgentError> {
     let path = lock_path(socket);
     let file = OpenOptions::new()
         .read(true)
@@ -48,12 +49,12 @@ pub fn take_lock(socket: &Path) -> anyhow::Result<LockOutcome> {
         .truncate(false)
         .mode(0o600)
         .open(&path)
-        .with_context(|| format!("cannot open the agent's lock file {}", path.display()))?;
+        .map_err(at("cannot open the agent's lock file", &path))?;
     match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
         Ok(mut lock) => {
             lock.set_len(0)
                 .and_then(|()| writeln!(&mut *lock, "{}", std::process::id()))
-                .with_context(|| format!("cannot write {}", path.display()))?;
+                .map_err(at("cannot write", &path))?;
             Ok(LockOutcome::Taken(InstanceLock { _lock: lock }))
         }
         Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
@@ -62,13 +63,16 @@ pub fn take_lock(socket: &Path) -> anyhow::Result<LockOutcome> {
                 .and_then(|t| t.trim().parse().ok());
             Ok(LockOutcome::Held(pid))
         }
-        Err((_, e)) => Err(anyhow::anyhow!("cannot lock {}: {e}", path.display())),
+        Err((_, errno)) => Err(AgentError::Lock {
+            path: path.display().to_string(),
+            errno,
+        }),
     }
 }
 
 /// Detaches this process: a session of its own, the root cgroups (so that killing the pod that started it
 /// does not kill it), and stdout/stderr to `log` (appended), kept under `max_bytes` with one older file.
-pub fn detach(log: &Path, max_bytes: u64) -> anyhow::Result<()> {
+pub fn detach(log: &Path, max_bytes: u64) -> Result<(), AgentError> {
     // setsid fails only for a process group leader, which a freshly spawned child is not.
     let _ = nix::unistd::setsid();
     match baton_tracer::cgroups::move_to_root_cgroups(std::process::id()) {
@@ -80,7 +84,7 @@ pub fn detach(log: &Path, max_bytes: u64) -> anyhow::Result<()> {
         Err(e) => tracing::warn!("agent: cannot leave my cgroups: {e}"),
     }
     if let Some(dir) = log.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(at("cannot create", dir))?;
     }
     let rotation = Rotation {
         path: log.to_owned(),
@@ -106,23 +110,22 @@ struct Rotation {
 
 impl Rotation {
     /// Opens the log (appended, or emptied) and puts it on every fd of the rotation.
-    fn reopen(&self, truncate: bool) -> anyhow::Result<()> {
+    fn reopen(&self, truncate: bool) -> Result<(), AgentError> {
         let file = OpenOptions::new()
             .create(true)
             .append(true)
             .mode(0o600)
             .open(&self.path)
-            .with_context(|| format!("cannot open the agent's log file {}", self.path.display()))?;
+            .map_err(at("cannot open the agent's log file", &self.path))?;
         if truncate {
-            file.set_len(0)
-                .with_context(|| format!("cannot empty {}", self.path.display()))?;
+            file.set_len(0).map_err(at("cannot empty", &self.path))?;
         }
         for fd in &self.fds {
             // SAFETY: both fds are open (the rotation's are stdout and stderr, or a test's own); dup2 only
             // makes `fd` point to the log file, atomically, and closes nothing else.
             if unsafe { libc::dup2(file.as_raw_fd(), *fd) } < 0 {
-                return Err(std::io::Error::last_os_error())
-                    .with_context(|| format!("redirecting fd {fd} to {}", self.path.display()));
+                let redirecting = format!("redirecting fd {fd} to {}", self.path.display());
+                return Err(doing(redirecting)(std::io::Error::last_os_error()));
             }
         }
         Ok(())

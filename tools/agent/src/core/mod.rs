@@ -1,0 +1,102 @@
+//! The agent's one task that owns the probes and the watched containers: it answers requests (from the
+//! connections, through a channel), reads the probes' records, and publishes each container's transitions.
+//! This module holds its state; its jobs are the modules below, and the registry ([`crate::registry`]), the
+//! gate ([`crate::gate`]) and gap-fill ([`crate::gapfill`]) add theirs in `impl Core` blocks of their own.
+//!
+//! The probes are loaded at the first registration and dropped (detached) with the last one, so a node
+//! without watched containers pays nothing for them.
+mod event_loop;
+mod messages;
+mod probes;
+mod recheck;
+mod requests;
+mod traces;
+
+use std::collections::{BTreeMap, HashMap};
+
+use baton_agent_api::ContainerRef;
+use baton_tracer::Tracer;
+use tokio::sync::broadcast;
+
+pub use messages::{Command, Note, NoteKind, Resolved, What};
+
+use crate::{
+    control,
+    gapfill::{GapFill, IdlePark},
+    gate::Waiter,
+    holders::{Classifier, Exempt},
+    metrics::snapshot::{IoctlCounts, TracerTotals},
+    registry::{Published, watched::Watched},
+    trace_session::TraceSession,
+};
+
+/// The probes, the watched containers, and the event stream.
+pub struct Core {
+    /// The probe set, while a container is watched or a trace runs.
+    pub(crate) tracer: Option<Tracer>,
+    /// The registry: the watched containers.
+    pub(crate) watched: BTreeMap<ContainerRef, Watched>,
+    /// Each watched container by its cgroup id.
+    pub(crate) by_cgroup: HashMap<u64, ContainerRef>,
+    /// The event stream the `watch` connections read.
+    pub(crate) events: broadcast::Sender<Published>,
+    /// The last event's number.
+    pub(crate) seq: u64,
+    /// The `baton trace` sessions it serves, by session number.
+    pub(crate) traces: BTreeMap<u64, TraceSession>,
+    /// The Starts waiting at the gate.
+    pub(crate) waiters: Vec<Waiter>,
+    /// The preemptions and resumes the agent runs by itself for the gate's latency-critical containers.
+    pub(crate) gapfill: GapFill,
+    /// Gap-fill's idle park of servers.
+    pub(crate) idle: IdlePark,
+    /// The co-runner controller.
+    pub(crate) controller: control::Handle,
+    /// The watched containers as last told to the controller.
+    pub(crate) members_sent: Vec<control::Member>,
+    /// When the trace sessions' next launch lines are due (a deadline that records do not push back).
+    pub(crate) launches_due: Option<tokio::time::Instant>,
+    /// Each watched cgroup's ioctls, for the metrics.
+    pub(crate) ioctls: HashMap<u64, IoctlCounts>,
+    /// The counters of the probe sets loaded before the current one.
+    pub(crate) retired: TracerTotals,
+    /// Tells NVIDIA files apart in /proc (the hidden-holder checks).
+    pub(crate) classifier: Classifier,
+    /// The node's own processes, which never count as holders.
+    pub(crate) exempt: Exempt,
+    /// When to look at /proc again for holders the probes cannot see (a release or a gate waits for one).
+    pub(crate) recheck_due: Option<tokio::time::Instant>,
+    /// The delay before the next such look (grows while nothing changes).
+    pub(crate) recheck_every: std::time::Duration,
+}
+
+impl Core {
+    /// A core with nothing watched, publishing on `events`; the co-runner controller learns the watched
+    /// containers' roles from it.
+    pub fn new(
+        events: broadcast::Sender<Published>,
+        controller: control::Handle,
+        exempt: Exempt,
+    ) -> Self {
+        Self {
+            tracer: None,
+            watched: BTreeMap::new(),
+            by_cgroup: HashMap::new(),
+            events,
+            seq: 0,
+            traces: BTreeMap::new(),
+            waiters: Vec::new(),
+            controller,
+            members_sent: Vec::new(),
+            launches_due: None,
+            ioctls: HashMap::new(),
+            retired: TracerTotals::default(),
+            classifier: Classifier::new(),
+            exempt,
+            recheck_due: None,
+            recheck_every: recheck::RECHECK_FIRST,
+            gapfill: GapFill::default(),
+            idle: Default::default(),
+        }
+    }
+}

@@ -1,0 +1,46 @@
+//! Looking at /proc again, with a growing delay, while a release or a gate waits for a holder the probes
+//! cannot see (a file passed over a socket, a mapping kept after its fd was closed).
+use super::Core;
+use crate::registry::watched::Watched;
+
+/// The first delay before /proc is read again for a hidden holder, and the longest.
+pub(super) const RECHECK_FIRST: std::time::Duration = std::time::Duration::from_millis(5);
+const RECHECK_MAX: std::time::Duration = std::time::Duration::from_millis(200);
+
+impl Core {
+    /// Looks at /proc again in a while: a release or a gate waits for a holder the probes cannot see.
+    pub(crate) fn schedule_recheck(&mut self) {
+        if self.recheck_due.is_none() {
+            self.recheck_due = Some(tokio::time::Instant::now() + self.recheck_every);
+            self.recheck_every = (self.recheck_every * 2).min(RECHECK_MAX);
+        }
+    }
+
+    /// The look at /proc [`Core::schedule_recheck`] asked for: the releases that wait for hidden holders,
+    /// then the gates.
+    pub(super) fn recheck(&mut self) {
+        self.recheck_due = None;
+        let mut out = Vec::new();
+        if let Some(tracer) = self.tracer.as_mut() {
+            for (c, w) in self
+                .watched
+                .iter_mut()
+                .filter(|(_, w)| w.awaits_hidden_holders())
+            {
+                for body in w.update(tracer, &[], &self.classifier) {
+                    out.push((c.clone(), w.owner, body));
+                }
+            }
+        }
+        for (c, owner, body) in out {
+            self.publish(&c, owner, body);
+        }
+        self.check_gates();
+        if self.watched.values().any(Watched::awaits_hidden_holders) {
+            self.schedule_recheck();
+        }
+        if self.recheck_due.is_none() {
+            self.recheck_every = RECHECK_FIRST;
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! The protocol requests the core answers itself (`ping`, `register`, `unregister`, `status`, a shim's
+//! preemption state), and what it tells about the node: status, launches, the metrics' snapshot.
+use std::collections::HashMap;
+
+use baton_agent_api::{ContainerRef, Filter, NodeStatus, Pong, Reply};
+use baton_tracer::Tracer;
+
+use super::Core;
+use crate::metrics::snapshot::{ContainerSample, Snapshot};
+
+impl Core {
+    /// Answers a protocol request that the core serves itself (the others are the connection's).
+    pub(super) fn handle(&mut self, request: baton_agent_api::Request, peer: u32) -> Reply {
+        use baton_agent_api::Request as R;
+        match request {
+            R::Ping => Reply::Pong(Pong {
+                agent_pid: std::process::id(),
+                version: env!("CARGO_PKG_VERSION").to_owned(),
+                probes_attached: self.tracer.is_some(),
+            }),
+            R::Register(reg) => {
+                self.prune_orphans();
+                self.register_reply(reg, peer)
+            }
+            R::Unregister(c) => Reply::Unregistered {
+                found: self.unregister(&c),
+            },
+            R::Preemption(update) => self.preemption_pushed(update, peer),
+            R::Status(filter) => {
+                self.prune_orphans();
+                Reply::Status(self.status(&filter, peer))
+            }
+            R::Watch(_)
+            | R::Trace(_)
+            | R::Preempt(_)
+            | R::Resume(_)
+            | R::Start(_)
+            | R::Handoff(_)
+            | R::WaitGpuFree(_)
+            | R::Freeze(_)
+            | R::Thaw(_)
+            | R::Duty(_)
+            | R::RequestStart(_)
+            | R::FirstToken(_)
+            | R::RequestEnd(_)
+            | R::Token(_)
+            | R::Governor(_) => Reply::Error {
+                error: "this request is answered by the connection, not the core".to_owned(),
+            },
+        }
+    }
+
+    /// The node's status, with the watched containers `filter` selects for `asker`.
+    fn status(&self, filter: &Filter, asker: u32) -> NodeStatus {
+        let containers = match &self.tracer {
+            Some(t) => self
+                .watched
+                .iter()
+                .filter(|(c, w)| filter.matches(c, w.owner, asker))
+                .map(|(_, w)| w.status(t))
+                .collect(),
+            None => Vec::new(),
+        };
+        NodeStatus {
+            agent_pid: std::process::id(),
+            probes_attached: self.tracer.is_some(),
+            programs_attached: self.tracer.as_ref().map_or(0, Tracer::programs_attached),
+            ringbuf_drops: self.tracer.as_ref().map_or(0, Tracer::dropped),
+            resyncs: self.tracer.as_ref().map_or(0, Tracer::resyncs),
+            pending_evicted: self.tracer.as_ref().map_or(0, Tracer::pending_evicted),
+            confirmed_by_proc: self.tracer.as_ref().map_or(0, Tracer::confirmed_by_proc),
+            containers,
+            controller: self.controller_status(),
+            gap_fill: self.gap_fill_status(),
+        }
+    }
+
+    /// The controller's status, with each co-runner's launches counted up to now.
+    fn controller_status(&self) -> baton_agent_api::ControllerStatus {
+        let mut status = self.controller.status();
+        let launches: HashMap<ContainerRef, u64> = self.launches().into_iter().collect();
+        for c in &mut status.co_runners {
+            if let Some(&n) = launches.get(&c.container) {
+                c.launches = Some(n);
+            }
+        }
+        status
+    }
+
+    /// Launches counted per watched container (none without probes).
+    pub(crate) fn launches(&self) -> Vec<(ContainerRef, u64)> {
+        let Some(t) = self.tracer.as_ref() else {
+            return Vec::new();
+        };
+        self.watched
+            .iter()
+            .map(|(c, w)| (c.clone(), t.launches(w.cgroup_id).total()))
+            .collect()
+    }
+
+    /// What the metrics endpoint shows now.
+    pub(super) fn metrics_snapshot(&self) -> Snapshot {
+        let containers = match &self.tracer {
+            Some(t) => self
+                .watched
+                .values()
+                .map(|w| ContainerSample::of(w, t, self.ioctls.get(&w.cgroup_id)))
+                .collect(),
+            None => Vec::new(),
+        };
+        Snapshot {
+            containers,
+            probes_attached: self.tracer.is_some(),
+            totals: self.retired.with(self.tracer.as_ref()),
+            controller: self.controller.status(),
+            gap_fill: self.gap_fill_status(),
+        }
+    }
+}

@@ -1,0 +1,245 @@
+//! The gate's waiting Starts in the core: each waits until no other container holds one of its devices
+//! (the watched holders the probes see, the releases not confirmed yet, then the holders only /proc
+//! shows), asking gap-fill to preempt for it meanwhile; one still held at its deadline fails, naming who
+//! holds its GPU.
+use baton_agent_api::{ContainerRef, GateRequest, Reply};
+use baton_tracer::now_monotonic_ns;
+use tokio::sync::oneshot;
+
+use super::{DeviceKey, Waiter, devices_held, devices_seen};
+use crate::{
+    core::Core,
+    gapfill,
+    holders::{Holding, node_gpu_holders},
+    registry::watched::Watched,
+};
+
+impl Core {
+    /// Puts a Start behind the gate until its devices are free (answered at once when they are), or fails
+    /// it when its container is not watched.
+    pub(crate) fn add_waiter(&mut self, request: GateRequest, reply: oneshot::Sender<Reply>) {
+        let Some(w) = self.watched.get(&request.container) else {
+            let _ = reply.send(Reply::Error {
+                error: format!(
+                    "container {} is not watched by the agent: nothing tells whether its GPU is free",
+                    request.container.id
+                ),
+            });
+            return;
+        };
+        let devices = devices_seen(w.registration.init_pid, &w.registration.devices);
+        let timeout = std::time::Duration::from_millis(request.timeout_ms);
+        let cgroup = w.registration.cgroup.clone();
+        self.waiters.push(Waiter {
+            container: request.container,
+            cgroup,
+            hidden_logged: false,
+            devices,
+            asked_ns: now_monotonic_ns(),
+            deadline: tokio::time::Instant::now() + timeout,
+            reply,
+        });
+        self.check_gates();
+    }
+
+    /// The other containers holding a file of a device in `devices` (any GPU device when empty).
+    pub(crate) fn holders(
+        &self,
+        me: &ContainerRef,
+        devices: &std::collections::BTreeSet<DeviceKey>,
+    ) -> Vec<&Watched> {
+        let Some(tracer) = self.tracer.as_ref() else {
+            return Vec::new();
+        };
+        self.watched
+            .iter()
+            .filter(|(c, _)| *c != me)
+            .filter(|(_, w)| {
+                let held = devices_held(tracer, w.cgroup_id);
+                if devices.is_empty() {
+                    !held.is_empty()
+                } else {
+                    held.iter()
+                        .any(|d| devices.iter().any(|w| w.same_device(d)))
+                }
+            })
+            .map(|(_, w)| w)
+            .collect()
+    }
+
+    /// The other watched containers whose last close or munmap of an NVIDIA file is not confirmed yet.
+    fn releasing(&self, me: &ContainerRef) -> Vec<String> {
+        let Some(tracer) = self.tracer.as_ref() else {
+            return Vec::new();
+        };
+        self.watched
+            .iter()
+            .filter(|(c, w)| *c != me && tracer.gpu_state(w.cgroup_id).unconfirmed > 0)
+            .map(|(c, _)| {
+                format!(
+                    "container {} (namespace {}; its release is not confirmed yet)",
+                    c.id, c.namespace
+                )
+            })
+            .collect()
+    }
+
+    /// Who keeps waiter `w` from starting: the other watched containers the probes see holding one of its
+    /// devices, then those whose last close or munmap the driver has not finished (the release not confirmed)
+    /// and, once those are gone, every process /proc shows holding one (in any container, watched or not: a
+    /// file passed over a socket, a mapping kept after its fd was closed, a container Baton does not watch).
+    /// Both empty when its GPU is free.
+    fn gate_holders(&self, w: &Waiter) -> (Vec<String>, Vec<Holding>) {
+        let server = self.watched.get(&w.container);
+        let watched: Vec<String> = self
+            .holders(&w.container, &w.devices)
+            .iter()
+            .map(|h| {
+                let c = &h.registration.container;
+                let why = if self.gapfill.is_being_preempted(c) {
+                    " (the agent is preempting it)"
+                } else {
+                    ""
+                };
+                let kept = server
+                    .and_then(|s| gapfill::why_kept(s, h))
+                    .map_or_else(String::new, |y| format!(" ({y})"));
+                format!("container {} (namespace {}){why}{kept}", c.id, c.namespace)
+            })
+            .collect();
+        if !watched.is_empty() {
+            return (watched, Vec::new());
+        }
+        // A close or munmap whose teardown in the driver has not returned yet (the release not confirmed)
+        // holds the GPU still; which device it was, the fds no longer say: any.
+        let releasing = self.releasing(&w.container);
+        if !releasing.is_empty() {
+            return (releasing, Vec::new());
+        }
+        // A container whose GPU devices could not be resolved (its root not set up yet, under a hook) waits
+        // for the watched holders only: "any GPU on the node" would make it wait for every other GPU.
+        if w.devices.is_empty() {
+            return (watched, Vec::new());
+        }
+        let hidden = node_gpu_holders(&self.classifier, &self.exempt, &w.devices, Some(&w.cgroup));
+        (watched, hidden)
+    }
+
+    /// Answers every waiter whose devices nobody else holds now.
+    pub(crate) fn check_gates(&mut self) {
+        if self.waiters.is_empty() {
+            return;
+        }
+        let waiters = std::mem::take(&mut self.waiters);
+        let mut hidden_wait = false;
+        for mut w in waiters {
+            let (watched, hidden) = self.gate_holders(&w);
+            // A co-runner preempted for it lets it through on its release signal (confirmed), not before.
+            let unreleased = self.gapfill.awaits_release(&w.devices);
+            if watched.is_empty() && hidden.is_empty() && !unreleased {
+                self.open_gate(w);
+                continue;
+            }
+            if !hidden.is_empty() {
+                hidden_wait = true;
+                log_hidden_once(&mut w, &hidden);
+            }
+            self.gap_fill_preempt_for(&w);
+            self.waiters.push(w);
+        }
+        if hidden_wait {
+            self.schedule_recheck();
+        }
+    }
+
+    /// Lets waiter `w` start: its GPU is free (a server's GPU is claimed for it, against gap-fill).
+    fn open_gate(&mut self, w: Waiter) {
+        let now = now_monotonic_ns();
+        tracing::info!(
+            id = w.container.id,
+            "agent: the GPU is free: the gate opens"
+        );
+        if self
+            .watched
+            .get(&w.container)
+            .is_some_and(gapfill::is_server)
+        {
+            self.gapfill.claim(&w.container, &w.devices);
+        }
+        let _ = w.reply.send(Reply::GpuFree {
+            waited_ns: now.saturating_sub(w.asked_ns),
+            t_free_ns: now,
+        });
+    }
+
+    /// Fails the waiters past their deadline, naming who still holds the GPU.
+    pub(crate) fn expire_gates(&mut self) {
+        let now = tokio::time::Instant::now();
+        let waiters = std::mem::take(&mut self.waiters);
+        for w in waiters {
+            if w.deadline > now {
+                self.waiters.push(w);
+                continue;
+            }
+            let error = self.still_held(&w);
+            let _ = w.reply.send(Reply::Error { error });
+        }
+    }
+
+    /// Why waiter `w`'s GPU is not free at its deadline.
+    fn still_held(&self, w: &Waiter) -> String {
+        let (watched, hidden) = self.gate_holders(w);
+        let waited = std::time::Duration::from_nanos(now_monotonic_ns().saturating_sub(w.asked_ns));
+        if !watched.is_empty() {
+            format!(
+                "the GPU is still held by {} after {waited:?}",
+                watched.join(", ")
+            )
+        } else if !hidden.is_empty() {
+            format!(
+                "the GPU is still held after {waited:?}: {}",
+                describe_hidden(&hidden)
+            )
+        } else {
+            format!("the GPU was not free within {waited:?}")
+        }
+    }
+}
+
+/// Logs, once per waiter, the holders only /proc shows that keep `w` waiting.
+fn log_hidden_once(w: &mut Waiter, hidden: &[Holding]) {
+    if !w.hidden_logged {
+        w.hidden_logged = true;
+        tracing::warn!(
+            id = w.container.id,
+            "agent: the gate stays shut: {}",
+            describe_hidden(hidden)
+        );
+    }
+}
+
+/// The processes of `hidden` and what they hold, for a log line or an error: each with its cgroup, since
+/// the probes may not know its container.
+fn describe_hidden(hidden: &[Holding]) -> String {
+    let mut pids: Vec<u32> = hidden.iter().map(|h| h.pid).collect();
+    pids.sort_unstable();
+    pids.dedup();
+    let each: Vec<String> = hidden
+        .iter()
+        .take(8)
+        .map(|h| {
+            let cgroup = baton_tracer::cgroups::v2_path_of_pid(h.pid)
+                .unwrap_or_else(|| "an unknown cgroup".to_owned());
+            format!("{h} in cgroup {cgroup}")
+        })
+        .collect();
+    let more = match hidden.len().saturating_sub(each.len()) {
+        0 => String::new(),
+        n => format!("; and {n} more"),
+    };
+    format!(
+        "{} process(es) hold its device files as /proc shows: {}{more}",
+        pids.len(),
+        each.join("; ")
+    )
+}
