@@ -1,9 +1,10 @@
-//! A private containerd 1.6: its own root, state, socket and config in a temporary folder, the shim under test
+//! A private containerd (Debian 12's 1.6, or the 2.x that `BATON_CONTAINERD` names): its own root, state, socket and config in a temporary folder, the shim under test
 //! first on its PATH, the CRI plugin disabled (it is not needed and slows startup) unless a test asks for it
 //! ([`Containerd::start_with_cri`]). Also runs `ctr` against it.
 //!
-//! `BATON_CONTAINERD=/path/to/containerd` and `BATON_CTR=/path/to/ctr` choose other binaries, e.g. a containerd
-//! 2.x build for a manual check; the config is written for the major version `containerd --version` reports.
+//! `BATON_CONTAINERD=/path/to/containerd` and `BATON_CTR=/path/to/ctr` choose other binaries, e.g. the containerd
+//! 2.1 that tools/setup.sh caches (tools/dev test runs a second pass with it); the config is written for the
+//! major version `containerd --version` reports (format 2 for 1.x, format 3 for 2.x).
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -153,9 +154,10 @@ impl Containerd {
         Self::start_configured(dir, namespace, shim_dir, cgroups, None)
     }
 
-    /// [`Containerd::start`] with the CRI plugin enabled and configured by `cri` (TOML tables under
-    /// `[plugins."io.containerd.grpc.v1.cri"]`, config format 2, which containerd 2.x migrates), for
-    /// namespace `k8s.io` (the only one CRI uses).
+    /// [`Containerd::start`] with the CRI plugin enabled and configured by `cri` (its TOML tables, in the
+    /// config format of the containerd's major version, [`major_version`]: format 2 and
+    /// `[plugins."io.containerd.grpc.v1.cri"]` for 1.x, format 3 and the `io.containerd.cri.v1.*` plugins
+    /// for 2.x), for namespace `k8s.io` (the only one CRI uses).
     pub fn start_with_cri(dir: &Path, shim_dir: &Path, cri: &str) -> Result<Self, Error> {
         Self::start_configured(dir, CRI_NAMESPACE, shim_dir, CgroupMode::Host, Some(cri))
     }
@@ -566,17 +568,17 @@ fn config_toml(dir: &Path, major: u32) -> String {
     )
 }
 
-/// The config of a containerd with the CRI plugin on: format 2 (containerd 2.x migrates it), `cri` appended.
-/// On 2.x NRI stays off (its socket is machine-wide).
+/// The config of a containerd with the CRI plugin on, `cri` appended: format 2 for 1.x, format 3 for 2.x,
+/// where NRI stays off (its socket is machine-wide).
 fn cri_config_toml(dir: &Path, major: u32, cri: &str) -> String {
-    let nri = if major >= 2 {
-        r#", "io.containerd.nri.v1.nri""#
+    let (format, nri) = if major >= 2 {
+        (3, r#", "io.containerd.nri.v1.nri""#)
     } else {
-        ""
+        (2, "")
     };
     config_with(
         dir,
-        2,
+        format,
         &format!("{SNAPSHOTTERS_OFF}{nri}"),
         &format!("\n{cri}"),
     )
@@ -615,8 +617,11 @@ mod tests {
     fn reads_the_major_version_of_debian_and_upstream_builds() {
         let debian = "containerd github.com/containerd/containerd 1.6.20~ds1 1.6.20~ds1-1+b1\n";
         let upstream = "containerd github.com/containerd/containerd/v2 v2.3.4 0123abc\n";
+        // Debian unstable's package, which tools/setup.sh caches (no "v", no commit).
+        let debian_2 = "containerd github.com/containerd/containerd/v2 2.1.9+unknown \n";
         assert_eq!(parse_major_version(debian), Some(1));
         assert_eq!(parse_major_version(upstream), Some(2));
+        assert_eq!(parse_major_version(debian_2), Some(2));
         assert_eq!(parse_major_version("containerd\n"), None);
     }
 }

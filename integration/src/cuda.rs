@@ -241,6 +241,39 @@ impl CudaRig {
         crate::agent::wait_until(WITHIN, || self.task_status(id).as_deref() == Some(want))
     }
 
+    /// Waits until the agent shows container `id`'s GPU as `gpu` (`held`, ...), up to `within`.
+    pub fn wait_gpu(&self, id: &str, gpu: &str, within: Duration) -> anyhow::Result<()> {
+        if crate::agent::wait_until(within, || self.gpu.status(id)["gpu"] == gpu) {
+            return Ok(());
+        }
+        anyhow::bail!(
+            "{id} is not {gpu} within {within:?}: {}",
+            self.gpu.status(id)
+        )
+    }
+
+    /// The 000 seed's orchestrator's wait: polls the agent's view of container `id`'s GPU memory (and its
+    /// NVIDIA files) every `every` until it holds none.
+    pub fn poll_until_gpu_free(&self, id: &str, every: Duration) {
+        loop {
+            let s = self.gpu.status(id);
+            if s["vram_bytes"] == 0 && s["nvidia_fds"] == 0 {
+                return;
+            }
+            std::thread::sleep(every);
+        }
+    }
+
+    /// Kills task `id` (SIGKILL), waits for it and deletes it and its container.
+    pub fn remove(&self, id: &str) -> anyhow::Result<()> {
+        let api = self.gpu.env.api()?;
+        api.kill(id, "", nix::sys::signal::Signal::SIGKILL as u32, false)?;
+        api.wait(id, "", WITHIN)?;
+        api.delete_task(id)?;
+        api.delete_container(id)?;
+        Ok(())
+    }
+
     /// The cuda-checkpoint stand-in's `--get-state` of `pid`.
     pub fn cuda_state(pid: u32) -> String {
         let standin = workspace_binary("baton-mock-nvidia", "baton-mock-cuda-checkpoint")
@@ -251,6 +284,16 @@ impl CudaRig {
             .unwrap_or_else(|e| panic!("{e}"));
         String::from_utf8_lossy(&out.stdout).trim().to_owned()
     }
+}
+
+/// When step `phase` of container `id` happened in a `baton ... --json` run's `steps` (CLOCK_MONOTONIC ns; 0
+/// when it is not there).
+pub fn step_t_ns(steps: &[Value], phase: &str, id: &str) -> u64 {
+    steps
+        .iter()
+        .find(|s| s["phase"] == phase && s["id"] == id)
+        .and_then(|s| s["t_ns"].as_u64())
+        .unwrap_or(0)
 }
 
 fn mount(
@@ -280,6 +323,11 @@ impl Running {
     /// Its id.
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// The file its stdout goes to (a container made by [`CudaRig::create`]).
+    pub fn output_file(&self) -> Option<&Path> {
+        self.file.as_deref()
     }
 
     /// Waits for a line starting with `prefix`; returns it.

@@ -32,6 +32,14 @@ pub struct GpuRig {
 impl GpuRig {
     /// Starts the rig, or `None` after reporting a skip (a missing prerequisite fails in strict runs).
     pub fn start(name: &str) -> Option<Self> {
+        Self::start_with(name, |o| o)
+    }
+
+    /// [`GpuRig::start`] with the mock driver's options changed by `options` (slow closes, more GPUs).
+    pub fn start_with(
+        name: &str,
+        options: impl FnOnce(MountOptions) -> MountOptions,
+    ) -> Option<Self> {
         if let Some(reason) = missing_trace_prerequisite() {
             skip::missing(&reason);
             return None;
@@ -42,7 +50,7 @@ impl GpuRig {
             return None;
         }
         let mock_dir = tempfile::tempdir().ok()?;
-        let mock = MockDriver::mount(MountOptions::new(mock_dir.path()))
+        let mock = MockDriver::mount(options(MountOptions::new(mock_dir.path())))
             .unwrap_or_else(|e| panic!("mounting the mock driver: {e}"));
         Some(Self {
             env,

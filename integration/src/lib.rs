@@ -31,3 +31,10 @@ pub mod trace_env;
 pub use api::{Api, EventLog, TaskEvent};
 pub use containerd::{Containerd, CtrOutput};
 pub use env::TestEnv;
+
+/// Writes `text` to `path` as an executable script (mode 0755): a runc wrapper, a logging binary, a hook.
+pub fn write_script(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::write(path, text)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
+}

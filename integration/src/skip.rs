@@ -20,16 +20,30 @@ pub fn missing_containerd_prerequisite() -> Option<String> {
         );
     }
     let tools = [
-        crate::containerd::containerd_program(),
-        crate::containerd::ctr_program(),
-        "runc".into(),
+        (
+            crate::containerd::containerd_program(),
+            Some(crate::containerd::CONTAINERD_ENV),
+        ),
+        (
+            crate::containerd::ctr_program(),
+            Some(crate::containerd::CTR_ENV),
+        ),
+        ("runc".into(), None),
     ];
-    for tool in tools {
+    for (tool, variable) in tools {
         if find_program(&tool).is_none() {
-            return Some(format!(
-                "`{}` not found: install Debian packages containerd and runc",
-                tool.display()
-            ));
+            let chosen_by = variable.filter(|variable| std::env::var_os(variable).is_some());
+            return Some(match chosen_by {
+                Some(variable) => format!(
+                    "`{}` (named by ${variable}) not found: run tools/setup.sh, which caches containerd 2.x \
+                     under /var/cache/baton, and point ${variable} at its binary, or unset it to use Debian's",
+                    tool.display()
+                ),
+                None => format!(
+                    "`{}` not found: install Debian packages containerd and runc",
+                    tool.display()
+                ),
+            });
         }
     }
     if !Path::new(crate::rootfs::BUSYBOX).exists() {

@@ -1,6 +1,9 @@
 //! Task options as containerd's Go client (and so `ctr`) builds them: runc's `containerd.runc.v1.Options` for a
 //! runtime named `io.containerd.runc.*`, the legacy `containerd.linux.runc.CreateOptions` for any other runtime
 //! (containerd 1.6 client/task_opts_unix.go: WithNoPivotRoot, WithShimCgroup, WithUIDOwner, WithGIDOwner).
+//! containerd 2.x dropped the legacy type (its task service answers "type with url
+//! containerd.linux.runc.CreateOptions: not found") and its client sends `containerd.runc.v1.Options` for every
+//! runtime, so the harness does as the client of the containerd under test does.
 
 use prost::Message;
 use prost_types::Any;
@@ -68,9 +71,12 @@ pub struct TaskOptions {
 }
 
 impl TaskOptions {
-    /// The options `runtime` gets from containerd's Go client for these settings.
+    /// The options `runtime` gets from the Go client of the containerd under test
+    /// ([`crate::containerd::containerd_program`]) for these settings.
     pub fn for_runtime(&self, runtime: &str) -> Any {
-        if runtime.starts_with("io.containerd.runc") {
+        let major = crate::containerd::major_version()
+            .unwrap_or_else(|error| panic!("choosing the task options' type: {error}"));
+        if runtime.starts_with("io.containerd.runc") || major >= 2 {
             let options = RuncOptions {
                 no_pivot_root: self.no_pivot_root,
                 shim_cgroup: self.shim_cgroup.clone(),

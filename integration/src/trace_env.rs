@@ -289,7 +289,7 @@ pub async fn collect_until(
     }
 }
 
-/// The line `baton trace` prints on stderr once its probes are attached (tools/baton/src/trace.rs, README).
+/// The line `baton trace` prints on stderr once its probes are attached (tools/baton/src/trace/mod.rs, README).
 pub const BATON_TRACE_READY: &str = "baton trace: probes attached, tracing";
 
 /// A running `baton trace` that has printed its ready line; killed on drop unless [`BatonTrace::stop`] ran.

@@ -96,7 +96,7 @@ fn start_agent(socket: &Path, log: &Path) -> KillOnDrop {
         .arg("--log-file")
         .arg(log)
         .args(["--log-max-bytes", &LOG_CAP.to_string()])
-        .env("BATON_LOG", "info,baton::agent::control=debug")
+        .env("BATON_LOG", "info,baton_agent::control=debug")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -729,14 +729,9 @@ fn a_freeze_without_a_lease_ends_by_itself_and_a_preemption_acts_on_the_containe
     let agent = FakeAgent::start(&env.containerd().agent_socket()).unwrap();
     let log = env.scratch().join("cuda-checkpoint.log");
     let program = env.scratch().join("cuda-checkpoint");
-    std::fs::write(
+    baton_integration::write_script(
         &program,
-        format!("#!/bin/sh\necho \"$@\" >> {}\n", log.display()),
-    )
-    .unwrap();
-    std::fs::set_permissions(
-        &program,
-        <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o755),
+        &format!("#!/bin/sh\necho \"$@\" >> {}\n", log.display()),
     )
     .unwrap();
     let mut flags = vec!["-d".to_owned(), "--null-io".to_owned()];

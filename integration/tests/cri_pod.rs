@@ -20,7 +20,7 @@ use baton_integration::cri::{CriNode, Handler, runc_root_in};
 use baton_integration::shim_binary::BATON_SHIM_NAME;
 use baton_integration::{rootfs, skip, trace_env::missing_trace_prerequisite};
 use baton_mock_nvidia::driver::{MockDriver, MountOptions};
-use k8s_cri::v1alpha2::{
+use k8s_cri::v1::{
     ContainerConfig, ContainerMetadata, ContainerState, ImageSpec as CriImage,
     LinuxContainerConfig, LinuxContainerSecurityContext, Mount, NamespaceMode, NamespaceOption,
     PodSandboxConfig, PodSandboxState,
@@ -189,8 +189,10 @@ fn a_baton_pod_runs_under_one_shim_with_its_options_and_annotations_and_is_watch
     assert_eq!(ppid(sandbox_pid), shim.pid, "the sandbox's pause process");
     assert_eq!(ppid(container_pid), shim.pid, "the container's init");
 
-    // The options TOML reached the shim: runc state under its Root (per namespace, as runc-v2 keeps it), the agent at its agent_socket (with
-    // autostart off, only this agent can have been told of the container).
+    // The options TOML reached the shim (through the file its ConfigPath names on 1.x, as the options table's
+    // `config_body` on 2.x, see baton_integration::cri): runc state under its Root (per namespace, as runc-v2
+    // keeps it), the agent at its agent_socket (with autostart off, only this agent can have been told of the
+    // container).
     for container in [&pod, &id] {
         assert!(
             node.runc_root().join("k8s.io").join(container).is_dir(),

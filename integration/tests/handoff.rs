@@ -124,17 +124,27 @@ fn overlapped_handoff_starts_the_server_on_the_release_sequential_after_the_free
     assert!(!ok && err.contains("parked already"), "{err}");
 }
 
-/// A runc that fails every checkpoint (a CRIU dump that fails), after the CUDA processes were checkpointed.
+/// A runc that fails every checkpoint (a CRIU dump that fails), after the CUDA processes were checkpointed
+/// and once container `server` (under the same runc root) runs: the failure comes after the server was
+/// started on the release, which is the case under test (a dump failing before the release was published
+/// fails the handoff without starting the server). It gives up waiting after 10 s, and fails all the same.
 fn runc_whose_dump_fails(dir: &std::path::Path) -> std::path::PathBuf {
     let script = r#"#!/bin/sh
 case " $* " in
-  *" checkpoint "*) echo "criu: dump failed (a runc wrapper of the test)" >&2; exit 1 ;;
+  *" checkpoint "*)
+    root=$(echo " $* " | sed -n 's/.* --root \([^ ]*\) .*/\1/p')
+    tries=0
+    until runc --root "$root" state server 2>/dev/null | grep -q '"status": "running"'; do
+      tries=$((tries + 1))
+      [ "$tries" -gt 1000 ] && break
+      sleep 0.01
+    done
+    echo "criu: dump failed (a runc wrapper of the test)" >&2; exit 1 ;;
 esac
 exec runc "$@"
 "#;
     let path = dir.join("runc-dump-fails");
-    std::fs::write(&path, script).unwrap();
-    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    baton_integration::write_script(&path, script).unwrap();
     path
 }
 

@@ -223,3 +223,113 @@ fn a_container_baton_does_not_watch_keeps_the_gate_shut_until_it_lets_go() {
         server.num("stamp").unwrap();
     });
 }
+
+/// A tenant that fills the probes' fd map (`NV_FDS`, 65,536 entries) by forking a process that holds many
+/// NVIDIA fds breaks the agent's reading of the probes. The gate fails closed: the Start waiting behind it
+/// gets an error, never "free". The agent then loads the probes again, watches the registered containers
+/// again, and its gate still sees the flooder (from /proc: the flooder's own registration no longer fits)
+/// until it is gone.
+#[test]
+fn when_a_tenant_breaks_the_probes_the_gate_fails_closed_and_stays_shut_while_it_holds() {
+    let Some(rig) = Rig::start("gate-fails-closed") else {
+        return;
+    };
+    let mut flooder = rig.holder("flooder");
+    let mut w = rig.watch("flooder");
+    let fd = flooder.num("open nvidia0").unwrap();
+    expect_transition(&mut w, "flooder", "acquired");
+    // About 900 fds of the device per process (the container's RLIMIT_NOFILE is 1024) ...
+    for _ in 0..900 {
+        flooder.num(&format!("dup {fd}")).unwrap();
+    }
+    let agent_log = rig
+        .env
+        .containerd()
+        .agent_socket()
+        .with_file_name("agent.log");
+    std::thread::scope(|s| {
+        let start = s.spawn(|| start_behind_gate(&rig, "server"));
+        expect_gate_shut(&rig, "server", &start);
+        // ... and 80 forks: 72,000 inherited entries, more than the map holds.
+        for _ in 0..80 {
+            flooder.num("fork").unwrap();
+        }
+        let refused = start.join().unwrap();
+        let error = format!("{:#}", refused.err().expect("the gated Start failed"));
+        // Refused at once because the probes failed, not at the gate's timeout.
+        let log = std::fs::read_to_string(rig.env.containerd().log_path()).unwrap();
+        let refusal = log
+            .lines()
+            .find(|l| l.contains("wait-gpu-free: not starting"))
+            .unwrap_or_else(|| panic!("the shim logs why it did not start ({error}): {log}"));
+        assert!(refusal.contains("the agent's probes failed"), "{refusal}");
+    });
+    // Reloaded, the agent's gate still sees the flooder: a second server waits ...
+    std::thread::scope(|s| {
+        let start = s.spawn(|| start_behind_gate(&rig, "server2"));
+        expect_gate_shut(&rig, "server2", &start);
+        // ... until the flooder is gone.
+        flooder.finish().unwrap();
+        let started = start
+            .join()
+            .unwrap()
+            .and_then(|mut server| server.num("stamp"));
+        assert!(
+            started.is_ok(),
+            "the second server starts once the flooder is gone: {started:?}; the agent's log: {}",
+            std::fs::read_to_string(&agent_log).unwrap_or_default()
+        );
+    });
+}
+
+/// When the shim's log says the gate let `id` through (CLOCK_MONOTONIC ns, as the agent answered).
+fn gate_opened_ns(rig: &Rig, id: &str) -> u64 {
+    let log = std::fs::read_to_string(rig.env.containerd().log_path()).unwrap();
+    let line = log
+        .lines()
+        .find(|l| l.contains("the GPU is free: starting") && l.contains(&format!("id={id} ")))
+        .unwrap_or_else(|| panic!("the shim logs the gate's opening for {id}: {log}"));
+    let after = line.split("t_free_ns=").nth(1).unwrap();
+    after
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// The gate opens on the holder's confirmed release, not when its close begins: with closes that take
+/// 300 ms in the driver (its teardown), the waiting Start goes on only once the close returned.
+#[test]
+fn the_gate_opens_on_the_confirmed_release_not_when_the_close_begins() {
+    let Some(rig) = Rig::start_with("gate-confirmed", |o| {
+        o.with_close_delay(Duration::from_millis(300))
+    }) else {
+        return;
+    };
+    let mut holder = rig.holder("slow-close");
+    let mut w = rig.watch("slow-close");
+    let fd = holder.num("open nvidia0").unwrap();
+    expect_transition(&mut w, "slow-close", "acquired");
+    std::thread::scope(|s| {
+        let start = s.spawn(|| start_behind_gate(&rig, "server"));
+        expect_gate_shut(&rig, "server", &start);
+        let before = holder.num("stamp").unwrap();
+        let returned = holder.num(&format!("close {fd}")).unwrap();
+        let released = expect_transition(&mut w, "slow-close", "released");
+        let t_released = released["t_released_ns"].as_u64().unwrap();
+        // Confirmed at the close's return or, from /proc, a moment after it.
+        assert!(
+            t_released >= before + 250_000_000,
+            "the release waited for the close to return ({before}..{returned}): {released}"
+        );
+        let mut server = start.join().unwrap().unwrap();
+        server.num("stamp").unwrap();
+        let opened = gate_opened_ns(&rig, "server");
+        assert!(
+            opened >= t_released,
+            "the gate opened {} ms before the release was confirmed",
+            (t_released - opened) / 1_000_000
+        );
+    });
+}

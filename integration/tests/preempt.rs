@@ -457,8 +457,8 @@ esac
 exec runc "$@"
 "#;
     let path = dir.join("runc-without-criu");
-    std::fs::write(&path, script.replace("@DIR@", &dir.display().to_string())).unwrap();
-    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    baton_integration::write_script(&path, &script.replace("@DIR@", &dir.display().to_string()))
+        .unwrap();
     path
 }
 

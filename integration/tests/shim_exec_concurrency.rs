@@ -38,9 +38,7 @@ exec '{real}' "$@"
         real = real.display()
     );
     let path = dir.join("runc-wedged-exec");
-    std::fs::write(&path, script).expect("write the runc wrapper");
-    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .expect("chmod the runc wrapper");
+    baton_integration::write_script(&path, &script).expect("write the runc wrapper");
     path
 }
 

@@ -3,7 +3,6 @@
 //! nothing else of the shim's.
 
 use std::collections::HashSet;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -23,10 +22,9 @@ cat <&4 > "$out.stderr" &
 wait
 "#;
 
-fn write_logger(dir: &Path) -> PathBuf {
-    let path = dir.join("logger.sh");
-    std::fs::write(&path, LOGGER).expect("write logger");
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod logger");
+fn write_logger(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    baton_integration::write_script(&path, text).expect("write logger");
     path
 }
 
@@ -76,7 +74,7 @@ fn shim_binary_log_uri_feeds_a_real_logger() {
         return;
     };
     let scratch = env.scratch();
-    let logger = write_logger(&scratch);
+    let logger = write_logger(&scratch, "logger.sh", LOGGER);
     let out = scratch.join("container");
     let uri = format!("binary://{}?out={}", logger.display(), out.display());
     let result = env.run(
@@ -109,4 +107,48 @@ fn shim_binary_log_uri_feeds_a_real_logger() {
         Vec::<String>::new(),
         "shim fds reached the logger:\n{fds}"
     );
+}
+
+/// A logger that writes out what it read only once both pipes ended, and a moment later (as a logger that
+/// batches, compresses or ships does): the file appears whole, or not at all.
+const BATCHING_LOGGER: &str = r#"#!/bin/sh
+out="$2"
+exec 5>&-
+cat <&3 > "$out.part" &
+cat <&4 > /dev/null &
+wait
+sleep 1
+mv "$out.part" "$out.stdout"
+"#;
+
+/// Nothing is lost through a `binary://` logger either: the container's exit (and so `ctr run --rm`'s return)
+/// comes once the logger read its pipes to their end and exited, so everything the container printed is
+/// written out by then. (runc-v2 publishes the exit at once; the logger finishes later.)
+#[test]
+fn shim_binary_log_uri_exit_comes_after_the_logger_wrote_everything() {
+    let Some(env) = TestEnv::start("shim_binary_logger_drain") else {
+        return;
+    };
+    let scratch = env.scratch();
+    let logger = write_logger(&scratch, "batching-logger.sh", BATCHING_LOGGER);
+    let out = scratch.join("container");
+    let uri = format!("binary://{}?out={}", logger.display(), out.display());
+    let result = env.run(
+        "batched",
+        &[],
+        &["--rm", "--log-uri", &uri],
+        &["/bin/seq", "1", "100000"],
+    );
+    assert!(result.success(), "ctr run failed: {}", result.stderr);
+    if !env.is_baton() {
+        baton_integration::skip::not_applicable(
+            "the exit waiting for a binary:// logger: runc-v2 publishes it at once",
+        );
+        return;
+    }
+    // At once, no waiting: the exit came after the logger.
+    let written = std::fs::read(out.with_extension("stdout"))
+        .expect("the logger wrote its file before the container's exit was published");
+    let expected: usize = (1..=100_000u32).map(|n| n.to_string().len() + 1).sum();
+    assert_eq!(written.len(), expected, "every byte the container printed");
 }

@@ -26,9 +26,7 @@ fn log_runc_calls(env: &TestEnv, log: &Path) {
         log.display(),
         real.display()
     );
-    std::fs::write(&wrapper, script).expect("write runc wrapper");
-    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))
-        .expect("chmod runc wrapper");
+    baton_integration::write_script(&wrapper, &script).expect("write runc wrapper");
 }
 
 #[test]

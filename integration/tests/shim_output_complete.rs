@@ -21,10 +21,11 @@ use baton_integration::fifo::make_fifo;
 use baton_integration::rootfs;
 
 const WAIT: Duration = Duration::from_secs(60);
-/// Runs of each kind (TTY, pipes) by default; see the module docs. A TTY run takes 4 to 7 s and a pipe run about
-/// 1 s on a loaded 2-CPU machine, so 15 of each stay under about 2 minutes; before the fix about 1 run in 10 came
-/// up short. `BATON_OUTPUT_RUNS=200` is the full series.
-const DEFAULT_RUNS: usize = 15;
+/// Runs of each kind (TTY, pipes) by default: the full series. Before the fix about 1 run in 10 came up
+/// short; `BATON_OUTPUT_RUNS=20` is a quick check.
+const DEFAULT_RUNS: usize = 200;
+/// Execs run at once, each with its own client (fifos, reader threads): the busy CPUs are shared by more copies.
+const CLIENTS: usize = 3;
 /// Lines each exec prints (`seq 1 LINES`).
 const LINES: u64 = 1_000_000;
 
@@ -191,21 +192,36 @@ fn shim_exec_output_is_complete_when_wait_returns_on_busy_cpus() {
     };
     env.run_detached("host", &[], &["/bin/sleep", "3000"])
         .expect("run");
-    let api = env.api().expect("api");
     let _busy = BusyCpus::start();
     let runs = runs();
-    let mut short = Vec::new();
-    for run in 0..runs {
-        for tty in [true, false] {
-            let t0 = Instant::now();
-            let exec_id = format!("{}-{run}", if tty { "tty" } else { "pipe" });
-            let got = exec_and_count(&env, &api, "host", &exec_id, tty);
-            eprintln!("{exec_id}: {got} bytes in {:?}", t0.elapsed());
-            if got != expected_bytes(tty) {
-                short.push(format!("{exec_id}: {got} of {} bytes", expected_bytes(tty)));
-            }
+    // Every (run, kind) once, taken in turn by the clients: several execs of the container are copied at once.
+    let jobs: Vec<(usize, bool)> = (0..runs)
+        .flat_map(|run| [(run, true), (run, false)])
+        .collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let short = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..CLIENTS {
+            s.spawn(|| {
+                let api = env.api().expect("api");
+                while let Some(&(run, tty)) = jobs.get(next.fetch_add(1, Ordering::SeqCst)) {
+                    let t0 = Instant::now();
+                    let exec_id = format!("{}-{run}", if tty { "tty" } else { "pipe" });
+                    let got = exec_and_count(&env, &api, "host", &exec_id, tty);
+                    eprintln!("{exec_id}: {got} bytes in {:?}", t0.elapsed());
+                    if got != expected_bytes(tty) {
+                        short
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .push(format!("{exec_id}: {got} of {} bytes", expected_bytes(tty)));
+                    }
+                }
+            });
         }
-    }
+    });
+    let short = short
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     assert!(
         short.is_empty(),
         "output missing when Wait returned, in {} of {} runs: {short:?}",

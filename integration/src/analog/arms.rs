@@ -90,11 +90,6 @@ impl Figures {
     /// The figures of `records` (failed ones counted apart).
     pub fn of(records: &[RequestRecord]) -> Self {
         let ok: Vec<&RequestRecord> = records.iter().filter(|r| r.error.is_none()).collect();
-        let pct = |mut v: Vec<Duration>, p: f64| {
-            v.sort_unstable();
-            let rank = ((p * v.len() as f64).ceil() as usize).clamp(1, v.len().max(1));
-            v.get(rank - 1).copied().unwrap_or_default()
-        };
         let totals: Vec<Duration> = ok.iter().map(|r| r.total).collect();
         let firsts: Vec<Duration> = ok.iter().filter_map(|r| r.first_token()).collect();
         let gaps: Vec<Duration> = ok.iter().flat_map(|r| r.gaps()).collect();
@@ -102,14 +97,21 @@ impl Figures {
         Self {
             requests: ok.len(),
             failed: records.len() - ok.len(),
-            latency_p50: pct(totals.clone(), 0.5),
-            latency_p95: pct(totals, 0.95),
-            first_token_p50: pct(firsts.clone(), 0.5),
-            first_token_p95: pct(firsts, 0.95),
-            gap_p95: pct(gaps, 0.95),
-            tpot_p95: pct(tpots, 0.95),
+            latency_p50: percentile(totals.clone(), 0.5),
+            latency_p95: percentile(totals, 0.95),
+            first_token_p50: percentile(firsts.clone(), 0.5),
+            first_token_p95: percentile(firsts, 0.95),
+            gap_p95: percentile(gaps, 0.95),
+            tpot_p95: percentile(tpots, 0.95),
         }
     }
+}
+
+/// The `p` quantile (0 to 1, nearest rank) of `v`; zero when empty.
+pub fn percentile(mut v: Vec<Duration>, p: f64) -> Duration {
+    v.sort_unstable();
+    let rank = ((p * v.len() as f64).ceil() as usize).clamp(1, v.len().max(1));
+    v.get(rank - 1).copied().unwrap_or_default()
 }
 
 /// One run of an arm: its measured requests and the co-runner's progress over them.

@@ -317,23 +317,7 @@ impl AnalogRig {
                     .arg(self.co_runner_pid()?.to_string());
             }
         }
-        let log = self.env.scratch().join("proxy.log");
-        let stderr = std::fs::File::create(&log)?;
-        let mut child = command
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .spawn()
-            .context("starting the request proxy")?;
-        let mut ready = String::new();
-        if let Some(out) = child.stdout.take() {
-            BufReader::new(out).read_line(&mut ready)?;
-        }
-        let proxy = Proxy { child, listen, log };
-        if !ready.starts_with("listening") {
-            bail!("the request proxy did not start: {}", proxy.errors());
-        }
-        Ok(proxy)
+        Proxy::start(command, listen, self.env.scratch().join("proxy.log"))
     }
 
     /// Sends one control request to the agent; its reply, or the agent's refusal.
@@ -380,6 +364,27 @@ pub struct Proxy {
 }
 
 impl Proxy {
+    /// Runs `command` (the proxy with its flags, `--listen listen` among them), its stderr in `log`; returns
+    /// once it listens.
+    pub fn start(mut command: Command, listen: PathBuf, log: PathBuf) -> Result<Self> {
+        let stderr = std::fs::File::create(&log)?;
+        let mut child = command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .context("starting the request proxy")?;
+        let mut ready = String::new();
+        if let Some(out) = child.stdout.take() {
+            BufReader::new(out).read_line(&mut ready)?;
+        }
+        let proxy = Proxy { child, listen, log };
+        if !ready.starts_with("listening") {
+            bail!("the request proxy did not start: {}", proxy.errors());
+        }
+        Ok(proxy)
+    }
+
     /// Where clients connect.
     pub fn socket(&self) -> &Path {
         &self.listen

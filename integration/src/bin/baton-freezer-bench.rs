@@ -10,13 +10,20 @@
 //! - runc: `runc pause` / `runc resume` of a container running the same workload (through `nsenter` into
 //!   containerd's mount namespace in v2), and ctr: `ctr task pause` / `resume` of it (containerd, then Baton's
 //!   shim). These take tens of milliseconds a call: they run fewer cycles (the second argument).
+//! - cli: the whole `baton freeze ID` and `baton thaw ID` commands (process spawn, the agent, the shim's
+//!   control socket, the kernel's confirmation) of the same container, with a release `baton agent` started
+//!   for the run (Baton's shim only). Its cycles alternate with runc's, so that both see the same load, and
+//!   each workload ends with one line: the pair's p50 (`baton freeze` + `baton thaw`) over the pair's p50
+//!   of `runc pause` + `runc resume` (the goal: at most 0.1), and the same for two runs of `true` in the
+//!   same cycles: the floor of any pair of commands on this machine.
 //!
 //! Each cycle freezes, thaws, then lets the threads run 1 ms: cycles this frequent are what the kernel's 10 ms
 //! rate limit on cgroup.events notifications holds back, so the re-reads are exercised. Figures only.
 //!
-//! Run as root: `cargo build --release -p baton-integration --bins -p containerd-shim-baton-v1 && \
-//!   BATON_SHIM_BIN=$PWD/target/release/containerd-shim-baton-v1 target/release/baton-freezer-bench [CYCLES [CONTAINER_CYCLES [v1|v2]]]`
-//! (defaults 1000, 50 and both versions; `tools/dev bench` runs it).
+//! Run as root: `cargo build --release --workspace --bins && \
+//!   BATON_SHIM_BIN=$PWD/target/release/containerd-shim-baton-v1 target/release/baton-freezer-bench [CYCLES [CONTAINER_CYCLES [v1|v2 [WORKLOAD]]]]`
+//! (defaults 1000, 50, both versions and every workload, WORKLOAD one of sleepx1, sleepx64, spinx1, spinx16,
+//! spinx64; `tools/dev bench` runs it).
 use std::{
     fs::{File, OpenOptions},
     os::unix::fs::FileExt,
@@ -27,7 +34,9 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use baton_cgroups::freezer::{CgroupVersion, Freezer};
-use baton_integration::{TestEnv, cleanup, containerd::CgroupMode, rootfs};
+use baton_integration::{
+    TestEnv, agent::AgentProcess, cleanup, containerd::CgroupMode, rootfs, trace_env,
+};
 use nix::{sys::signal, unistd::Pid};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
@@ -64,6 +73,12 @@ fn percentile(v: &[Duration], p: f64) -> Duration {
     v.get(((v.len() as f64 - 1.0) * p).round() as usize)
         .copied()
         .unwrap_or_default()
+}
+
+/// The p50 of a freeze and its thaw summed per cycle (the whole pause + resume a user waits for).
+fn pair_p50(s: &Sample) -> Duration {
+    let pairs: Vec<Duration> = s.freeze.iter().zip(&s.thaw).map(|(f, t)| *f + *t).collect();
+    percentile(&pairs, 0.5)
 }
 
 fn us(d: Duration) -> f64 {
@@ -263,11 +278,77 @@ fn workload_rootfs(dir: &Path) -> Result<PathBuf> {
     Ok(dir.to_path_buf())
 }
 
-/// One workload's container figures: (mode, threads), runc pause/resume, ctr task pause/resume.
-type ContainerRow = ((&'static str, usize), Sample, Sample);
+/// One workload's container figures: (mode, threads), runc pause/resume, ctr task pause/resume, and the
+/// `baton freeze`/`thaw` commands with the spawn floor beside them (`None`: not run, with Baton's shim
+/// absent or no agent).
+type ContainerRow = (
+    (&'static str, usize),
+    Sample,
+    Sample,
+    Option<(Sample, Sample)>,
+);
+
+/// A release `baton agent` for the `baton freeze`/`thaw` rows, and the `baton` binary that talks to it.
+struct Cli {
+    baton: PathBuf,
+    agent: AgentProcess,
+}
+
+impl Cli {
+    /// Starts the agent on the socket the shims of `env` register with; `None` (after saying why) when
+    /// the runtime is not Baton's or the agent cannot start.
+    fn start(env: &TestEnv) -> Option<Self> {
+        if !env.is_baton() {
+            println!("cli rows not run: the runtime under test is not Baton's");
+            return None;
+        }
+        let started = (|| -> Result<Self> {
+            let [baton] = trace_env::sibling_binaries(["baton"])?;
+            let socket = env.containerd().agent_socket();
+            std::fs::create_dir_all(socket.parent().context("socket folder")?)?;
+            let agent =
+                AgentProcess::start_program(&baton, &socket, &env.scratch().join("agent.log"))?;
+            Ok(Self { baton, agent })
+        })();
+        match started {
+            Ok(cli) => Some(cli),
+            Err(e) => {
+                println!("cli rows not run: {e:#}");
+                None
+            }
+        }
+    }
+
+    /// `baton freeze ID` or `baton thaw ID`, the whole command.
+    fn command(&self, verb: &str, id: &str) -> Command {
+        let mut cmd = Command::new(&self.baton);
+        cmd.arg(verb)
+            .arg("--socket")
+            .arg(self.agent.socket())
+            .arg(id)
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    /// Waits until the agent knows container `id` (its shim registered it) and `baton freeze` reaches it.
+    fn wait_for(&self, id: &str) -> Result<()> {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            match timed(self.command("freeze", id)) {
+                Ok(_) => return timed(self.command("thaw", id)).map(drop),
+                Err(e) if Instant::now() > deadline => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+}
 
 /// runc pause/resume and ctr task pause/resume of a container running each workload.
-fn containers(mode: CgroupMode, cycles: usize) -> Result<Vec<ContainerRow>> {
+fn containers(
+    mode: CgroupMode,
+    cycles: usize,
+    workload: Option<&str>,
+) -> Result<Vec<ContainerRow>> {
     let name = match mode {
         CgroupMode::Host => "freezer-bench-v1",
         CgroupMode::V2 => "freezer-bench-v2",
@@ -276,6 +357,7 @@ fn containers(mode: CgroupMode, cycles: usize) -> Result<Vec<ContainerRow>> {
         bail!("containerd prerequisites are missing");
     };
     let root = workload_rootfs(&env.scratch().join("rootfs"))?;
+    let cli = Cli::start(&env);
     let containerd_pid = env.containerd().pid().context("containerd runs")?;
     let runc = |verb: &str, id: &str| {
         let mut cmd = match mode {
@@ -293,6 +375,9 @@ fn containers(mode: CgroupMode, cycles: usize) -> Result<Vec<ContainerRow>> {
     };
     let mut rows = Vec::new();
     for (i, (wmode, threads)) in WORKLOADS.into_iter().enumerate() {
+        if workload.is_some_and(|w| w != format!("{wmode}x{threads}")) {
+            continue;
+        }
         let id = format!("w{i}");
         let mut args: Vec<String> = [
             "run",
@@ -304,6 +389,10 @@ fn containers(mode: CgroupMode, cycles: usize) -> Result<Vec<ContainerRow>> {
         ]
         .map(String::from)
         .to_vec();
+        if cli.is_some() {
+            // A role makes the shim register the container with the agent (it sees no GPU here).
+            args.extend(["--annotation".into(), "baton.io/role=co-runner".into()]);
+        }
         args.extend(env.cgroup_run_flags().iter().map(|f| f.to_string()));
         args.push(root.display().to_string());
         args.push(id.clone());
@@ -311,19 +400,48 @@ fn containers(mode: CgroupMode, cycles: usize) -> Result<Vec<ContainerRow>> {
         args.extend(workload_args(wmode, threads));
         env.ctr_ok(&args.iter().map(String::as_str).collect::<Vec<_>>())?;
         let (mut r, mut c) = (Sample::new(), Sample::new());
+        let mut b = match &cli {
+            Some(cli) => match cli.wait_for(&id) {
+                Ok(()) => Some((Sample::new(), Sample::new())),
+                Err(e) => {
+                    println!("w{i} {wmode}x{threads}: cli rows not run: {e:#}");
+                    None
+                }
+            },
+            None => None,
+        };
         for _ in 0..cycles {
+            // runc, then the baton commands: alternated, so that both see the same load.
             match timed(runc("pause", &id)) {
-                Ok(took) => r.freeze.push(took),
+                Ok(took) => {
+                    r.freeze.push(took);
+                    r.thaw.push(timed(runc("resume", &id))?);
+                }
                 Err(e) => {
                     eprintln!("w{i} {wmode}x{threads}: {e:#}");
                     r.failed += 1;
                     // runc thawed it again after giving up; a resume of a running container fails.
                     let _ = timed(runc("resume", &id));
-                    continue;
                 }
             }
-            r.thaw.push(timed(runc("resume", &id))?);
             std::thread::sleep(GAP);
+            if let (Some(cli), Some((b, spawn))) = (&cli, &mut b) {
+                // The floor of any command pair: two processes that do nothing.
+                spawn.freeze.push(timed(Command::new("true"))?);
+                spawn.thaw.push(timed(Command::new("true"))?);
+                match timed(cli.command("freeze", &id)) {
+                    Ok(took) => {
+                        b.freeze.push(took);
+                        b.thaw.push(timed(cli.command("thaw", &id))?);
+                    }
+                    Err(e) => {
+                        eprintln!("w{i} {wmode}x{threads}: {e:#}");
+                        b.failed += 1;
+                        let _ = timed(cli.command("thaw", &id));
+                    }
+                }
+                std::thread::sleep(GAP);
+            }
         }
         for _ in 0..cycles {
             let t = Instant::now();
@@ -341,7 +459,7 @@ fn containers(mode: CgroupMode, cycles: usize) -> Result<Vec<ContainerRow>> {
         }
         let _ = env.ctr(&["task", "delete", &id]);
         env.ctr_ok(&["container", "delete", &id])?;
-        rows.push(((wmode, threads), r, c));
+        rows.push(((wmode, threads), r, c, b));
     }
     Ok(rows)
 }
@@ -353,6 +471,13 @@ fn main() -> Result<()> {
     let only = args.next();
     if only.as_deref().is_some_and(|v| v != "v1" && v != "v2") {
         bail!("the third argument is v1 or v2 (only that cgroup version); without it, both");
+    }
+    let workload = args.next();
+    if workload
+        .as_deref()
+        .is_some_and(|w| !WORKLOADS.iter().any(|(m, t)| format!("{m}x{t}") == w))
+    {
+        bail!("the fourth argument is one workload: sleepx1, sleepx64, spinx1, spinx16 or spinx64");
     }
     println!(
         "baton-freezer-bench: {cycles} cycles per bare-cgroup method, {container_cycles} per container method; {} CPUs",
@@ -377,8 +502,8 @@ fn main() -> Result<()> {
         if only.as_deref().is_some_and(|v| v != version.to_string()) {
             continue;
         }
-        let ctr_rows = containers(mode, container_cycles)?;
-        for ((wmode, threads), runc, ctr) in ctr_rows {
+        let ctr_rows = containers(mode, container_cycles, workload.as_deref())?;
+        for ((wmode, threads), runc, ctr, cli) in ctr_rows {
             let bare = Bare::start(version, wmode, threads)?;
             let floor = floor(&bare.dir, version, cycles)?;
             let baton = baton(&bare.dir, version, cycles)?;
@@ -386,13 +511,15 @@ fn main() -> Result<()> {
             drop(bare);
             let floor_p50 = percentile(&floor.freeze, 0.5);
             let runc_p50 = percentile(&runc.freeze, 0.5);
-            for (method, s) in [
+            let mut methods = vec![
                 ("floor", &floor),
                 ("baton", &baton),
                 ("sigstop", &stop),
                 ("runc", &runc),
                 ("ctr", &ctr),
-            ] {
+            ];
+            methods.extend(cli.as_ref().map(|(s, _)| ("cli", s)));
+            for (method, s) in methods {
                 let p50 = percentile(&s.freeze, 0.5);
                 println!(
                     "{:<3} {:<9} {:<8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>9.2} {:>9.1} {:>6}",
@@ -408,10 +535,26 @@ fn main() -> Result<()> {
                     s.failed,
                 );
             }
+            if let Some((cli, spawn)) = &cli {
+                let (cli_pair, runc_pair) = (pair_p50(cli), pair_p50(&runc));
+                let spawn_pair = pair_p50(spawn);
+                println!(
+                    "{:<3} {:<9} pair: baton freeze + thaw p50 {:.0} us, runc pause + resume p50 {:.0} us: \
+                     ratio {:.3} (goal <= 0.1); spawn floor (true + true) {:.0} us: ratio {:.3}",
+                    version.to_string(),
+                    format!("{wmode}x{threads}"),
+                    us(cli_pair),
+                    us(runc_pair),
+                    us(cli_pair) / us(runc_pair),
+                    us(spawn_pair),
+                    us(spawn_pair) / us(runc_pair),
+                );
+            }
         }
     }
     println!(
-        "p50/floor: freeze p50 over the floor's; runc/p50: runc pause's freeze p50 over this method's (how many times faster)."
+        "p50/floor: freeze p50 over the floor's; runc/p50: runc pause's freeze p50 over this method's (how many times faster); \
+         cli: the whole `baton freeze` / `baton thaw` commands; pair: a freeze and its thaw, summed per cycle."
     );
     Ok(())
 }

@@ -16,11 +16,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use baton_integration::{
-    agent::wait_until,
-    cuda::{CudaRig, Trainer},
-};
-use serde_json::{Value, json};
+use baton_integration::cuda::{CudaRig, Trainer, step_t_ns};
 
 const WITHIN: Duration = Duration::from_secs(120);
 
@@ -67,7 +63,7 @@ fn main() -> Result<()> {
         ..Trainer::default()
     };
     let _trainer = rig.run("trainer", &trainer, &[]);
-    wait_for(&rig, "trainer", "held")?;
+    rig.wait_gpu("trainer", "held", WITHIN)?;
     println!(
         "handoff on the mock GPU: the trainer's {mib} MiB copied at {rate} MiB/s, {rounds} rounds per arm \
          (medians)"
@@ -88,25 +84,6 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-fn wait_for(rig: &CudaRig, id: &str, gpu: &str) -> Result<()> {
-    if wait_until(WITHIN, || rig.gpu.status(id)["gpu"] == json!(gpu)) {
-        Ok(())
-    } else {
-        bail!(
-            "{id} is not {gpu} within {WITHIN:?}: {}",
-            rig.gpu.status(id)
-        )
-    }
-}
-
-fn t_of(steps: &[Value], phase: &str, id: &str) -> u64 {
-    steps
-        .iter()
-        .find(|s| s["phase"] == json!(phase) && s["id"] == json!(id))
-        .and_then(|s| s["t_ns"].as_u64())
-        .unwrap_or(0)
-}
-
 fn round(rig: &CudaRig, arm: Arm, server: &str) -> Result<Round> {
     let small = Trainer {
         vram_mib: 64,
@@ -125,11 +102,11 @@ fn round(rig: &CudaRig, arm: Arm, server: &str) -> Result<Round> {
         "handoff", "--from", "trainer", "--to", server, "--order", order,
     ]);
     Ok(Round {
-        asked: t_of(&steps, "asked", "trainer"),
-        released: t_of(&steps, "gpu_released", "trainer"),
-        started: t_of(&steps, "started", server),
-        acquired: t_of(&steps, "gpu_acquired", server),
-        frozen: t_of(&steps, "frozen", "trainer"),
+        asked: step_t_ns(&steps, "asked", "trainer"),
+        released: step_t_ns(&steps, "gpu_released", "trainer"),
+        started: step_t_ns(&steps, "started", server),
+        acquired: step_t_ns(&steps, "gpu_acquired", server),
+        frozen: step_t_ns(&steps, "frozen", "trainer"),
     })
 }
 
@@ -138,44 +115,30 @@ fn poller_round(rig: &CudaRig, server: &str) -> Result<Round> {
     let asked = baton_agent_api::now_monotonic_ns();
     std::thread::scope(|scope| {
         let preempt = scope.spawn(|| rig.baton_json(&["preempt", "trainer"]));
-        loop {
-            let s = rig.gpu.status("trainer");
-            if s["vram_bytes"] == json!(0) && s["nvidia_fds"] == json!(0) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        rig.poll_until_gpu_free("trainer", Duration::from_millis(100));
         let started = baton_agent_api::now_monotonic_ns();
         rig.gpu.env.api()?.start(server, "")?;
-        wait_for(rig, server, "held")?;
+        rig.wait_gpu(server, "held", WITHIN)?;
         let acquired = rig.gpu.status(server)["since_ns"].as_u64().unwrap_or(0);
         let (steps, _) = preempt
             .join()
             .map_err(|_| anyhow::anyhow!("the preempt thread panicked"))?;
         Ok(Round {
             asked,
-            released: t_of(&steps, "gpu_released", "trainer"),
+            released: step_t_ns(&steps, "gpu_released", "trainer"),
             started,
             acquired,
-            frozen: t_of(&steps, "frozen", "trainer"),
+            frozen: step_t_ns(&steps, "frozen", "trainer"),
         })
     })
 }
 
 /// Stops the server and resumes the trainer; returns how long the resume took (ns).
 fn finish_round(rig: &CudaRig, server: &str) -> Result<u64> {
-    let api = rig.gpu.env.api()?;
-    api.kill(server, "", libc_sigkill(), false)?;
-    api.wait(server, "", WITHIN)?;
-    api.delete_task(server)?;
-    api.delete_container(server)?;
+    rig.remove(server)?;
     let (steps, _) = rig.baton_json(&["resume", "trainer"]);
-    wait_for(rig, "trainer", "held")?;
-    Ok(t_of(&steps, "done", "trainer").saturating_sub(t_of(&steps, "asked", "trainer")))
-}
-
-fn libc_sigkill() -> u32 {
-    nix::sys::signal::Signal::SIGKILL as u32
+    rig.wait_gpu("trainer", "held", WITHIN)?;
+    Ok(step_t_ns(&steps, "done", "trainer").saturating_sub(step_t_ns(&steps, "asked", "trainer")))
 }
 
 fn median(mut v: Vec<u64>) -> u64 {

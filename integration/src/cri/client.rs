@@ -1,13 +1,14 @@
-//! A blocking CRI client (the `k8s-cri` crate's v1alpha2 API over gRPC on containerd's socket: Debian's containerd 1.6
-//! is built without CRI v1 and answers `unknown service runtime.v1.RuntimeService`): the calls the
-//! kubelet makes for a pod, in the order it makes them.
+//! A blocking CRI client (the `k8s-cri` crate's CRI v1 API, `runtime.v1`, over gRPC on containerd's socket): the
+//! calls the kubelet makes for a pod, in the order it makes them. CRI v1 is what kubelets speak since
+//! Kubernetes 1.26, and both containerds the tests run serve it: Debian 12's 1.6.20 serves v1 beside v1alpha2,
+//! and containerd 2.x serves only v1.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use k8s_cri::v1alpha2::image_service_client::ImageServiceClient;
-use k8s_cri::v1alpha2::runtime_service_client::RuntimeServiceClient;
-use k8s_cri::v1alpha2::{
+use k8s_cri::v1::image_service_client::ImageServiceClient;
+use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use k8s_cri::v1::{
     ContainerConfig, ContainerStatusRequest, ContainerStatusResponse, CreateContainerRequest,
     ExecSyncRequest, ExecSyncResponse, ImageSpec, ImageStatusRequest, ListPodSandboxRequest,
     PodSandbox, PodSandboxConfig, PodSandboxStatusRequest, PodSandboxStatusResponse,

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use k8s_cri::v1alpha2::{
+use k8s_cri::v1::{
     LinuxPodSandboxConfig, LinuxSandboxSecurityContext, NamespaceMode, NamespaceOption,
     PodSandboxConfig, PodSandboxMetadata,
 };
@@ -63,7 +63,7 @@ pub enum Error {
     CriPlugin {
         /// What the client saw.
         error: client::Error,
-        /// containerd's log lines naming the plugin.
+        /// containerd's log lines naming the CRI plugins.
         log: String,
     },
 }
@@ -73,11 +73,12 @@ pub enum Error {
 pub struct Handler {
     /// The handler's name (a RuntimeClass's `handler`).
     pub name: String,
-    /// The lines of its options table (Baton's keys and runc's).
+    /// The lines of its options table (Baton's keys and runc's): `key = value` lines only, no tables (on
+    /// containerd 2.x they are written into the options table itself).
     pub options: String,
 }
 
-/// The handler's options file, which the options table names through `ConfigPath`.
+/// The handler's options file, which the options table names through `ConfigPath` (containerd 1.x).
 fn options_file(dir: &Path, handler: &str) -> PathBuf {
     dir.join("handlers").join(format!("{handler}.toml"))
 }
@@ -87,13 +88,26 @@ pub fn runc_root_in(dir: &Path) -> PathBuf {
     dir.join("runc")
 }
 
-/// The CRI plugin's section of the config (the first handler is the default runtime: the table replaces
-/// containerd's default one, which holds runc): the pause image, no AppArmor, OOM score
-/// adjustments no lower than containerd's own (lowering it is refused on these machines), CNI folders of its own (empty:
-/// pods use the host's network), a stream server on a free port, and one runtime per handler with Baton's
-/// annotations passed through. containerd 1.6 hands a non-runc runtime only `TypeUrl` and `ConfigPath` of
-/// the options table, so the table names a file holding Baton's options.
-fn cri_section(dir: &Path, handlers: &[Handler]) -> String {
+/// The CRI plugin's section of the config for a containerd of major version `major` (format 2 for 1.x, format
+/// 3 for 2.x, see [`containerd::major_version`]): the pause image, no AppArmor, OOM score adjustments no lower
+/// than containerd's own (lowering it is refused on these machines), CNI folders of its own (empty: pods use
+/// the host's network), a stream server on a free port, and one runtime per handler with Baton's annotations
+/// passed through; the first handler is the default runtime.
+///
+/// How Baton's options reach the shim differs, and each way is tested on its version: containerd 1.6 hands a
+/// non-runc runtime only `TypeUrl` and `ConfigPath` of the options table, so there the table names a file
+/// holding them; containerd 2.x sends the whole table as `config_body` (TOML), so there the table holds them.
+fn cri_section(dir: &Path, handlers: &[Handler], major: u32) -> String {
+    if major >= 2 {
+        cri_section_v3(dir, handlers)
+    } else {
+        cri_section_v2(dir, handlers)
+    }
+}
+
+/// [`cri_section`] for containerd 1.x (config format 2, one `io.containerd.grpc.v1.cri` plugin; the
+/// handlers' table replaces containerd's default one, which holds runc).
+fn cri_section_v2(dir: &Path, handlers: &[Handler]) -> String {
     let cri = r#"plugins."io.containerd.grpc.v1.cri""#;
     let d = dir.display();
     let default = handlers.first().map_or("runc", |h| h.name.as_str());
@@ -125,6 +139,49 @@ fn cri_section(dir: &Path, handlers: &[Handler]) -> String {
 "#,
             file.display()
         ));
+    }
+    text
+}
+
+/// [`cri_section`] for containerd 2.x (config format 3: CRI is split into the images plugin, the runtime
+/// plugin and the gRPC one, which keeps the stream server; the handlers join containerd's runc runtime).
+/// The handlers' options are the options table itself, which CRI sends as `config_body`.
+fn cri_section_v3(dir: &Path, handlers: &[Handler]) -> String {
+    let images = "plugins.'io.containerd.cri.v1.images'";
+    let runtime = "plugins.'io.containerd.cri.v1.runtime'";
+    let d = dir.display();
+    let default = handlers.first().map_or("runc", |h| h.name.as_str());
+    let mut text = format!(
+        r#"[{images}]
+  snapshotter = "overlayfs"
+  [{images}.pinned_images]
+    sandbox = "{PAUSE_IMAGE}"
+[plugins.'io.containerd.grpc.v1.cri']
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+[{runtime}]
+  disable_apparmor = true
+  restrict_oom_score_adj = true
+  [{runtime}.cni]
+    bin_dirs = ["{d}/cni/bin"]
+    conf_dir = "{d}/cni/net.d"
+  [{runtime}.containerd]
+    default_runtime_name = "{default}"
+"#
+    );
+    for handler in handlers {
+        let name = &handler.name;
+        text.push_str(&format!(
+            r#"  [{runtime}.containerd.runtimes.{name}]
+    runtime_type = "{BATON_RUNTIME}"
+    pod_annotations = ["baton.io/*"]
+    container_annotations = ["baton.io/*"]
+    [{runtime}.containerd.runtimes.{name}.options]
+"#
+        ));
+        for line in handler.options.lines() {
+            text.push_str(&format!("      {line}\n"));
+        }
     }
     text
 }
@@ -180,7 +237,7 @@ impl CriNode {
             let file = options_file(dir.path(), &handler.name);
             std::fs::write(&file, &handler.options).map_err(io("writing", &file))?;
         }
-        let cri = cri_section(dir.path(), &handlers);
+        let cri = cri_section(dir.path(), &handlers, containerd::major_version()?);
         let containerd = Containerd::start_with_cri(dir.path(), &shim_dir, &cri)?;
         let client = CriClient::connect(&containerd.socket())?;
         if let Err(error) = client.wait_ready(READY_WITHIN) {
@@ -189,7 +246,11 @@ impl CriNode {
                 log: containerd
                     .log_tail(400)
                     .lines()
-                    .filter(|line| line.contains("io.containerd.grpc.v1.cri"))
+                    .filter(|line| {
+                        // 1.x's one CRI plugin; 2.x's images, runtime and gRPC plugins.
+                        line.contains("io.containerd.grpc.v1.cri")
+                            || line.contains("io.containerd.cri.v1.")
+                    })
                     .collect::<Vec<_>>()
                     .join("\n"),
             });

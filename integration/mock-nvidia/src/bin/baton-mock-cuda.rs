@@ -7,7 +7,8 @@
 //! --launches N,M,K` it `dlopen`s a (fake) libcuda before the setup and, after it, calls cuLaunchKernel N,
 //! cuLaunchKernelEx M and cuGraphLaunch K times (printing `phase launches-done`), for the launch-telemetry
 //! tests; `--launch-when-exists FILE` first waits until the test creates FILE (once the tracer reported its
-//! uprobes attached).
+//! uprobes attached). `--progress-every N` prints `progress STEPS T_NS` every N steps, for the gap-fill
+//! benchmark's step counts.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -37,6 +38,10 @@ struct Args {
     /// Milliseconds per step (the step counts as in flight for a lock all that time).
     #[arg(long, default_value_t = 10)]
     step_ms: u64,
+    /// Every this many steps, print `progress STEPS T_NS` (CLOCK_MONOTONIC ns); 0 never. A benchmark counts
+    /// the steps done in a window from these lines.
+    #[arg(long, default_value_t = 0)]
+    progress_every: u64,
     /// Video memory to allocate, in MiB.
     #[arg(long, default_value_t = 1024)]
     vram_mib: u64,
@@ -198,6 +203,9 @@ fn run(
                 gate.done();
                 step?;
                 done += 1;
+                if args.progress_every > 0 && done % args.progress_every == 0 {
+                    say_progress(done);
+                }
             }
             Next::Event(event) => {
                 if !main.apply(event)? {
@@ -216,6 +224,14 @@ fn run(
         }
     }
     Ok(())
+}
+
+/// Prints `progress STEPS T_NS`: the steps done so far, and when (CLOCK_MONOTONIC ns).
+fn say_progress(done: u64) {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).map_or(0, |t| {
+        t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
+    });
+    say(&format!("progress {done} {now}"));
 }
 
 /// The launches of `--launches`, once `go` exists if asked.

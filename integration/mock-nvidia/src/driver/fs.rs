@@ -28,6 +28,7 @@ pub struct MockFs {
     version_text: String,
     snapshots: Mutex<HashMap<u64, Vec<u8>>>,
     next_text_fh: AtomicU64,
+    close_delay: std::time::Duration,
 }
 
 impl MockFs {
@@ -41,7 +42,14 @@ impl MockFs {
             version_text,
             snapshots: Mutex::new(HashMap::new()),
             next_text_fh: AtomicU64::new(TEXT_FH_BASE),
+            close_delay: std::time::Duration::ZERO,
         }
+    }
+
+    /// The same filesystem with closes of device files that take `delay` (see `MountOptions::close_delay`).
+    pub fn with_close_delay(mut self, delay: std::time::Duration) -> Self {
+        self.close_delay = delay;
+        self
     }
 
     fn rm(&self) -> MutexGuard<'_, Rm> {
@@ -185,10 +193,15 @@ impl Filesystem for MockFs {
         &self,
         _req: &Request,
         _ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
+        // close(2) waits for the flush: a slow one is a slow close. (FUSE serves one request at a time here,
+        // so other calls wait too; the tests that slow closes make no other call meanwhile.)
+        if !self.close_delay.is_zero() && fh.0 < TEXT_FH_BASE {
+            std::thread::sleep(self.close_delay);
+        }
         reply.ok();
     }
 

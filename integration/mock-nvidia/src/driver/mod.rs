@@ -60,6 +60,9 @@ pub struct MountOptions {
     pub gpus: u32,
     /// Video memory per GPU in MiB.
     pub vram_mib: u64,
+    /// How long each close of a device file takes (its FUSE flush, which close waits for): the driver's
+    /// teardown in a close, which the release signal must wait out.
+    pub close_delay: std::time::Duration,
 }
 
 impl MountOptions {
@@ -70,7 +73,14 @@ impl MountOptions {
             driver_version: DEFAULT_DRIVER_VERSION.to_owned(),
             gpus: 1,
             vram_mib: 81920,
+            close_delay: std::time::Duration::ZERO,
         }
+    }
+
+    /// The same options with closes of device files that take `delay`.
+    pub fn with_close_delay(mut self, delay: std::time::Duration) -> Self {
+        self.close_delay = delay;
+        self
     }
 
     /// The same options with another driver version.
@@ -159,7 +169,8 @@ impl MockDriver {
             Arc::clone(&rm),
             escapes::Escapes::new(layout),
             version_text(&options.driver_version),
-        );
+        )
+        .with_close_delay(options.close_delay);
         let mut config = Config::default();
         config.mount_options = vec![
             MountOption::FSName("baton-mock-nvidia".to_owned()),
