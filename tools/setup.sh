@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian 12 machine of this kind: Debian packages the tests need,
 # rust-src for the toolchain pinned in rust-toolchain.toml (it builds the probes with -Z build-std),
-# and bpf-linker built against that toolchain's own LLVM, cached under $BATON_CACHE.
+# bpf-linker built against that toolchain's own LLVM, and containerd 2.x from Debian unstable (the second
+# containerd the integration tests run under), both cached under $BATON_CACHE.
+# Prints two lines on stdout: the folder of bpf-linker, then the folder of containerd 2.x's binaries
+# (containerd, ctr, containerd-shim-runc-v2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,4 +77,57 @@ if [ ! -x "$KV_VENV/bin/kubernetes-validate" ]; then
     || die "pip install kubernetes-validate==$KUBERNETES_VALIDATE_VERSION failed: needs PyPI"
 fi
 ln -sf "$KV_VENV/bin/kubernetes-validate" "$HOME/.cargo/bin/kubernetes-validate"
+
+# containerd 2.x: Debian 12 has only 1.6, so the tests' second containerd is Debian unstable's `containerd`
+# package (2.1.x; it needs glibc >= 2.34, Debian 12 has 2.36). It is downloaded with a private apt
+# state (its own sources list, package lists and cache under a temporary folder) and extracted with dpkg -x
+# into $BATON_CACHE/containerd-<Debian version>/root: the system's packages and apt state are not touched.
+# A cached copy is reused without asking the mirror again; delete the folder to take a newer one.
+containerd2_bin() {
+  local cached
+  # The newest cached one (an unmatched glob stays as it is, and its --version fails).
+  cached=$(printf '%s\n' "$BATON_CACHE"/containerd-2.*/root/usr/bin | sort -V | tail -n1)
+  if "$cached/containerd" --version 2>/dev/null | grep -q ' v\?2\.'; then
+    echo "$cached"
+    return
+  fi
+  local mirror=${BATON_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+  local tmp
+  tmp=$(mktemp -d)
+  # shellcheck disable=SC2064 # $tmp is meant to be expanded now; the function runs in $(...), a subshell
+  trap "rm -rf '$tmp'" EXIT
+  chmod 755 "$tmp" # apt's download sandbox user (_apt) writes into lists/partial
+  mkdir -p "$tmp/lists/partial" "$tmp/cache/archives/partial" "$tmp/deb"
+  echo "deb $mirror sid main" >"$tmp/sources.list"
+  # Dir::State::status=/dev/null: the system's installed containerd (1.6) is not a candidate.
+  local apt=(-o "Dir::Etc::SourceList=$tmp/sources.list" -o Dir::Etc::SourceParts=/dev/null
+    -o "Dir::State::Lists=$tmp/lists" -o "Dir::Cache=$tmp/cache" -o Dir::State::status=/dev/null
+    -o APT::Get::List-Cleanup=0)
+  say "downloading containerd 2.x from Debian unstable ($mirror sid) into $BATON_CACHE (once)"
+  apt-get "${apt[@]}" update -qq --error-on=any >&2 \
+    || die "apt-get update of Debian unstable ($mirror sid) failed: the mirror is not reachable (set BATON_DEBIAN_MIRROR to another Debian mirror)"
+  local version
+  version=$(apt-cache "${apt[@]}" show --no-all-versions containerd 2>/dev/null | sed -n 's/^Version: //p' | head -n1)
+  [ -n "$version" ] || die "Debian unstable ($mirror sid) has no containerd package: the tests need containerd 2.x"
+  case "${version#*:}" in
+    2.*) ;;
+    *) die "Debian unstable's containerd is $version, not 2.x: the tests' second pass needs containerd 2.x (pin another source with BATON_DEBIAN_MIRROR, e.g. a snapshot.debian.org archive that has 2.1)" ;;
+  esac
+  # Into a folder of root's: apt's sandbox user could not write there, so the download runs as root (as apt
+  # would do anyway, with a warning).
+  (cd "$tmp/deb" && apt-get "${apt[@]}" -o APT::Sandbox::User=root download -qq "containerd=$version" >&2) \
+    || die "apt-get download containerd=$version from Debian unstable failed (see the output above)"
+  local dest="$BATON_CACHE/containerd-${version//[:\/]/_}"
+  rm -rf "$tmp/root"
+  dpkg -x "$tmp"/deb/containerd_*.deb "$tmp/root" || die "dpkg -x of containerd $version failed"
+  "$tmp/root/usr/bin/containerd" --version 2>/dev/null | grep -q ' v\?2\.' \
+    || die "the downloaded containerd $version does not run here or is not 2.x: $("$tmp/root/usr/bin/containerd" --version 2>&1 | head -n1)"
+  rm -rf "$dest"
+  mkdir -p "$dest"
+  mv "$tmp/root" "$dest/root"
+  echo "$dest/root/usr/bin"
+}
+CONTAINERD2_BIN=$(containerd2_bin)
+
 echo "$LINKER_ROOT/bin"
+echo "$CONTAINERD2_BIN"
