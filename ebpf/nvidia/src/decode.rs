@@ -483,6 +483,7 @@ fn decode_escape(nr: u32, ioc_size: u32, data: &[u8], nested: &[u8], layout: &La
         escape::ALLOC_OS_EVENT | escape::FREE_OS_EVENT => decode_os_event(data),
         escape::STATUS_CODE => decode_status_code(data),
         escape::ATTACH_GPUS_TO_FD => decode_attach_gpus(data),
+        escape::EXPORT_TO_DMABUF_FD => decode_export_dmabuf(data, layout),
         _ => decode_other(nr, data, layout),
     }
 }
@@ -848,6 +849,32 @@ fn decode_nvos47(data: &[u8], layout: &Layout) -> Parts {
         f.bytes64("size", off);
     }
     let status = f.status("status", layout.nvos47_status);
+    Parts {
+        status,
+        op: Op::Other,
+        fields: f.out,
+    }
+}
+
+/// nv_ioctl_export_to_dma_buf_fd_t: 2600 bytes (status@2592) up to 565.77, 2608 (status@2600) from
+/// 570.86.15; see [`Layout::export_dmabuf_size`].
+fn decode_export_dmabuf(data: &[u8], layout: &Layout) -> Parts {
+    use params::export_to_dmabuf_fd as p;
+    if !Bytes(data).has(layout.export_dmabuf_size) {
+        return Parts::truncated();
+    }
+    let mut f = Fields::new(data);
+    f.fd("fd", p::FD_OFFSET);
+    f.handle("hClient", p::H_CLIENT_OFFSET);
+    f.u32("totalObjects", p::TOTAL_OBJECTS_OFFSET);
+    f.u32("numObjects", p::NUM_OBJECTS_OFFSET);
+    f.u32("index", p::INDEX_OFFSET);
+    f.bytes64("totalSize", p::TOTAL_SIZE_OFFSET);
+    if let Some(off) = layout.export_dmabuf_mapping_type {
+        let v = f.data.u8(off);
+        f.push("mappingType", v.map(|v| Value::U32(v.into())));
+    }
+    let status = f.status("status", layout.export_dmabuf_status);
     Parts {
         status,
         op: Op::Other,

@@ -175,7 +175,9 @@ pub fn from_name(name: &str) -> Option<u32> {
 /// Params size (x86_64) for escapes whose struct size is the same in every supported driver band.
 ///
 /// `None` for escapes whose size depends on the driver band ([`RM_ALLOC`]: NVOS21 or NVOS64;
-/// [`RM_MAP_MEMORY_DMA`] / [`RM_UNMAP_MEMORY_DMA`]: see [`crate::layout::Layout`]), for variable-length
+/// [`RM_MAP_MEMORY_DMA`] / [`RM_UNMAP_MEMORY_DMA`], [`NUMA_INFO`] (552 up to 530, 560 from 535) and
+/// [`EXPORT_TO_DMABUF_FD`] (2600 up to 565.77, 2608 from 570.86.15): see
+/// [`crate::layout::Layout::escape_params_size`]), for variable-length
 /// ones ([`CARD_INFO`], [`ATTACH_GPUS_TO_FD`]) and for ones whose size is not recorded here.
 #[inline(always)]
 pub const fn params_size(nr: u32) -> Option<u32> {
@@ -203,9 +205,7 @@ pub const fn params_size(nr: u32) -> Option<u32> {
         IOCTL_XFER_CMD => Some(crate::params::xfer::SIZE),
         QUERY_DEVICE_INTR => Some(8),
         SYS_PARAMS => Some(8),
-        NUMA_INFO => Some(560),
         SET_NUMA_STATUS => Some(4),
-        EXPORT_TO_DMABUF_FD => Some(2608),
         WAIT_OPEN_COMPLETE => Some(8),
         _ => None,
     }
@@ -243,5 +243,8 @@ mod tests {
         assert_eq!(WAIT_OPEN_COMPLETE, 218);
         assert_eq!(params_size(RM_ALLOC), None);
         assert_eq!(params_size(RM_FREE), Some(16));
+        // Band-dependent: only through Layout::escape_params_size.
+        assert_eq!(params_size(NUMA_INFO), None);
+        assert_eq!(params_size(EXPORT_TO_DMABUF_FD), None);
     }
 }

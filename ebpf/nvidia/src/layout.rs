@@ -18,6 +18,10 @@
 //! | | >= 590 | 16 | base@0, rmStatus@8 |
 //! | NV_MEMORY_ALLOCATION_PARAMS | <= 535 | 120 | (size@64 in all bands) |
 //! | | >= 545 | 128 | numaNode@120 |
+//! | nv_ioctl_numa_info_t (NV_ESC_NUMA_INFO) | <= 530 | 552 | |
+//! | | >= 535 | 560 | |
+//! | nv_ioctl_export_to_dma_buf_fd_t (NV_ESC_EXPORT_TO_DMABUF_FD) | <= 565 | 2600 | status@2592 |
+//! | | >= 570 | 2608 | mappingType@32, status@2600 |
 //!
 //! Within a major the layouts are stable (first and last tag of every major compared), except UVM: the
 //! first 550 release (550.40.07) still had the 545 UVM structs, see [`crate::uvm::band_major`].
@@ -79,6 +83,17 @@ impl DriverVersion {
             return None;
         }
         Some(DriverVersion::new(parts[0], parts[1], parts[2]))
+    }
+
+    /// Whether this version is `other` or later (`>=` usable in `const fn`s and BPF code).
+    pub const fn at_least(self, other: DriverVersion) -> bool {
+        if self.major != other.major {
+            return self.major > other.major;
+        }
+        if self.minor != other.minor {
+            return self.minor > other.minor;
+        }
+        self.patch >= other.patch
     }
 
     /// Finds the version in `/proc/driver/nvidia/version`'s text ("NVRM version: NVIDIA UNIX ... Kernel
@@ -168,6 +183,15 @@ pub struct Layout {
     pub nvos47_length: Option<u32>,
     /// NV_MEMORY_ALLOCATION_PARAMS size: 120 up to 535, 128 from 545.
     pub memory_alloc_size: u32,
+    /// nv_ioctl_numa_info_t size (NV_ESC_NUMA_INFO): 552 up to 530, 560 from 535 (535.43.02).
+    pub numa_info_size: u32,
+    /// nv_ioctl_export_to_dma_buf_fd_t size (NV_ESC_EXPORT_TO_DMABUF_FD): 2600 up to 565.77, 2608 from
+    /// 570.86.15 (mappingType added).
+    pub export_dmabuf_size: u32,
+    /// nv_ioctl_export_to_dma_buf_fd_t status: @2592 up to 565.77, @2600 from 570.86.15.
+    pub export_dmabuf_status: u32,
+    /// nv_ioctl_export_to_dma_buf_fd_t mappingType (u8): @32 from 570.86.15, absent before.
+    pub export_dmabuf_mapping_type: Option<u32>,
 }
 
 /// NVOS46 fields that did not move: hClient@0, hDevice@4, hDma@8, hMemory@12, offset@16, length@24,
@@ -245,6 +269,13 @@ impl Layout {
             (40, 32, None)
         };
         let memory_alloc_size = if m >= 545 { 128 } else { 120 };
+        let numa_info_size = if m >= 535 {
+            crate::params::numa_info::SIZE
+        } else {
+            crate::params::numa_info::SIZE_BEFORE_535
+        };
+        let (export_dmabuf_size, export_dmabuf_status, export_dmabuf_mapping_type) =
+            export_dmabuf_layout(v);
         Layout {
             version: v,
             nvos21_size: 32,
@@ -267,6 +298,10 @@ impl Layout {
             nvos47_status,
             nvos47_length,
             memory_alloc_size,
+            numa_info_size,
+            export_dmabuf_size,
+            export_dmabuf_status,
+            export_dmabuf_mapping_type,
         }
     }
 
@@ -301,14 +336,27 @@ impl Layout {
     }
 
     /// Params size of frontend escape `nr` for this driver: [`crate::escape::params_size`] plus the
-    /// band-dependent NVOS46/NVOS47. `None` for RM_ALLOC (two structs: use [`Layout::rm_alloc_layout`])
-    /// and variable-size escapes.
+    /// band-dependent NVOS46/NVOS47, NUMA_INFO and EXPORT_TO_DMABUF_FD. `None` for RM_ALLOC (two
+    /// structs: use [`Layout::rm_alloc_layout`]) and variable-size escapes.
     pub const fn escape_params_size(&self, nr: u32) -> Option<u32> {
         match nr {
             crate::escape::RM_MAP_MEMORY_DMA => Some(self.nvos46_size),
             crate::escape::RM_UNMAP_MEMORY_DMA => Some(self.nvos47_size),
+            crate::escape::NUMA_INFO => Some(self.numa_info_size),
+            crate::escape::EXPORT_TO_DMABUF_FD => Some(self.export_dmabuf_size),
             _ => crate::escape::params_size(nr),
         }
+    }
+}
+
+/// nv_ioctl_export_to_dma_buf_fd_t (size, status offset, mappingType offset) for driver `v`: the struct
+/// grew by 8 bytes at 570.86.15 (`mappingType` after totalSize, and a pad after the handles array).
+const fn export_dmabuf_layout(v: DriverVersion) -> (u32, u32, Option<u32>) {
+    use crate::params::export_to_dmabuf_fd as p;
+    if v.at_least(p::FIRST_570) {
+        (p::SIZE, p::STATUS_OFFSET, Some(p::MAPPING_TYPE_OFFSET))
+    } else {
+        (p::SIZE_BEFORE_570, p::STATUS_OFFSET_BEFORE_570, None)
     }
 }
 
@@ -366,6 +414,16 @@ mod tests {
         );
         assert_eq!(DEFAULT_VERSION.to_string(), "595.45.04");
         assert!(DriverVersion::new(535, 0, 0) > DriverVersion::new(530, 99, 99));
+        for (a, b) in [
+            ((570, 86, 15), (570, 86, 15)),
+            ((570, 86, 16), (570, 86, 15)),
+            ((571, 0, 0), (570, 86, 15)),
+            ((570, 86, 14), (570, 86, 15)),
+            ((565, 77, 0), (570, 86, 15)),
+        ] {
+            let (a, b) = (DriverVersion::new(a.0, a.1, a.2), DriverVersion::new(b.0, b.1, b.2));
+            assert_eq!(a.at_least(b), a >= b, "{a} {b}");
+        }
     }
 
     #[test]

@@ -356,12 +356,43 @@ pub mod status_code {
     pub const STATUS_OFFSET: u32 = 8;
 }
 
-/// `nv_ioctl_export_to_dma_buf_fd_t`: `NV_ESC_EXPORT_TO_DMABUF_FD`.
+/// `nv_ioctl_export_to_dma_buf_fd_t`: `NV_ESC_EXPORT_TO_DMABUF_FD` (`kernel-open/common/inc/nv-ioctl.h`).
+/// Band-dependent: [`crate::layout::Layout::export_dmabuf_size`] picks the size for a driver.
 pub mod export_to_dmabuf_fd {
-    /// Struct size.
+    use crate::layout::DriverVersion;
+
+    /// The first release with `mappingType` (570.86.15): 2608 bytes from it on, 2600 before.
+    pub const FIRST_570: DriverVersion = DriverVersion::new(570, 86, 15);
+    /// Struct size from 570.86.15 on.
     pub const SIZE: u32 = 2608;
-    /// status (NV_STATUS).
+    /// Struct size up to 565.77.
+    pub const SIZE_BEFORE_570: u32 = 2600;
+    /// status (NV_STATUS) from 570.86.15 on.
     pub const STATUS_OFFSET: u32 = 2600;
+    /// status (NV_STATUS) up to 565.77.
+    pub const STATUS_OFFSET_BEFORE_570: u32 = 2592;
+    /// fd: the device fd the memory belongs to.
+    pub const FD_OFFSET: u32 = 0;
+    /// hClient.
+    pub const H_CLIENT_OFFSET: u32 = 4;
+    /// totalObjects.
+    pub const TOTAL_OBJECTS_OFFSET: u32 = 8;
+    /// numObjects: handles in this call.
+    pub const NUM_OBJECTS_OFFSET: u32 = 12;
+    /// index of the first handle of this call.
+    pub const INDEX_OFFSET: u32 = 16;
+    /// totalSize (u64).
+    pub const TOTAL_SIZE_OFFSET: u32 = 24;
+    /// mappingType (u8, 570.86.15+).
+    pub const MAPPING_TYPE_OFFSET: u32 = 32;
+}
+
+/// `nv_ioctl_numa_info_t`: `NV_ESC_NUMA_INFO` (`kernel-open/common/inc/nv-ioctl-numa.h`).
+pub mod numa_info {
+    /// Struct size from 535 (535.43.02) on.
+    pub const SIZE: u32 = 560;
+    /// Struct size up to 530.
+    pub const SIZE_BEFORE_535: u32 = 552;
 }
 
 /// Band-stable UVM params (see [`crate::uvm`] for the rest and [`crate::layout`] for UVM_FREE).

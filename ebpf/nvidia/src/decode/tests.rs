@@ -738,3 +738,54 @@ fn frontend_call_with_a_foreign_magic_is_unknown() {
         assert!(d.escape.starts_with("UNKNOWN("), "{}", d.escape);
     }
 }
+
+/// NV_ESC_EXPORT_TO_DMABUF_FD: `nv_ioctl_export_to_dma_buf_fd_t` in `kernel-open/common/inc/nv-ioctl.h` is
+/// 2600 bytes with status@2592 at 515.43.04 .. 565.77 and 2608 bytes with status@2600 from 570.86.15
+/// (`mappingType` added); gVisor `pkg/abi/nvgpu/frontend.go` (IoctlExportToDMABufFD / _V570) agrees.
+#[test]
+fn export_to_dmabuf_fd_by_band() {
+    for (version, size, status_at) in [
+        (DriverVersion::new(515, 43, 4), 2600u32, 2592u32),
+        (DriverVersion::new(565, 77, 0), 2600, 2592),
+        (DriverVersion::new(570, 86, 15), 2608, 2600),
+        (DriverVersion::new(595, 45, 4), 2608, 2600),
+    ] {
+        let l = Layout::for_version(version);
+        assert_eq!(
+            l.escape_params_size(escape::EXPORT_TO_DMABUF_FD),
+            Some(size),
+            "{version}"
+        );
+        let mut b = vec![0u8; size as usize];
+        put32(&mut b, 4, CLIENT);
+        put32(&mut b, status_at, status::NV_ERR_INVALID_ARGUMENT);
+        let cmd = esc(escape::EXPORT_TO_DMABUF_FD, size);
+        let d = decode(&frontend(cmd, &b, &[]), &l);
+        assert_eq!(d.status, Some(status::NV_ERR_INVALID_ARGUMENT), "{version}: {d}");
+        assert_eq!(field(&d, "hClient"), Some(&Value::Handle(CLIENT)));
+        assert_eq!(field(&d, "mappingType").is_some(), size == 2608, "{version}");
+        // One byte short of the band's struct: no status.
+        let d = decode(&frontend(cmd, &b[..size as usize - 1], &[]), &l);
+        assert_eq!((d.op, d.status), (Op::Truncated, None), "{version}");
+    }
+}
+
+/// NV_ESC_NUMA_INFO: `nv_ioctl_numa_info_t` in `kernel-open/common/inc/nv-ioctl-numa.h` is 552 bytes at
+/// 515.43.04 .. 530.41.03 and 560 bytes from 535.43.02.
+#[test]
+fn numa_info_size_by_band() {
+    for (version, size) in [
+        (DriverVersion::new(515, 43, 4), 552u32),
+        (DriverVersion::new(530, 41, 3), 552),
+        (DriverVersion::new(535, 43, 2), 560),
+        (DriverVersion::new(595, 45, 4), 560),
+    ] {
+        let l = Layout::for_version(version);
+        assert_eq!(l.escape_params_size(escape::NUMA_INFO), Some(size), "{version}");
+        let b = vec![0u8; size as usize];
+        let cmd = esc(escape::NUMA_INFO, size);
+        assert_eq!(decode(&frontend(cmd, &b, &[]), &l).op, Op::Other, "{version}");
+        let short = &b[..size as usize - 1];
+        assert_eq!(decode(&frontend(cmd, short, &[]), &l).op, Op::Truncated, "{version}");
+    }
+}
