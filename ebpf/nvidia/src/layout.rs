@@ -24,7 +24,9 @@
 //! | | >= 570 | 2608 | mappingType@32, status@2600 |
 //!
 //! Within a major the layouts are stable (first and last tag of every major compared), except UVM: the
-//! first 550 release (550.40.07) still had the 545 UVM structs, see [`crate::uvm::band_major`].
+//! first 550 release (550.40.07) still had the 545 structs of the four commands that grew with
+//! UVM_MAX_GPUS_V2 (other UVM structs, e.g. UVM_SET_PREFERRED_LOCATION's, already had their 550 layout),
+//! see [`crate::uvm::band_major_for`].
 //!
 //! Fields common to all bands are in [`crate::params`]; other UVM commands through [`Layout::uvm_params`].
 

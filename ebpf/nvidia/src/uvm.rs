@@ -352,9 +352,10 @@ pub fn name(cmd: u32) -> Option<&'static str> {
     })
 }
 
-/// The major release whose UVM structs driver `v` uses: its own, except the first 550 release
-/// (550.40.07 and anything before 550.40.53), which still had the 545 structs (MAP_EXTERNAL_ALLOCATION,
-/// ALLOC_SEMAPHORE_POOL and two tools commands grew with UVM_MAX_GPUS_V2 at 550.40.53).
+/// The major release whose UVM_MAX_GPUS_V2-sized structs driver `v` uses: its own, except the first 550
+/// release (550.40.07 and anything before 550.40.53), which still had the 545 ones
+/// (MAP_EXTERNAL_ALLOCATION, ALLOC_SEMAPHORE_POOL and two tools commands grew with UVM_MAX_GPUS_V2 at
+/// 550.40.53). Other commands change at the major boundary: use [`band_major_for`].
 pub const fn band_major(v: DriverVersion) -> u32 {
     if v.major == 550 && (v.minor < 40 || (v.minor == 40 && v.patch < 53)) {
         545
@@ -363,10 +364,32 @@ pub const fn band_major(v: DriverVersion) -> u32 {
     }
 }
 
+/// Whether `cmd`'s params grew with UVM_MAX_GPUS_V2 at 550.40.53 (rather than at 550.40.07).
+const fn grew_with_max_gpus_v2(cmd: u32) -> bool {
+    matches!(
+        cmd,
+        MAP_EXTERNAL_ALLOCATION
+            | ALLOC_SEMAPHORE_POOL
+            | TOOLS_INIT_EVENT_TRACKER
+            | TOOLS_GET_PROCESSOR_UUID_TABLE
+    )
+}
+
+/// The major release whose params layout of `cmd` driver `v` uses: [`band_major`] for the commands that
+/// grew with UVM_MAX_GPUS_V2 at 550.40.53, `v.major` for the rest (UVM_SET_PREFERRED_LOCATION already
+/// has its 550 layout, rmStatus@36, at 550.40.07).
+pub const fn band_major_for(cmd: u32, v: DriverVersion) -> u32 {
+    if grew_with_max_gpus_v2(cmd) {
+        band_major(v)
+    } else {
+        v.major
+    }
+}
+
 /// Size and `rmStatus` offset of `cmd`'s params for driver `v` (handles the 550.40.07 quirk through
-/// [`band_major`]). [`crate::layout::Layout::uvm_params`] calls this.
+/// [`band_major_for`]). [`crate::layout::Layout::uvm_params`] calls this.
 pub const fn params_for_version(cmd: u32, v: DriverVersion) -> Option<UvmParams> {
-    params_layout(cmd, band_major(v))
+    params_layout(cmd, band_major_for(cmd, v))
 }
 
 /// Size and `rmStatus` offset of `cmd`'s params in the structs of major release `major` (e.g. 595).

@@ -789,3 +789,36 @@ fn numa_info_size_by_band() {
         assert_eq!(decode(&frontend(cmd, short, &[]), &l).op, Op::Truncated, "{version}");
     }
 }
+
+/// UVM_SET_PREFERRED_LOCATION: `UVM_SET_PREFERRED_LOCATION_PARAMS` in `kernel-open/nvidia-uvm/uvm_ioctl.h`
+/// has rmStatus@36 (preferredCpuNumaNode added) already at 550.40.07, the first 550 tag, while
+/// UVM_MAP_EXTERNAL_ALLOCATION there still has its 545 size (1200 bytes) until 550.40.53; gVisor
+/// `pkg/sentry/devices/nvproxy/version.go` switches to UVM_SET_PREFERRED_LOCATION_PARAMS_V550 at 550.40.07.
+#[test]
+fn uvm_set_preferred_location_status_at_550_40_07() {
+    for (version, status_at) in [
+        (DriverVersion::new(545, 29, 6), 32u32),
+        (DriverVersion::new(550, 40, 7), 36),
+        (DriverVersion::new(550, 40, 53), 36),
+        (DriverVersion::new(595, 45, 4), 36),
+    ] {
+        let l = Layout::for_version(version);
+        let mut b = vec![0u8; 40];
+        put32(&mut b, status_at, status::NV_ERR_INVALID_DEVICE);
+        let call = Call {
+            fd_kind: FdKind::Uvm,
+            cmd: uvm::SET_PREFERRED_LOCATION,
+            data: &b,
+            nested: &[],
+        };
+        let d = decode(&call, &l);
+        assert_eq!(d.status, Some(status::NV_ERR_INVALID_DEVICE), "{version}: {d}");
+    }
+    let first_550 = Layout::for_version(DriverVersion::new(550, 40, 7));
+    assert_eq!(
+        first_550
+            .uvm_params(uvm::MAP_EXTERNAL_ALLOCATION)
+            .map(|p| p.size),
+        Some(1200)
+    );
+}
