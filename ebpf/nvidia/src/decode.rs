@@ -327,6 +327,12 @@ impl<'a> Fields<'a> {
         v.unwrap_or(0)
     }
 
+    fn u64(&mut self, name: &'static str, off: u32) -> u64 {
+        let v = self.data.u64(off);
+        self.push(name, v.map(Value::U64));
+        v.unwrap_or(0)
+    }
+
     fn hex64(&mut self, name: &'static str, off: u32) -> u64 {
         let v = self.data.u64(off);
         self.push(name, v.map(Value::Hex));
@@ -1077,7 +1083,19 @@ fn uvm_fields(f: &mut Fields, cmd: u32, layout: &Layout) {
             f.uuid("gpuUuid", p::unregister_gpu_vaspace::GPU_UUID_OFFSET)
         }
         uvm::CREATE_RANGE_GROUP | uvm::DESTROY_RANGE_GROUP => {
-            f.u32("rangeGroupId", p::range_group::RANGE_GROUP_ID_OFFSET);
+            f.u64("rangeGroupId", p::range_group::RANGE_GROUP_ID_OFFSET);
+        }
+        uvm::SET_RANGE_GROUP => {
+            f.u64("rangeGroupId", p::set_range_group::RANGE_GROUP_ID_OFFSET);
+            f.hex64("requestedBase", p::set_range_group::REQUESTED_BASE_OFFSET);
+            f.bytes64("length", p::set_range_group::LENGTH_OFFSET);
+        }
+        uvm::MIGRATE_RANGE_GROUP => {
+            f.u64("rangeGroupId", p::migrate_range_group::RANGE_GROUP_ID_OFFSET);
+            f.uuid(
+                "destinationUuid",
+                p::migrate_range_group::DESTINATION_UUID_OFFSET,
+            );
         }
         uvm::FREE => {
             f.hex64("base", uvm_free::BASE_OFFSET);
@@ -1085,15 +1103,30 @@ fn uvm_fields(f: &mut Fields, cmd: u32, layout: &Layout) {
                 f.bytes64("length", off);
             }
         }
-        uvm::MAP_EXTERNAL_ALLOCATION if layout.version.major >= 550 => {
-            f.hex64("base", p::map_external_allocation::BASE_OFFSET);
-            f.bytes64("length", p::map_external_allocation::LENGTH_OFFSET);
-            f.fd("rmCtrlFd", p::map_external_allocation::RM_CTRL_FD_OFFSET);
-            f.handle("hClient", p::map_external_allocation::H_CLIENT_OFFSET);
-            f.handle("hMemory", p::map_external_allocation::H_MEMORY_OFFSET);
-        }
+        uvm::MAP_EXTERNAL_ALLOCATION => map_external_allocation_fields(f, layout),
         _ => {}
     }
+}
+
+/// UVM_MAP_EXTERNAL_ALLOCATION's fields at the offsets of the struct the driver's band uses (1200 bytes
+/// before 550.40.53, 9264 from it), decided like its size by [`uvm::band_major_for`].
+fn map_external_allocation_fields(f: &mut Fields, layout: &Layout) {
+    use params::uvm::map_external_allocation as m;
+    let (fd, client, memory) =
+        if uvm::band_major_for(uvm::MAP_EXTERNAL_ALLOCATION, layout.version) >= 550 {
+            (m::RM_CTRL_FD_OFFSET, m::H_CLIENT_OFFSET, m::H_MEMORY_OFFSET)
+        } else {
+            (
+                m::RM_CTRL_FD_OFFSET_BEFORE_V2,
+                m::H_CLIENT_OFFSET_BEFORE_V2,
+                m::H_MEMORY_OFFSET_BEFORE_V2,
+            )
+        };
+    f.hex64("base", m::BASE_OFFSET);
+    f.bytes64("length", m::LENGTH_OFFSET);
+    f.fd("rmCtrlFd", fd);
+    f.handle("hClient", client);
+    f.handle("hMemory", memory);
 }
 
 impl Decoded {

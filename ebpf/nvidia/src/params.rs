@@ -467,7 +467,7 @@ pub mod uvm {
         /// rmStatus.
         pub const RM_STATUS_OFFSET: u32 = 16;
     }
-    /// `UVM_CREATE_RANGE_GROUP_PARAMS` / `UVM_DESTROY_RANGE_GROUP_PARAMS`.
+    /// `UVM_CREATE_RANGE_GROUP_PARAMS` / `UVM_DESTROY_RANGE_GROUP_PARAMS` (removed in 610.43.02).
     pub mod range_group {
         /// Struct size.
         pub const SIZE: u32 = 16;
@@ -476,21 +476,56 @@ pub mod uvm {
         /// rmStatus.
         pub const RM_STATUS_OFFSET: u32 = 8;
     }
-    /// `UVM_MAP_EXTERNAL_ALLOCATION_PARAMS` (550+; 1200 bytes before, see [`crate::uvm::params_layout`]).
+    /// `UVM_SET_RANGE_GROUP_PARAMS` (removed in 610.43.02).
+    pub mod set_range_group {
+        /// Struct size.
+        pub const SIZE: u32 = 32;
+        /// rangeGroupId (u64).
+        pub const RANGE_GROUP_ID_OFFSET: u32 = 0;
+        /// requestedBase (u64).
+        pub const REQUESTED_BASE_OFFSET: u32 = 8;
+        /// length (u64).
+        pub const LENGTH_OFFSET: u32 = 16;
+        /// rmStatus.
+        pub const RM_STATUS_OFFSET: u32 = 24;
+    }
+    /// `UVM_MIGRATE_RANGE_GROUP_PARAMS` (removed in 610.43.02).
+    pub mod migrate_range_group {
+        /// Struct size.
+        pub const SIZE: u32 = 32;
+        /// rangeGroupId (u64).
+        pub const RANGE_GROUP_ID_OFFSET: u32 = 0;
+        /// destinationUuid (16 bytes).
+        pub const DESTINATION_UUID_OFFSET: u32 = 8;
+        /// rmStatus.
+        pub const RM_STATUS_OFFSET: u32 = 24;
+    }
+    /// `UVM_MAP_EXTERNAL_ALLOCATION_PARAMS`: 9264 bytes with UVM_MAX_GPUS_V2 (256) per-GPU attributes from
+    /// 550.40.53, 1200 bytes with UVM_MAX_GPUS (32) before; see [`crate::uvm::band_major_for`].
     pub mod map_external_allocation {
-        /// Struct size (550+).
+        /// Struct size (UVM_MAX_GPUS_V2, 550.40.53+).
         pub const SIZE: u32 = 9264;
+        /// Struct size before 550.40.53.
+        pub const SIZE_BEFORE_V2: u32 = 1200;
         /// base (u64).
         pub const BASE_OFFSET: u32 = 0;
         /// length (u64).
         pub const LENGTH_OFFSET: u32 = 8;
-        /// rmCtrlFd (550+).
+        /// rmCtrlFd (550.40.53+).
         pub const RM_CTRL_FD_OFFSET: u32 = 9248;
-        /// hClient (550+).
+        /// hClient (550.40.53+).
         pub const H_CLIENT_OFFSET: u32 = 9252;
-        /// hMemory (550+).
+        /// hMemory (550.40.53+).
         pub const H_MEMORY_OFFSET: u32 = 9256;
-        /// rmStatus (550+).
+        /// rmStatus (550.40.53+).
         pub const RM_STATUS_OFFSET: u32 = 9260;
+        /// rmCtrlFd before 550.40.53.
+        pub const RM_CTRL_FD_OFFSET_BEFORE_V2: u32 = 1184;
+        /// hClient before 550.40.53.
+        pub const H_CLIENT_OFFSET_BEFORE_V2: u32 = 1188;
+        /// hMemory before 550.40.53.
+        pub const H_MEMORY_OFFSET_BEFORE_V2: u32 = 1192;
+        /// rmStatus before 550.40.53.
+        pub const RM_STATUS_OFFSET_BEFORE_V2: u32 = 1196;
     }
 }

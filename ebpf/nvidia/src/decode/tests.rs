@@ -822,3 +822,64 @@ fn uvm_set_preferred_location_status_at_550_40_07() {
         Some(1200)
     );
 }
+
+fn uvm_call(cmd: u32, data: &[u8]) -> Call<'_> {
+    Call {
+        fd_kind: FdKind::Uvm,
+        cmd,
+        data,
+        nested: &[],
+    }
+}
+
+/// UVM_MAP_EXTERNAL_ALLOCATION: `UVM_MAP_EXTERNAL_ALLOCATION_PARAMS` in `kernel-open/nvidia-uvm/uvm_ioctl.h`
+/// carries perGpuAttributes[UVM_MAX_GPUS] (1200 bytes: rmCtrlFd@1184, hClient@1188, hMemory@1192,
+/// rmStatus@1196) up to 550.40.07 and perGpuAttributes[UVM_MAX_GPUS_V2] (9264 bytes: rmCtrlFd@9248 ..
+/// rmStatus@9260) from 550.40.53; gVisor `pkg/abi/nvgpu/uvm.go` (UVM_MAP_EXTERNAL_ALLOCATION_PARAMS /
+/// _V550). The decoder must follow the struct's band, not the major.
+#[test]
+fn uvm_map_external_allocation_fields_follow_the_band() {
+    use puvm::map_external_allocation as m;
+    for (version, size, fd_at, client_at, memory_at, status_at) in [
+        (DriverVersion::new(545, 29, 6), 1200u32, 1184, 1188, 1192, 1196),
+        (DriverVersion::new(550, 40, 7), 1200, 1184, 1188, 1192, 1196),
+        (DriverVersion::new(550, 40, 53), 9264, 9248, 9252, 9256, 9260),
+        (DriverVersion::new(595, 45, 4), 9264, 9248, 9252, 9256, 9260),
+    ] {
+        let l = Layout::for_version(version);
+        let mut b = vec![0u8; size as usize];
+        put64(&mut b, m::BASE_OFFSET, 0x7f00_0000_0000);
+        put64(&mut b, m::LENGTH_OFFSET, 1 << 21);
+        put32(&mut b, fd_at, 7);
+        put32(&mut b, client_at, CLIENT);
+        put32(&mut b, memory_at, MEMORY);
+        put32(&mut b, status_at, status::NV_ERR_INVALID_ADDRESS);
+        let d = decode(&uvm_call(uvm::MAP_EXTERNAL_ALLOCATION, &b), &l);
+        assert_eq!(d.status, Some(status::NV_ERR_INVALID_ADDRESS), "{version}");
+        assert_eq!(field(&d, "rmCtrlFd"), Some(&Value::Str("7".into())), "{version}");
+        assert_eq!(field(&d, "hClient"), Some(&Value::Handle(CLIENT)), "{version}");
+        assert_eq!(field(&d, "hMemory"), Some(&Value::Handle(MEMORY)), "{version}");
+    }
+}
+
+/// rangeGroupId is a NvU64 in `UVM_CREATE_RANGE_GROUP_PARAMS`, `UVM_DESTROY_RANGE_GROUP_PARAMS`,
+/// `UVM_SET_RANGE_GROUP_PARAMS` and `UVM_MIGRATE_RANGE_GROUP_PARAMS` (`kernel-open/nvidia-uvm/uvm_ioctl.h`,
+/// 515.43.04 .. 595.45.04; gVisor `pkg/abi/nvgpu/uvm.go`): all 64 bits are decoded.
+#[test]
+fn uvm_range_group_id_is_64_bits() {
+    let l = Layout::for_version(DriverVersion::new(595, 45, 4));
+    let id = 0x1234_5678_9abc_def0u64;
+    for (cmd, size, id_at, status_at) in [
+        (uvm::CREATE_RANGE_GROUP, 16u32, 0u32, 8u32),
+        (uvm::DESTROY_RANGE_GROUP, 16, 0, 8),
+        (uvm::SET_RANGE_GROUP, 32, 0, 24),
+        (uvm::MIGRATE_RANGE_GROUP, 32, 0, 24),
+    ] {
+        let mut b = vec![0u8; size as usize];
+        put64(&mut b, id_at, id);
+        let d = decode(&uvm_call(cmd, &b), &l);
+        assert_eq!(field(&d, "rangeGroupId"), Some(&Value::U64(id)), "{d}");
+        assert_eq!(d.status, Some(status::NV_OK), "{d}");
+        assert_eq!(l.uvm_params(cmd).and_then(|p| p.status_offset), Some(status_at));
+    }
+}
