@@ -12,7 +12,7 @@ use serde::Serialize;
 use serde::ser::{SerializeMap, SerializeStruct, Serializer};
 
 use crate::fdkind::FdKind;
-use crate::layout::{AllocLayout, Layout, nvos46, nvos47, uvm_free};
+use crate::layout::{AllocLayout, DEFAULT_VERSION, DriverVersion, Layout, nvos46, nvos47, uvm_free};
 use crate::params::{
     card_info, check_version_str, memory_alloc, nvos00, nvos02, nvos05, nvos32, nvos33, nvos34,
     nvos54, nvos55, nvos57, os_event, register_fd, rm_alloc, status_code, xfer,
@@ -55,8 +55,9 @@ pub enum Value {
     Bytes(u64),
     /// Text (version strings, UUIDs, lists).
     Str(String),
-    /// An NV_STATUS (rendered by name).
-    Status(u32),
+    /// An NV_STATUS (rendered by its name in that driver version: some values were renumbered, see
+    /// [`status::name_for`]).
+    Status(u32, DriverVersion),
 }
 
 /// One named field of a decoded call.
@@ -223,10 +224,19 @@ pub struct Decoded {
     /// Whether the call came wrapped in NV_ESC_IOCTL_XFER_CMD (the rest describes the inner call).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub xfer: bool,
+    /// The driver version the call was decoded for (names of statuses and escapes depend on it).
+    #[serde(skip)]
+    pub version: DriverVersion,
 }
 
-/// Decodes one captured call with the struct layouts of `layout`'s driver.
+/// Decodes one captured call with the struct layouts (and names) of `layout`'s driver.
 pub fn decode(call: &Call, layout: &Layout) -> Decoded {
+    let mut decoded = decode_any(call, layout);
+    decoded.set_version(layout.version);
+    decoded
+}
+
+fn decode_any(call: &Call, layout: &Layout) -> Decoded {
     match call.fd_kind {
         FdKind::Uvm | FdKind::UvmTools => decode_uvm(call, layout),
         // The frontend refuses (ENOTTY) any command whose `_IOC_TYPE` is not 'F': such a call did nothing.
@@ -247,6 +257,7 @@ fn unknown(cmd: u32, nr: u32) -> Decoded {
         op: Op::Unknown,
         fields: Vec::new(),
         xfer: false,
+        version: DEFAULT_VERSION,
     }
 }
 
@@ -353,7 +364,7 @@ impl<'a> Fields<'a> {
 
     fn status(&mut self, name: &'static str, off: u32) -> Option<u32> {
         let v = self.data.u32(off);
-        self.push(name, v.map(Value::Status));
+        self.push(name, v.map(|s| Value::Status(s, DEFAULT_VERSION)));
         v
     }
 
@@ -423,6 +434,7 @@ fn finish(name: &'static str, nr: u32, parts: Parts) -> Decoded {
         op: parts.op,
         fields: parts.fields,
         xfer: false,
+        version: DEFAULT_VERSION,
     }
 }
 
@@ -1130,6 +1142,16 @@ fn map_external_allocation_fields(f: &mut Fields, layout: &Layout) {
 }
 
 impl Decoded {
+    /// Names statuses (the call's and its fields') as driver `version` does.
+    fn set_version(&mut self, version: DriverVersion) {
+        self.version = version;
+        for field in &mut self.fields {
+            if let Value::Status(_, v) = &mut field.value {
+                *v = version;
+            }
+        }
+    }
+
     /// The fields alone, strace-style: `hRoot=0xc1d00001 hClass=NV01_DEVICE_0(0x80) ...`.
     pub fn args(&self) -> String {
         self.fields
@@ -1149,7 +1171,7 @@ impl fmt::Display for Decoded {
         }
         write!(f, "{}({})", self.escape, self.args())?;
         match (self.status, &self.op) {
-            (Some(s), _) => write!(f, " = {}", StatusName(s)),
+            (Some(s), _) => write!(f, " = {}", StatusName(s, self.version)),
             (None, Op::Truncated) => write!(f, " = ? <truncated>"),
             (None, Op::Unknown) => write!(f, " = ? <unknown>"),
             (None, _) => write!(f, " = ?"),
@@ -1163,11 +1185,11 @@ impl fmt::Display for Field {
     }
 }
 
-struct StatusName(u32);
+struct StatusName(u32, DriverVersion);
 
 impl fmt::Display for StatusName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match status::name(self.0) {
+        match status::name_for(self.0, self.1) {
             Some(n) => f.write_str(n),
             None => write!(f, "{:#x}", self.0),
         }
@@ -1191,7 +1213,7 @@ impl fmt::Display for Value {
             Value::U64(v) | Value::Bytes(v) => write!(f, "{v}"),
             Value::Hex(v) => write!(f, "{v:#x}"),
             Value::Str(s) => write!(f, "{s:?}"),
-            Value::Status(s) => write!(f, "{}", StatusName(*s)),
+            Value::Status(s, v) => write!(f, "{}", StatusName(*s, *v)),
         }
     }
 }
@@ -1202,7 +1224,7 @@ impl Value {
         match self {
             Value::Class(c) => class::name(*c),
             Value::Ctrl(c) => ctrl::name(*c),
-            Value::Status(s) => status::name(*s),
+            Value::Status(s, v) => status::name_for(*s, *v),
             _ => None,
         }
     }
@@ -1216,7 +1238,7 @@ impl Serialize for Value {
             Value::Handle(v) | Value::U32(v) => s.serialize_u32(*v),
             Value::U64(v) | Value::Hex(v) | Value::Bytes(v) => s.serialize_u64(*v),
             Value::Str(v) => s.serialize_str(v),
-            Value::Class(v) | Value::Ctrl(v) | Value::Status(v) => {
+            Value::Class(v) | Value::Ctrl(v) | Value::Status(v, _) => {
                 let mut st = s.serialize_struct("Named", 2)?;
                 st.serialize_field("value", v)?;
                 st.serialize_field("name", &self.name())?;

@@ -2,6 +2,13 @@
 //!
 //! Source: `src/common/sdk/nvidia/inc/nvstatuscodes.h` (595.45.04). 0 is success; `NV_WARN_*` (0x1xxxx)
 //! are warnings, everything else an error.
+//!
+//! The constants and [`name`] are 595.45.04's. A few values meant something else in older drivers (see
+//! [`name_for`]): 0x8B was `NV_ERR_DMA_XFER_FAILED` from 580.94.10 until 595.44.02 renumbered it to 0x8C
+//! and gave 0x8B to `NV_ERR_OPERATION_ABORTED` (which did not exist before); 0x81/0x82 were
+//! `NV_ERR_NVSWITCH_FABRIC_*` in 550.120 .. 550.x and `NV_ERR_NVLINK_FABRIC_*` from 570.86.15.
+
+use crate::layout::DriverVersion;
 
 /// Success.
 pub const NV_OK: u32 = 0x0;
@@ -619,6 +626,41 @@ pub fn name(status: u32) -> Option<&'static str> {
     })
 }
 
+/// The first release where 0x8B is `NV_ERR_OPERATION_ABORTED` and `NV_ERR_DMA_XFER_FAILED` is 0x8C.
+pub const RENUMBERED_0X8B: DriverVersion = DriverVersion::new(595, 44, 2);
+/// The first release with `NV_ERR_DMA_XFER_FAILED` (then 0x8B).
+pub const FIRST_DMA_XFER_FAILED: DriverVersion = DriverVersion::new(580, 94, 10);
+/// `NV_ERR_DMA_XFER_FAILED`'s value from 580.94.10 until 595.44.02 (0x8C since).
+pub const NV_ERR_DMA_XFER_FAILED_BEFORE_595: u32 = 0x8b;
+
+/// The name `status` has in driver `v`'s `nvstatuscodes.h`: [`name`] except where a value was renamed or
+/// renumbered (see the module doc). `None` for a value the driver did not define with that meaning.
+pub fn name_for(status: u32, v: DriverVersion) -> Option<&'static str> {
+    match status {
+        NV_ERR_OPERATION_ABORTED if v.at_least(RENUMBERED_0X8B) => Some("NV_ERR_OPERATION_ABORTED"),
+        NV_ERR_DMA_XFER_FAILED_BEFORE_595 if v.at_least(FIRST_DMA_XFER_FAILED) => {
+            Some("NV_ERR_DMA_XFER_FAILED")
+        }
+        NV_ERR_OPERATION_ABORTED => None,
+        NV_ERR_DMA_XFER_FAILED if !v.at_least(RENUMBERED_0X8B) => None,
+        NV_ERR_NVLINK_FABRIC_NOT_READY | NV_ERR_NVLINK_FABRIC_FAILURE if v.major < 570 => {
+            nvswitch_fabric_name(status, v)
+        }
+        _ => name(status),
+    }
+}
+
+/// 0x81/0x82 before 570: `NV_ERR_NVSWITCH_FABRIC_*` in 550.120 .. 550.x, undefined otherwise.
+fn nvswitch_fabric_name(status: u32, v: DriverVersion) -> Option<&'static str> {
+    if v.major != 550 || !v.at_least(DriverVersion::new(550, 120, 0)) {
+        return None;
+    }
+    match status {
+        NV_ERR_NVLINK_FABRIC_NOT_READY => Some("NV_ERR_NVSWITCH_FABRIC_NOT_READY"),
+        _ => Some("NV_ERR_NVSWITCH_FABRIC_FAILURE"),
+    }
+}
+
 /// Whether `status` is success (`NV_OK`).
 #[inline(always)]
 pub const fn is_ok(status: u32) -> bool {
@@ -662,5 +704,32 @@ mod tests {
             assert!(name(s).is_some());
         }
         assert!(is_warning(NV_WARN_NOTHING_TO_DO) && !is_warning(NV_ERR_GENERIC) && is_ok(NV_OK));
+    }
+
+    /// `src/common/sdk/nvidia/inc/nvstatuscodes.h`: 0x8B is NV_ERR_DMA_XFER_FAILED at 580.105.08 ..
+    /// 590.48.01 (no NV_ERR_OPERATION_ABORTED, no 0x8C); at 595.44.02 and 595.45.04 0x8B is
+    /// NV_ERR_OPERATION_ABORTED and 0x8C NV_ERR_DMA_XFER_FAILED. 0x81 is NV_ERR_NVSWITCH_FABRIC_NOT_READY at
+    /// 550.120 and NV_ERR_NVLINK_FABRIC_NOT_READY from 570.86.15.
+    #[test]
+    fn names_by_driver_version() {
+        let at = DriverVersion::new;
+        for v in [at(580, 105, 8), at(590, 48, 1)] {
+            assert_eq!(name_for(0x8b, v), Some("NV_ERR_DMA_XFER_FAILED"), "{v:?}");
+            assert_eq!(name_for(0x8c, v), None, "{v:?}");
+        }
+        for v in [at(595, 44, 2), at(595, 45, 4), at(610, 43, 2)] {
+            assert_eq!(name_for(0x8b, v), Some("NV_ERR_OPERATION_ABORTED"), "{v:?}");
+            assert_eq!(name_for(0x8c, v), Some("NV_ERR_DMA_XFER_FAILED"), "{v:?}");
+        }
+        assert_eq!(name_for(0x8b, at(575, 64, 5)), None);
+        assert_eq!(name_for(0x81, at(550, 120, 0)), Some("NV_ERR_NVSWITCH_FABRIC_NOT_READY"));
+        assert_eq!(name_for(0x82, at(550, 163, 1)), Some("NV_ERR_NVSWITCH_FABRIC_FAILURE"));
+        assert_eq!(name_for(0x81, at(535, 288, 1)), None);
+        assert_eq!(name_for(0x81, at(570, 86, 15)), Some("NV_ERR_NVLINK_FABRIC_NOT_READY"));
+        assert_eq!(name_for(0x51, at(515, 43, 4)), name(0x51));
+        // The unversioned name is the default driver's (595.45.04).
+        for code in ALL {
+            assert_eq!(name_for(code, crate::layout::DEFAULT_VERSION), name(code), "{code:#x}");
+        }
     }
 }

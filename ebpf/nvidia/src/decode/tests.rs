@@ -883,3 +883,24 @@ fn uvm_range_group_id_is_64_bits() {
         assert_eq!(l.uvm_params(cmd).and_then(|p| p.status_offset), Some(status_at));
     }
 }
+
+/// Status 0x8B is NV_ERR_DMA_XFER_FAILED at 580.105.08 .. 590.48.01 and NV_ERR_OPERATION_ABORTED from
+/// 595.44.02 (`src/common/sdk/nvidia/inc/nvstatuscodes.h` at those tags): the decoder names a call's status
+/// and its status field as the traced driver does.
+#[test]
+fn status_names_follow_the_driver_version() {
+    let data = nvos00(DEVICE, 0x8b);
+    let cmd = esc(escape::RM_FREE, nvos00::SIZE);
+    for (version, want) in [
+        (DriverVersion::new(580, 105, 8), "NV_ERR_DMA_XFER_FAILED"),
+        (DriverVersion::new(590, 48, 1), "NV_ERR_DMA_XFER_FAILED"),
+        (DriverVersion::new(595, 44, 2), "NV_ERR_OPERATION_ABORTED"),
+    ] {
+        let d = decode(&frontend(cmd, &data, &[]), &Layout::for_version(version));
+        assert!(d.to_string().ends_with(&format!(" = {want}")), "{version}: {d}");
+        let status = field(&d, "status").expect("status field");
+        assert_eq!(status.name(), Some(want), "{version}");
+        let json = serde_json::to_value(&d).expect("json");
+        assert_eq!(json["fields"]["status"]["name"], want, "{version}");
+    }
+}
