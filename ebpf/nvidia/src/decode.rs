@@ -412,7 +412,7 @@ impl Parts {
 
 fn decode_frontend(call: &Call, layout: &Layout, allow_xfer: bool) -> Decoded {
     let nr = ioc::nr(call.cmd);
-    let Some(name) = escape::name(nr) else {
+    let Some(name) = escape::name_for(nr, layout.version) else {
         return unknown(call.cmd, nr);
     };
     if nr == escape::IOCTL_XFER_CMD {

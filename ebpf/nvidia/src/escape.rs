@@ -3,6 +3,9 @@
 //!
 //! Source: `src/nvidia/arch/nvalloc/unix/include/nv_escape.h` (RM escapes, 0x27..0x5f) and
 //! `kernel-open/common/inc/nv-ioctl-numbers.h` / `nv-ioctl-numa.h` (OS escapes, `NV_IOCTL_BASE` = 200 + n).
+//! [`name`] gives 595.45.04's names; [`name_for`] the names of a given driver (0x5F changed meaning).
+
+use crate::layout::DriverVersion;
 
 /// NVOS02 + fd wrapper: allocate system/video memory (`/dev/nvidiaN`).
 pub const RM_ALLOC_MEMORY: u32 = 0x27;
@@ -48,8 +51,13 @@ pub const RM_EXPORT_OBJECT_TO_FD: u32 = 0x5c;
 pub const RM_IMPORT_OBJECT_FROM_FD: u32 = 0x5d;
 /// NVOS56: update device mapping info.
 pub const RM_UPDATE_DEVICE_MAPPING_INFO: u32 = 0x5e;
-/// Lockless diagnostic (550+).
+/// Lockless diagnostic (545.23.06+; the same number was [`RM_NVLOG_CTRL`] before, see [`name_for`]).
 pub const RM_LOCKLESS_DIAGNOSTIC: u32 = 0x5f;
+/// NvLog control: what 0x5F was in 525.125.06 .. 525.x and 535.43.08 .. 535.x (not in [`ALL`]: the
+/// number is [`RM_LOCKLESS_DIAGNOSTIC`]'s).
+pub const RM_NVLOG_CTRL: u32 = 0x5f;
+/// The first release where 0x5F is `NV_ESC_RM_LOCKLESS_DIAGNOSTIC`.
+pub const FIRST_LOCKLESS_DIAGNOSTIC: DriverVersion = DriverVersion::new(545, 23, 6);
 
 /// First OS escape number (`NV_IOCTL_BASE`).
 pub const IOCTL_BASE: u32 = 200;
@@ -167,6 +175,24 @@ pub fn name(nr: u32) -> Option<&'static str> {
     })
 }
 
+/// The `NV_ESC_*` name of escape `nr` in driver `v`'s `nv_escape.h`: [`name`], except 0x5F, which is
+/// `NV_ESC_RM_LOCKLESS_DIAGNOSTIC` from 545.23.06, `NV_ESC_RM_NVLOG_CTRL` in 525.125.06 .. 525.x and
+/// 535.43.08 .. 535.x, and undefined in other releases.
+pub fn name_for(nr: u32, v: DriverVersion) -> Option<&'static str> {
+    if nr != RM_LOCKLESS_DIAGNOSTIC {
+        return name(nr);
+    }
+    if v.at_least(FIRST_LOCKLESS_DIAGNOSTIC) {
+        Some("NV_ESC_RM_LOCKLESS_DIAGNOSTIC")
+    } else if (v.major == 525 && v.at_least(DriverVersion::new(525, 125, 6)))
+        || (v.major == 535 && v.at_least(DriverVersion::new(535, 43, 8)))
+    {
+        Some("NV_ESC_RM_NVLOG_CTRL")
+    } else {
+        None
+    }
+}
+
 /// The escape number for an `NV_ESC_*` name (inverse of [`name`]).
 pub fn from_name(name: &str) -> Option<u32> {
     ALL.iter().copied().find(|&nr| self::name(nr) == Some(name))
@@ -232,6 +258,22 @@ mod tests {
         assert_eq!(distinct.len(), ALL.len(), "ALL has duplicates");
         let named = (0..=255).filter(|&nr| name(nr).is_some()).count();
         assert_eq!(distinct.len(), named, "a named escape is missing from ALL");
+    }
+
+    /// `src/nvidia/arch/nvalloc/unix/include/nv_escape.h`: 0x5F is NV_ESC_RM_NVLOG_CTRL at 525.147.05 and
+    /// 535.288.01, absent at 530.41.03 and 535.43.02, NV_ESC_RM_LOCKLESS_DIAGNOSTIC from 545.23.06.
+    #[test]
+    fn escape_0x5f_by_driver_version() {
+        let at = DriverVersion::new;
+        assert_eq!(name_for(0x5f, at(525, 147, 5)), Some("NV_ESC_RM_NVLOG_CTRL"));
+        assert_eq!(name_for(0x5f, at(535, 288, 1)), Some("NV_ESC_RM_NVLOG_CTRL"));
+        assert_eq!(name_for(0x5f, at(525, 60, 11)), None);
+        assert_eq!(name_for(0x5f, at(530, 41, 3)), None);
+        assert_eq!(name_for(0x5f, at(535, 43, 2)), None);
+        for v in [at(545, 23, 6), at(550, 40, 7), at(595, 45, 4)] {
+            assert_eq!(name_for(0x5f, v), Some("NV_ESC_RM_LOCKLESS_DIAGNOSTIC"));
+        }
+        assert_eq!(name_for(RM_FREE, at(515, 43, 4)), Some("NV_ESC_RM_FREE"));
     }
 
     #[test]

@@ -904,3 +904,24 @@ fn status_names_follow_the_driver_version() {
         assert_eq!(json["fields"]["status"]["name"], want, "{version}");
     }
 }
+
+/// Escape 0x5F is NV_ESC_RM_NVLOG_CTRL at 535.288.01 and NV_ESC_RM_LOCKLESS_DIAGNOSTIC from 545.23.06
+/// (`src/nvidia/arch/nvalloc/unix/include/nv_escape.h` at those tags); absent at 530.41.03.
+#[test]
+fn escape_0x5f_is_named_as_the_driver_names_it() {
+    let data = [0u8; 64];
+    let cmd = esc(0x5f, 64);
+    for (version, want) in [
+        (DriverVersion::new(535, 288, 1), "NV_ESC_RM_NVLOG_CTRL"),
+        (DriverVersion::new(545, 23, 6), "NV_ESC_RM_LOCKLESS_DIAGNOSTIC"),
+        (DriverVersion::new(595, 45, 4), "NV_ESC_RM_LOCKLESS_DIAGNOSTIC"),
+    ] {
+        let d = decode(&frontend(cmd, &data, &[]), &Layout::for_version(version));
+        assert_eq!(d.escape, want, "{version}");
+    }
+    let d = decode(
+        &frontend(cmd, &data, &[]),
+        &Layout::for_version(DriverVersion::new(530, 41, 3)),
+    );
+    assert_eq!(d.op, Op::Unknown);
+}
