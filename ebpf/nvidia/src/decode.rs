@@ -202,6 +202,9 @@ pub enum Op {
     Other,
     /// The captured params are shorter than the struct.
     Truncated,
+    /// The driver refused the call before RM saw it (595.44.02+: a params size that is not the
+    /// escape's, see [`Layout::accepts_escape`]): the ioctl failed with EINVAL, nothing happened.
+    Refused,
     /// Not a known escape or command.
     Unknown,
 }
@@ -239,11 +242,10 @@ pub fn decode(call: &Call, layout: &Layout) -> Decoded {
 fn decode_any(call: &Call, layout: &Layout) -> Decoded {
     match call.fd_kind {
         FdKind::Uvm | FdKind::UvmTools => decode_uvm(call, layout),
-        // The frontend refuses (ENOTTY) any command whose `_IOC_TYPE` is not 'F': such a call did nothing.
-        FdKind::Ctl | FdKind::Device | FdKind::Unknown if ioc::is_nvidia(call.cmd) => {
-            decode_frontend(call, layout, true)
-        }
-        FdKind::Ctl | FdKind::Device => unknown(call.cmd, ioc::nr(call.cmd)),
+        // The Linux frontend never checks `_IOC_TYPE` (see [`crate::ioc`]): any type runs as the escape
+        // its number names. On an fd of unknown kind, 'F' is what tells an escape from a UVM command.
+        FdKind::Ctl | FdKind::Device => decode_frontend(call, layout, true),
+        FdKind::Unknown if ioc::is_nvidia(call.cmd) => decode_frontend(call, layout, true),
         FdKind::Unknown if uvm::name(call.cmd).is_some() => decode_uvm(call, layout),
         FdKind::Unknown | FdKind::Modeset | FdKind::Caps => unknown(call.cmd, call.cmd),
     }
@@ -408,6 +410,14 @@ impl Parts {
             fields: Vec::new(),
         }
     }
+
+    fn refused() -> Self {
+        Parts {
+            status: None,
+            op: Op::Refused,
+            fields: Vec::new(),
+        }
+    }
 }
 
 fn decode_frontend(call: &Call, layout: &Layout, allow_xfer: bool) -> Decoded {
@@ -415,6 +425,10 @@ fn decode_frontend(call: &Call, layout: &Layout, allow_xfer: bool) -> Decoded {
     let Some(name) = escape::name_for(nr, layout.version) else {
         return unknown(call.cmd, nr);
     };
+    if layout.accepts_escape(nr, ioc::size(call.cmd)) == Some(false) && allow_xfer {
+        // 595.44.02+ validates the outer command only (an xfer's inner one reaches RM unchecked).
+        return finish(name, nr, Parts::refused());
+    }
     if nr == escape::IOCTL_XFER_CMD {
         return if allow_xfer {
             decode_xfer(call, layout)
@@ -1174,6 +1188,7 @@ impl fmt::Display for Decoded {
             (Some(s), _) => write!(f, " = {}", StatusName(s, self.version)),
             (None, Op::Truncated) => write!(f, " = ? <truncated>"),
             (None, Op::Unknown) => write!(f, " = ? <unknown>"),
+            (None, Op::Refused) => write!(f, " = -EINVAL <refused>"),
             (None, _) => write!(f, " = ?"),
         }
     }

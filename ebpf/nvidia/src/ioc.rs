@@ -1,7 +1,11 @@
 //! Linux `_IOC` command-number encoding as used by the NVIDIA frontend (`/dev/nvidiactl`, `/dev/nvidiaN`).
 //!
-//! The driver refuses (ENOTTY) a command whose `_IOC_TYPE` is not `'F'`, then looks only at `_IOC_NR` and
-//! `_IOC_SIZE`; the direction bits are ignored by it.
+//! The Linux driver (`nvidia_ioctl` in `kernel-open/nvidia/nv.c`) never looks at `_IOC_TYPE` nor at the
+//! direction bits: it dispatches on `_IOC_NR` alone and copies `_IOC_SIZE` bytes, so a command with
+//! another type but an escape's number runs as that escape. (Only the FreeBSD and Solaris frontends answer
+//! ENOTTY to a type other than `'F'`.) Up to 590.x a wrong size reaches RM, which answers in the params'
+//! status; from 595.44.02 (`nv_validate_ioctls`) an unknown number or a size that is not the escape's
+//! fails with -EINVAL before RM sees the call: see [`crate::layout::Layout::accepts_escape`].
 //! UVM commands (`/dev/nvidia-uvm`) are *not* encoded this way: see [`crate::uvm`].
 
 /// Ioctl type ("magic") of the NVIDIA frontend: `'F'` (0x46).
@@ -74,7 +78,9 @@ pub const fn iowr(magic: u8, nr: u32, size: u32) -> u32 {
     ioc(DIR_READ | DIR_WRITE, magic, nr, size)
 }
 
-/// Whether `cmd` carries the NVIDIA magic `'F'` (a frontend escape rather than something else).
+/// Whether `cmd` carries the NVIDIA magic `'F'`, as NVIDIA's user space always sends it. The driver does
+/// not check it (see the module doc); it only tells a frontend escape from a UVM command on an fd of
+/// unknown kind.
 #[inline(always)]
 pub const fn is_nvidia(cmd: u32) -> bool {
     type_(cmd) == NV_IOCTL_MAGIC as u32

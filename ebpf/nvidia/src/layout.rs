@@ -32,6 +32,10 @@
 
 use crate::uvm::UvmParams;
 
+/// The first release whose frontend refuses (-EINVAL, before RM) an unknown escape number or a params size
+/// that is not the escape's (`nv_validate_ioctls` in `kernel-open/nvidia/nv.c`).
+pub const FIRST_VALIDATING_IOCTLS: DriverVersion = DriverVersion::new(595, 44, 2);
+
 /// A driver version such as 595.45.04 (patch 0 when the version has two parts, e.g. 565.77).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[cfg_attr(feature = "std", derive(serde::Serialize, serde::Deserialize))]
@@ -362,6 +366,33 @@ const fn export_dmabuf_layout(v: DriverVersion) -> (u32, u32, Option<u32>) {
     }
 }
 
+impl Layout {
+    /// Whether driver `self.version` lets escape `nr` with `_IOC_SIZE` `ioc_size` through to RM: `None`
+    /// before 595.44.02 (no check: every number reaches RM, which answers in the status), else what
+    /// 595.44.02's `nv_validate_ioctls` / `rm_validate_ioctls` / `RmValidateIoctl` decide: RM_ALLOC takes
+    /// NVOS21 or NVOS64, CARD_INFO and ATTACH_GPUS_TO_FD a non-empty array of their entries, the rest
+    /// exactly their struct. Numbers in none of those tables (RM_ADD_VBLANK_CALLBACK,
+    /// RM_EXPORT/IMPORT_OBJECT_TO/FROM_FD, unknown ones) are refused; RM_LOCKLESS_DIAGNOSTIC, whose size
+    /// this crate does not record, is taken as accepted.
+    pub const fn accepts_escape(&self, nr: u32, ioc_size: u32) -> Option<bool> {
+        use crate::escape as e;
+        if !self.version.at_least(FIRST_VALIDATING_IOCTLS) {
+            return None;
+        }
+        Some(match nr {
+            e::RM_ALLOC => self.rm_alloc_layout(ioc_size).is_some(),
+            e::CARD_INFO => ioc_size != 0 && ioc_size % crate::params::card_info::ENTRY_SIZE == 0,
+            e::ATTACH_GPUS_TO_FD => ioc_size != 0 && ioc_size % 4 == 0,
+            e::RM_LOCKLESS_DIAGNOSTIC => true,
+            e::RM_ADD_VBLANK_CALLBACK | e::RM_EXPORT_OBJECT_TO_FD | e::RM_IMPORT_OBJECT_FROM_FD => false,
+            _ => match self.escape_params_size(nr) {
+                Some(size) => size == ioc_size,
+                None => false,
+            },
+        })
+    }
+}
+
 impl Default for Layout {
     fn default() -> Self {
         Layout::DEFAULT
@@ -471,6 +502,28 @@ mod tests {
             (120, 128)
         );
         assert_eq!(Layout::default(), Layout::for_version(DEFAULT_VERSION));
+    }
+
+    /// `nv_validate_ioctls` (kernel-open/nvidia/nv.c) and `RmValidateIoctl`
+    /// (src/nvidia/arch/nvalloc/unix/src/escape.c) at 595.44.02; nothing like them at 590.48.01.
+    #[test]
+    fn escapes_validated_from_595_44_02() {
+        use crate::escape as e;
+        let old = Layout::for_version(DriverVersion::new(590, 48, 1));
+        assert_eq!(old.accepts_escape(e::RM_FREE, 20), None);
+        let new = Layout::for_version(DriverVersion::new(595, 44, 2));
+        assert_eq!(new.accepts_escape(e::RM_FREE, 16), Some(true));
+        assert_eq!(new.accepts_escape(e::RM_FREE, 20), Some(false));
+        assert_eq!(new.accepts_escape(e::RM_ALLOC, 32), Some(true));
+        assert_eq!(new.accepts_escape(e::RM_ALLOC, 48), Some(true));
+        assert_eq!(new.accepts_escape(e::RM_ALLOC, 40), Some(false));
+        assert_eq!(new.accepts_escape(e::CARD_INFO, 72 * 32), Some(true));
+        assert_eq!(new.accepts_escape(e::CARD_INFO, 0), Some(false));
+        assert_eq!(new.accepts_escape(e::ATTACH_GPUS_TO_FD, 12), Some(true));
+        assert_eq!(new.accepts_escape(e::RM_MAP_MEMORY_DMA, 64), Some(true));
+        assert_eq!(new.accepts_escape(e::RM_MAP_MEMORY_DMA, 56), Some(false));
+        assert_eq!(new.accepts_escape(e::RM_EXPORT_OBJECT_TO_FD, 16), Some(false));
+        assert_eq!(new.accepts_escape(0x99, 8), Some(false));
     }
 
     #[test]

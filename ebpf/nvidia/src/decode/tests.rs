@@ -135,16 +135,21 @@ fn rm_alloc_of_video_memory_reports_size() {
     assert!(matches!(d.op, Op::Alloc { size: None, .. }));
 }
 
+/// RM_ALLOC with a size of neither NVOS21 nor NVOS64: RM cannot read it before 595.44.02, and from
+/// 595.44.02 `RmValidateIoctl` (src/nvidia/arch/nvalloc/unix/src/escape.c) refuses it with EINVAL.
 #[test]
 fn rm_alloc_with_a_size_of_neither_struct_is_unknown() {
     let data = vec![0u8; 64];
-    let d = decode(
-        &frontend(esc(escape::RM_ALLOC, 44), &data, &[]),
-        &Layout::DEFAULT,
-    );
+    let call = frontend(esc(escape::RM_ALLOC, 44), &data, &[]);
+    let d = decode(&call, &layout(590));
     assert_eq!(
         (d.op, d.status, d.escape.as_ref()),
         (Op::Unknown, None, "NV_ESC_RM_ALLOC")
+    );
+    let d = decode(&call, &Layout::DEFAULT);
+    assert_eq!(
+        (d.op, d.status, d.escape.as_ref()),
+        (Op::Refused, None, "NV_ESC_RM_ALLOC")
     );
 }
 
@@ -718,10 +723,11 @@ proptest! {
     }
 }
 
-/// The driver answers ENOTTY to a command whose `_IOC_TYPE` is not `'F'` on nvidiactl/nvidiaN: such a call
-/// frees nothing, whatever its params say, so it must not decode as the escape its number matches.
+/// `nvidia_ioctl` (`kernel-open/nvidia/nv.c`, 515.43.04 .. 595.45.04) never checks `_IOC_TYPE`: on
+/// nvidiactl/nvidiaN a command with another type runs as the escape its number names, so it decodes as
+/// that escape (only the FreeBSD/Solaris frontends answer ENOTTY).
 #[test]
-fn frontend_call_with_a_foreign_magic_is_unknown() {
+fn frontend_call_with_a_foreign_magic_runs_as_its_escape() {
     let data = nvos00(DEVICE, status::NV_OK);
     for kind in [FdKind::Ctl, FdKind::Device] {
         let cmd = ioc::iowr(b'G', escape::RM_FREE, nvos00::SIZE);
@@ -734,9 +740,31 @@ fn frontend_call_with_a_foreign_magic_is_unknown() {
             },
             &Layout::DEFAULT,
         );
-        assert_eq!((&d.op, d.status), (&Op::Unknown, None), "{kind:?}: {d}");
-        assert!(d.escape.starts_with("UNKNOWN("), "{}", d.escape);
+        assert_eq!(d.escape, "NV_ESC_RM_FREE", "{kind:?}: {d}");
+        assert_eq!(d.status, Some(status::NV_OK), "{kind:?}: {d}");
+        assert!(matches!(d.op, Op::Free { object: DEVICE, .. }), "{d:?}");
     }
+}
+
+/// From 595.44.02 `nv_validate_ioctls` (`kernel-open/nvidia/nv.c`) fails a known escape with a wrong
+/// `_IOC_SIZE` with -EINVAL before RM sees it (its status field is never written); 590.48.01 has no such
+/// check and RM reads the params.
+#[test]
+fn wrong_size_is_refused_from_595_44_02() {
+    let mut data = nvos00(DEVICE, status::NV_OK);
+    data.extend_from_slice(&[0; 4]);
+    let cmd = esc(escape::RM_FREE, 20);
+    let new = Layout::for_version(DriverVersion::new(595, 44, 2));
+    let d = decode(&frontend(cmd, &data, &[]), &new);
+    assert_eq!((&d.op, d.status), (&Op::Refused, None), "{d}");
+    assert_eq!(d.escape, "NV_ESC_RM_FREE");
+    assert!(d.to_string().ends_with("<refused>"), "{d}");
+    let old = Layout::for_version(DriverVersion::new(590, 48, 1));
+    let d = decode(&frontend(cmd, &data, &[]), &old);
+    assert_eq!(d.status, Some(status::NV_OK), "{d}");
+    // The right size still decodes at 595.44.02.
+    let d = decode(&frontend(esc(escape::RM_FREE, 16), &data[..16], &[]), &new);
+    assert_eq!(d.status, Some(status::NV_OK), "{d}");
 }
 
 /// NV_ESC_EXPORT_TO_DMABUF_FD: `nv_ioctl_export_to_dma_buf_fd_t` in `kernel-open/common/inc/nv-ioctl.h` is

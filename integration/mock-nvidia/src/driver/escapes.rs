@@ -63,6 +63,10 @@ impl Escapes {
             rm.uvm_command(fh, cmd);
             return Ok(Vec::new());
         }
+        if self.layout.accepts_escape(ioc::nr(cmd), ioc::size(cmd)) == Some(false) {
+            // 595.44.02+ (`nv_validate_ioctls`): an unknown number or a wrong size fails before RM.
+            return Err(Errno::EINVAL);
+        }
         let size = ioc::size(cmd) as usize;
         if input.len() < size {
             // Only _IOW/_IOWR commands bring their params through FUSE; NVIDIA userspace sends _IOWR.
@@ -367,4 +371,57 @@ fn attach_gpus(rm: &mut Rm, fh: u64, params: &[u8]) -> Result<(), Errno> {
     }
     rm.attach_gpus(fh, ids);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::rm::RmConfig;
+
+    fn rm(version: &str) -> Rm {
+        Rm::new(RmConfig {
+            driver_version: version.to_owned(),
+            gpus: 1,
+            vram_bytes_per_gpu: 1 << 30,
+        })
+    }
+
+    /// An RM_FREE of client 0xc1d00001 padded to `size` bytes, status field set to a marker.
+    fn free_params(size: usize) -> Vec<u8> {
+        let mut params = vec![0u8; size];
+        put_u32(&mut params, nvos00::H_ROOT_OFFSET, 0xc1d0_0001);
+        put_u32(&mut params, nvos00::H_OBJECT_OLD_OFFSET, 0xc1d0_0001);
+        put_u32(&mut params, nvos00::STATUS_OFFSET, 0xdead);
+        params
+    }
+
+    /// From 595.44.02 the driver (`nv_validate_ioctls`, kernel-open/nvidia/nv.c) fails an escape whose
+    /// `_IOC_SIZE` is not its struct's, or an unknown number, with EINVAL before RM runs it; 590.48.01
+    /// lets it through to RM, which answers in the status field.
+    #[test]
+    fn wrong_size_is_einval_from_595_44_02() {
+        for version in ["595.44.02", "595.45.04"] {
+            let escapes = Escapes::new(layout_for(version).unwrap());
+            let mut rm = rm(version);
+            let fh = rm.open(Node::Ctl, 1);
+            let wrong = ioc::iowr(ioc::NV_IOCTL_MAGIC, escape::RM_FREE, 20);
+            let answer = escapes.handle(&mut rm, fh, 1, wrong, &free_params(20));
+            assert_eq!(answer.err(), Some(Errno::EINVAL), "{version}");
+            let unknown = ioc::iowr(ioc::NV_IOCTL_MAGIC, 0x99, 16);
+            let answer = escapes.handle(&mut rm, fh, 1, unknown, &free_params(16));
+            assert_eq!(answer.err(), Some(Errno::EINVAL), "{version}");
+            let right = ioc::iowr(ioc::NV_IOCTL_MAGIC, escape::RM_FREE, 16);
+            let out = escapes.handle(&mut rm, fh, 1, right, &free_params(16));
+            let status = out.ok().and_then(|p| get_u32(&p, nvos00::STATUS_OFFSET));
+            assert!(status.is_some_and(|s| s != 0xdead), "{version}: RM answered");
+        }
+        let version = "590.48.01";
+        let escapes = Escapes::new(layout_for(version).unwrap());
+        let mut rm = rm(version);
+        let fh = rm.open(Node::Ctl, 1);
+        let wrong = ioc::iowr(ioc::NV_IOCTL_MAGIC, escape::RM_FREE, 20);
+        let out = escapes.handle(&mut rm, fh, 1, wrong, &free_params(20));
+        let status = out.ok().and_then(|p| get_u32(&p, nvos00::STATUS_OFFSET));
+        assert!(status.is_some_and(|s| s != 0xdead), "{version}: RM answered");
+    }
 }
