@@ -1047,7 +1047,7 @@ fn decode_attach_gpus(data: &[u8]) -> Parts {
 
 fn decode_uvm(call: &Call, layout: &Layout) -> Decoded {
     let cmd = call.cmd;
-    let Some(name) = uvm::name(cmd) else {
+    let Some(name) = uvm::name_for(cmd, layout.version) else {
         return unknown(cmd, cmd);
     };
     let parts = match layout.uvm_params(cmd) {

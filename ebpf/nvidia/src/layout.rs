@@ -29,6 +29,12 @@
 //! see [`crate::uvm::band_major_for`].
 //!
 //! Fields common to all bands are in [`crate::params`]; other UVM commands through [`Layout::uvm_params`].
+//!
+//! Drivers above 595 (610.43.02+) use the 595 layouts here, minus the UVM range-group ioctls
+//! ([`crate::uvm::RANGE_GROUPS_REMOVED`]). Not modelled: `NV_CHANNEL_ALLOC_PARAMS` (the `pAllocParms` of
+//! the GPFIFO channel classes), which changed at 570.86.15 and again at 610.43.02 (gVisor
+//! `pkg/abi/nvgpu/classes.go`, NV_CHANNEL_ALLOC_PARAMS_V570 / _V610); the decoder does not read channel
+//! params, so no band is recorded for it yet.
 
 use crate::uvm::UvmParams;
 

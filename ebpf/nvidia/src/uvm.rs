@@ -392,10 +392,32 @@ pub const fn params_for_version(cmd: u32, v: DriverVersion) -> Option<UvmParams>
     params_layout(cmd, band_major_for(cmd, v))
 }
 
+/// The first release without the UVM range-group ioctls (gVisor `pkg/sentry/devices/nvproxy/version.go`:
+/// "UVM range groups were removed in 610.43.02").
+pub const RANGE_GROUPS_REMOVED: DriverVersion = DriverVersion::new(610, 43, 2);
+
+/// Whether `cmd` is a range-group ioctl (CREATE/DESTROY/SET/MIGRATE_RANGE_GROUP), removed in 610.43.02.
+pub const fn is_range_group(cmd: u32) -> bool {
+    matches!(
+        cmd,
+        CREATE_RANGE_GROUP | DESTROY_RANGE_GROUP | SET_RANGE_GROUP | MIGRATE_RANGE_GROUP
+    )
+}
+
+/// The `UVM_*` name of `cmd` in driver `v`: [`name`], except that the range-group ioctls are unknown from
+/// 610.43.02 on.
+pub fn name_for(cmd: u32, v: DriverVersion) -> Option<&'static str> {
+    if is_range_group(cmd) && v.at_least(RANGE_GROUPS_REMOVED) {
+        return None;
+    }
+    name(cmd)
+}
+
 /// Size and `rmStatus` offset of `cmd`'s params in the structs of major release `major` (e.g. 595).
 ///
-/// Majors below 515 are treated as 515, above 595 as 595; `None` when the command does not exist in
-/// that band or its params are unknown. Prefer [`params_for_version`] when the full version is known.
+/// Majors below 515 are treated as 515, 596..609 as 595, 610 and above as 610 (the range-group ioctls are
+/// gone); `None` when the command does not exist in that band or its params are unknown. Prefer
+/// [`params_for_version`] when the full version is known.
 pub const fn params_layout(cmd: u32, major: u32) -> Option<UvmParams> {
     match cmd {
         RESERVE_VA => p(24, 16),
@@ -479,8 +501,20 @@ pub const fn params_layout(cmd: u32, major: u32) -> Option<UvmParams> {
         GET_GPU_UUID_TABLE => p(520, 516),
         REGION_SET_BACKING => None,
         REGION_UNSET_BACKING => None,
-        CREATE_RANGE_GROUP => p(16, 8),
-        DESTROY_RANGE_GROUP => p(16, 8),
+        CREATE_RANGE_GROUP => {
+            if major >= 610 {
+                None
+            } else {
+                p(16, 8)
+            }
+        }
+        DESTROY_RANGE_GROUP => {
+            if major >= 610 {
+                None
+            } else {
+                p(16, 8)
+            }
+        }
         REGISTER_GPU_VASPACE => p(32, 28),
         UNREGISTER_GPU_VASPACE => p(20, 16),
         REGISTER_CHANNEL => p(56, 48),
@@ -493,7 +527,13 @@ pub const fn params_layout(cmd: u32, major: u32) -> Option<UvmParams> {
         }
         ENABLE_PEER_ACCESS => p(36, 32),
         DISABLE_PEER_ACCESS => p(36, 32),
-        SET_RANGE_GROUP => p(32, 24),
+        SET_RANGE_GROUP => {
+            if major >= 610 {
+                None
+            } else {
+                p(32, 24)
+            }
+        }
         MAP_EXTERNAL_ALLOCATION => {
             if major >= 550 {
                 p(9264, 9260)
@@ -534,7 +574,13 @@ pub const fn params_layout(cmd: u32, major: u32) -> Option<UvmParams> {
         SET_ACCESSED_BY => p(40, 32),
         UNSET_ACCESSED_BY => p(40, 32),
         MIGRATE => p(80, 72),
-        MIGRATE_RANGE_GROUP => p(32, 24),
+        MIGRATE_RANGE_GROUP => {
+            if major >= 610 {
+                None
+            } else {
+                p(32, 24)
+            }
+        }
         ENABLE_SYSTEM_WIDE_ATOMICS => {
             if major >= 595 {
                 None
@@ -768,16 +814,34 @@ mod tests {
         assert_eq!(params_layout(DEINITIALIZE, 595), p_no_status(0));
     }
 
+    /// gVisor `pkg/sentry/devices/nvproxy/version.go` (v610_43_02): "UVM range groups were removed in
+    /// 610.43.02" (UVM_CREATE_RANGE_GROUP, UVM_DESTROY_RANGE_GROUP, UVM_SET_RANGE_GROUP,
+    /// UVM_MIGRATE_RANGE_GROUP).
+    #[test]
+    fn range_groups_are_gone_from_610() {
+        let v595 = DriverVersion::new(595, 45, 4);
+        let v610 = DriverVersion::new(610, 43, 2);
+        for cmd in [23, 24, 31, 53] {
+            assert!(is_range_group(cmd));
+            assert!(params_for_version(cmd, v595).is_some(), "{cmd}");
+            assert_eq!(params_for_version(cmd, v610), None, "{cmd}");
+            assert!(name_for(cmd, v595).is_some());
+            assert_eq!(name_for(cmd, v610), None, "{cmd}");
+        }
+        assert_eq!(name_for(INITIALIZE, v610), Some("UVM_INITIALIZE"));
+        assert_eq!(params_for_version(INITIALIZE, v610), p(16, 8));
+    }
+
     #[test]
     fn capture_size_is_the_max_over_bands() {
         for cmd in ALL {
-            let max = (500..=600)
+            let max = (500..=620)
                 .filter_map(|major| params_layout(cmd, major))
                 .map(|p| p.size)
                 .max()
                 .unwrap_or(0);
             assert_eq!(capture_size(cmd), max, "{:?}", name(cmd));
-            for major in 500..=600 {
+            for major in 500..=620 {
                 if let Some(UvmParams {
                     size,
                     status_offset: Some(off),

@@ -953,3 +953,24 @@ fn escape_0x5f_is_named_as_the_driver_names_it() {
     );
     assert_eq!(d.op, Op::Unknown);
 }
+
+/// The UVM range-group ioctls (23, 24, 31, 53) were removed in 610.43.02 (gVisor
+/// `pkg/sentry/devices/nvproxy/version.go`, v610_43_02): a 610 driver does not know them, so neither does
+/// the decoder; 595.45.04 still has them (`kernel-open/nvidia-uvm/uvm_ioctl.h`).
+#[test]
+fn uvm_range_groups_are_unknown_from_610() {
+    let data = [0u8; 32];
+    for cmd in [
+        uvm::CREATE_RANGE_GROUP,
+        uvm::DESTROY_RANGE_GROUP,
+        uvm::SET_RANGE_GROUP,
+        uvm::MIGRATE_RANGE_GROUP,
+    ] {
+        let l595 = Layout::for_version(DriverVersion::new(595, 45, 4));
+        let d = decode(&uvm_call(cmd, &data), &l595);
+        assert_eq!(d.status, Some(status::NV_OK), "{cmd}: {d}");
+        let l610 = Layout::for_version(DriverVersion::new(610, 43, 2));
+        let d = decode(&uvm_call(cmd, &data), &l610);
+        assert_eq!((&d.op, d.status), (&Op::Unknown, None), "{cmd}: {d}");
+    }
+}
