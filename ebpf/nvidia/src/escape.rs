@@ -265,8 +265,14 @@ mod tests {
     #[test]
     fn escape_0x5f_by_driver_version() {
         let at = DriverVersion::new;
-        assert_eq!(name_for(0x5f, at(525, 147, 5)), Some("NV_ESC_RM_NVLOG_CTRL"));
-        assert_eq!(name_for(0x5f, at(535, 288, 1)), Some("NV_ESC_RM_NVLOG_CTRL"));
+        assert_eq!(
+            name_for(0x5f, at(525, 147, 5)),
+            Some("NV_ESC_RM_NVLOG_CTRL")
+        );
+        assert_eq!(
+            name_for(0x5f, at(535, 288, 1)),
+            Some("NV_ESC_RM_NVLOG_CTRL")
+        );
         assert_eq!(name_for(0x5f, at(525, 60, 11)), None);
         assert_eq!(name_for(0x5f, at(530, 41, 3)), None);
         assert_eq!(name_for(0x5f, at(535, 43, 2)), None);

@@ -390,7 +390,9 @@ impl Layout {
             e::CARD_INFO => ioc_size != 0 && ioc_size % crate::params::card_info::ENTRY_SIZE == 0,
             e::ATTACH_GPUS_TO_FD => ioc_size != 0 && ioc_size % 4 == 0,
             e::RM_LOCKLESS_DIAGNOSTIC => true,
-            e::RM_ADD_VBLANK_CALLBACK | e::RM_EXPORT_OBJECT_TO_FD | e::RM_IMPORT_OBJECT_FROM_FD => false,
+            e::RM_ADD_VBLANK_CALLBACK | e::RM_EXPORT_OBJECT_TO_FD | e::RM_IMPORT_OBJECT_FROM_FD => {
+                false
+            }
             _ => match self.escape_params_size(nr) {
                 Some(size) => size == ioc_size,
                 None => false,
@@ -460,7 +462,10 @@ mod tests {
             ((570, 86, 14), (570, 86, 15)),
             ((565, 77, 0), (570, 86, 15)),
         ] {
-            let (a, b) = (DriverVersion::new(a.0, a.1, a.2), DriverVersion::new(b.0, b.1, b.2));
+            let (a, b) = (
+                DriverVersion::new(a.0, a.1, a.2),
+                DriverVersion::new(b.0, b.1, b.2),
+            );
             assert_eq!(a.at_least(b), a >= b, "{a} {b}");
         }
     }
@@ -528,7 +533,10 @@ mod tests {
         assert_eq!(new.accepts_escape(e::ATTACH_GPUS_TO_FD, 12), Some(true));
         assert_eq!(new.accepts_escape(e::RM_MAP_MEMORY_DMA, 64), Some(true));
         assert_eq!(new.accepts_escape(e::RM_MAP_MEMORY_DMA, 56), Some(false));
-        assert_eq!(new.accepts_escape(e::RM_EXPORT_OBJECT_TO_FD, 16), Some(false));
+        assert_eq!(
+            new.accepts_escape(e::RM_EXPORT_OBJECT_TO_FD, 16),
+            Some(false)
+        );
         assert_eq!(new.accepts_escape(0x99, 8), Some(false));
     }
 

@@ -722,14 +722,27 @@ mod tests {
             assert_eq!(name_for(0x8c, v), Some("NV_ERR_DMA_XFER_FAILED"), "{v:?}");
         }
         assert_eq!(name_for(0x8b, at(575, 64, 5)), None);
-        assert_eq!(name_for(0x81, at(550, 120, 0)), Some("NV_ERR_NVSWITCH_FABRIC_NOT_READY"));
-        assert_eq!(name_for(0x82, at(550, 163, 1)), Some("NV_ERR_NVSWITCH_FABRIC_FAILURE"));
+        assert_eq!(
+            name_for(0x81, at(550, 120, 0)),
+            Some("NV_ERR_NVSWITCH_FABRIC_NOT_READY")
+        );
+        assert_eq!(
+            name_for(0x82, at(550, 163, 1)),
+            Some("NV_ERR_NVSWITCH_FABRIC_FAILURE")
+        );
         assert_eq!(name_for(0x81, at(535, 288, 1)), None);
-        assert_eq!(name_for(0x81, at(570, 86, 15)), Some("NV_ERR_NVLINK_FABRIC_NOT_READY"));
+        assert_eq!(
+            name_for(0x81, at(570, 86, 15)),
+            Some("NV_ERR_NVLINK_FABRIC_NOT_READY")
+        );
         assert_eq!(name_for(0x51, at(515, 43, 4)), name(0x51));
         // The unversioned name is the default driver's (595.45.04).
         for code in ALL {
-            assert_eq!(name_for(code, crate::layout::DEFAULT_VERSION), name(code), "{code:#x}");
+            assert_eq!(
+                name_for(code, crate::layout::DEFAULT_VERSION),
+                name(code),
+                "{code:#x}"
+            );
         }
     }
 }
