@@ -117,9 +117,23 @@ pub const MAXWELL_PROFILER_DEVICE: u32 = 0xb2cc;
 pub const MAXWELL_PROFILER_CONTEXT: u32 = 0xb1cc;
 /// MPS compute object.
 pub const MPS_COMPUTE: u32 = 0x900e;
+/// RM user shared data (`cl00de.h`, 525+): a page RM updates for polling clients.
+pub const RM_USER_SHARED_DATA: u32 = 0xde;
+/// Binary API object (`cl2081.h`).
+pub const NV2081_BINAPI: u32 = 0x2081;
+/// Peer-to-peer mapping object (`cl503b.h`).
+pub const NV50_P2P: u32 = 0x503b;
+/// Subdevice master (`cl90e6.h`).
+pub const GF100_SUBDEVICE_MASTER: u32 = 0x90e6;
+/// Subdevice diagnostics (`cl208f.h`).
+pub const NV20_SUBDEVICE_DIAG: u32 = 0x208f;
+/// Confidential computing object (`clcb33.h`, 535+).
+pub const NV_CONFIDENTIAL_COMPUTE: u32 = 0xcb33;
+/// SEC2 work launch, Hopper (`clcba2.h`, 535+).
+pub const HOPPER_SEC2_WORK_LAUNCH_A: u32 = 0xcba2;
 
 /// Every class above, for iteration in user space and tests.
-pub const ALL: [u32; 57] = [
+pub const ALL: [u32; 64] = [
     NV01_ROOT,
     NV01_ROOT_NON_PRIV,
     NV01_ROOT_CLIENT,
@@ -177,6 +191,13 @@ pub const ALL: [u32; 57] = [
     MAXWELL_PROFILER_DEVICE,
     MAXWELL_PROFILER_CONTEXT,
     MPS_COMPUTE,
+    RM_USER_SHARED_DATA,
+    NV2081_BINAPI,
+    NV50_P2P,
+    GF100_SUBDEVICE_MASTER,
+    NV20_SUBDEVICE_DIAG,
+    NV_CONFIDENTIAL_COMPUTE,
+    HOPPER_SEC2_WORK_LAUNCH_A,
 ];
 
 /// The class's name (without value).
@@ -239,6 +260,13 @@ pub fn name(class: u32) -> Option<&'static str> {
         MAXWELL_PROFILER_DEVICE => "MAXWELL_PROFILER_DEVICE",
         MAXWELL_PROFILER_CONTEXT => "MAXWELL_PROFILER_CONTEXT",
         MPS_COMPUTE => "MPS_COMPUTE",
+        RM_USER_SHARED_DATA => "RM_USER_SHARED_DATA",
+        NV2081_BINAPI => "NV2081_BINAPI",
+        NV50_P2P => "NV50_P2P",
+        GF100_SUBDEVICE_MASTER => "GF100_SUBDEVICE_MASTER",
+        NV20_SUBDEVICE_DIAG => "NV20_SUBDEVICE_DIAG",
+        NV_CONFIDENTIAL_COMPUTE => "NV_CONFIDENTIAL_COMPUTE",
+        HOPPER_SEC2_WORK_LAUNCH_A => "HOPPER_SEC2_WORK_LAUNCH_A",
         _ => return None,
     })
 }
@@ -328,6 +356,23 @@ mod tests {
         }
         let named = (0..=0xffff).filter(|&c| name(c).is_some()).count();
         assert_eq!(named, ALL.len(), "a named class is missing from ALL");
+    }
+
+    /// Classes CUDA/NVML allocate (gVisor `pkg/abi/nvgpu/classes.go`), values from the 595.45.04
+    /// `src/common/sdk/nvidia/inc/class/cl*.h` headers.
+    #[test]
+    fn classes_cuda_and_nvml_allocate() {
+        for (c, n) in [
+            (0xde, "RM_USER_SHARED_DATA"),
+            (0x2081, "NV2081_BINAPI"),
+            (0x503b, "NV50_P2P"),
+            (0x90e6, "GF100_SUBDEVICE_MASTER"),
+            (0x208f, "NV20_SUBDEVICE_DIAG"),
+            (0xcb33, "NV_CONFIDENTIAL_COMPUTE"),
+            (0xcba2, "HOPPER_SEC2_WORK_LAUNCH_A"),
+        ] {
+            assert_eq!(name(c), Some(n), "{c:#x}");
+        }
     }
 
     #[test]
