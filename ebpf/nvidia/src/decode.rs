@@ -12,7 +12,9 @@ use serde::Serialize;
 use serde::ser::{SerializeMap, SerializeStruct, Serializer};
 
 use crate::fdkind::FdKind;
-use crate::layout::{AllocLayout, DEFAULT_VERSION, DriverVersion, Layout, nvos46, nvos47, uvm_free};
+use crate::layout::{
+    AllocLayout, DEFAULT_VERSION, DriverVersion, Layout, nvos46, nvos47, uvm_free,
+};
 use crate::params::{
     card_info, check_version_str, memory_alloc, nvos00, nvos02, nvos05, nvos32, nvos33, nvos34,
     nvos54, nvos55, nvos57, os_event, register_fd, rm_alloc, status_code, xfer,
@@ -43,8 +45,9 @@ pub enum Value {
     Handle(u32),
     /// An RM class (rendered NAME(0x..)).
     Class(u32),
-    /// An RM control command (rendered NAME(0x..)).
-    Ctrl(u32),
+    /// An RM control command (rendered NAME(0x..), named as that driver version names it: see
+    /// [`ctrl::name_for`]).
+    Ctrl(u32, DriverVersion),
     /// A decimal 32-bit number.
     U32(u32),
     /// A decimal 64-bit number.
@@ -664,7 +667,7 @@ fn decode_nvos54(data: &[u8], nested: &[u8]) -> Parts {
     let client = f.handle("hClient", nvos54::H_CLIENT_OFFSET);
     let object = f.handle("hObject", nvos54::H_OBJECT_OFFSET);
     let cmd = f.data.u32(nvos54::CMD_OFFSET).unwrap_or(0);
-    f.push("cmd", Some(Value::Ctrl(cmd)));
+    f.push("cmd", Some(Value::Ctrl(cmd, DEFAULT_VERSION)));
     f.hex32("flags", nvos54::FLAGS_OFFSET);
     f.hex64("params", nvos54::PARAMS_OFFSET);
     f.u32("paramsSize", nvos54::PARAMS_SIZE_OFFSET);
@@ -1117,7 +1120,10 @@ fn uvm_fields(f: &mut Fields, cmd: u32, layout: &Layout) {
             f.bytes64("length", p::set_range_group::LENGTH_OFFSET);
         }
         uvm::MIGRATE_RANGE_GROUP => {
-            f.u64("rangeGroupId", p::migrate_range_group::RANGE_GROUP_ID_OFFSET);
+            f.u64(
+                "rangeGroupId",
+                p::migrate_range_group::RANGE_GROUP_ID_OFFSET,
+            );
             f.uuid(
                 "destinationUuid",
                 p::migrate_range_group::DESTINATION_UUID_OFFSET,
@@ -1156,11 +1162,11 @@ fn map_external_allocation_fields(f: &mut Fields, layout: &Layout) {
 }
 
 impl Decoded {
-    /// Names statuses (the call's and its fields') as driver `version` does.
+    /// Names statuses and control commands (the call's and its fields') as driver `version` does.
     fn set_version(&mut self, version: DriverVersion) {
         self.version = version;
         for field in &mut self.fields {
-            if let Value::Status(_, v) = &mut field.value {
+            if let Value::Status(_, v) | Value::Ctrl(_, v) = &mut field.value {
                 *v = version;
             }
         }
@@ -1223,7 +1229,7 @@ impl fmt::Display for Value {
         match self {
             Value::Handle(h) => write!(f, "{h:#010x}"),
             Value::Class(c) => named(f, class::name(*c), *c),
-            Value::Ctrl(c) => named(f, ctrl::name(*c), *c),
+            Value::Ctrl(c, v) => named(f, ctrl::name_for(*c, *v), *c),
             Value::U32(v) => write!(f, "{v}"),
             Value::U64(v) | Value::Bytes(v) => write!(f, "{v}"),
             Value::Hex(v) => write!(f, "{v:#x}"),
@@ -1238,7 +1244,7 @@ impl Value {
     pub fn name(&self) -> Option<&'static str> {
         match self {
             Value::Class(c) => class::name(*c),
-            Value::Ctrl(c) => ctrl::name(*c),
+            Value::Ctrl(c, v) => ctrl::name_for(*c, *v),
             Value::Status(s, v) => status::name_for(*s, *v),
             _ => None,
         }
@@ -1253,7 +1259,7 @@ impl Serialize for Value {
             Value::Handle(v) | Value::U32(v) => s.serialize_u32(*v),
             Value::U64(v) | Value::Hex(v) | Value::Bytes(v) => s.serialize_u64(*v),
             Value::Str(v) => s.serialize_str(v),
-            Value::Class(v) | Value::Ctrl(v) | Value::Status(v, _) => {
+            Value::Class(v) | Value::Ctrl(v, _) | Value::Status(v, _) => {
                 let mut st = s.serialize_struct("Named", 2)?;
                 st.serialize_field("value", v)?;
                 st.serialize_field("name", &self.name())?;

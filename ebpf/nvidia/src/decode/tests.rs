@@ -789,9 +789,17 @@ fn export_to_dmabuf_fd_by_band() {
         put32(&mut b, status_at, status::NV_ERR_INVALID_ARGUMENT);
         let cmd = esc(escape::EXPORT_TO_DMABUF_FD, size);
         let d = decode(&frontend(cmd, &b, &[]), &l);
-        assert_eq!(d.status, Some(status::NV_ERR_INVALID_ARGUMENT), "{version}: {d}");
+        assert_eq!(
+            d.status,
+            Some(status::NV_ERR_INVALID_ARGUMENT),
+            "{version}: {d}"
+        );
         assert_eq!(field(&d, "hClient"), Some(&Value::Handle(CLIENT)));
-        assert_eq!(field(&d, "mappingType").is_some(), size == 2608, "{version}");
+        assert_eq!(
+            field(&d, "mappingType").is_some(),
+            size == 2608,
+            "{version}"
+        );
         // One byte short of the band's struct: no status.
         let d = decode(&frontend(cmd, &b[..size as usize - 1], &[]), &l);
         assert_eq!((d.op, d.status), (Op::Truncated, None), "{version}");
@@ -809,12 +817,24 @@ fn numa_info_size_by_band() {
         (DriverVersion::new(595, 45, 4), 560),
     ] {
         let l = Layout::for_version(version);
-        assert_eq!(l.escape_params_size(escape::NUMA_INFO), Some(size), "{version}");
+        assert_eq!(
+            l.escape_params_size(escape::NUMA_INFO),
+            Some(size),
+            "{version}"
+        );
         let b = vec![0u8; size as usize];
         let cmd = esc(escape::NUMA_INFO, size);
-        assert_eq!(decode(&frontend(cmd, &b, &[]), &l).op, Op::Other, "{version}");
+        assert_eq!(
+            decode(&frontend(cmd, &b, &[]), &l).op,
+            Op::Other,
+            "{version}"
+        );
         let short = &b[..size as usize - 1];
-        assert_eq!(decode(&frontend(cmd, short, &[]), &l).op, Op::Truncated, "{version}");
+        assert_eq!(
+            decode(&frontend(cmd, short, &[]), &l).op,
+            Op::Truncated,
+            "{version}"
+        );
     }
 }
 
@@ -840,7 +860,11 @@ fn uvm_set_preferred_location_status_at_550_40_07() {
             nested: &[],
         };
         let d = decode(&call, &l);
-        assert_eq!(d.status, Some(status::NV_ERR_INVALID_DEVICE), "{version}: {d}");
+        assert_eq!(
+            d.status,
+            Some(status::NV_ERR_INVALID_DEVICE),
+            "{version}: {d}"
+        );
     }
     let first_550 = Layout::for_version(DriverVersion::new(550, 40, 7));
     assert_eq!(
@@ -869,9 +893,23 @@ fn uvm_call(cmd: u32, data: &[u8]) -> Call<'_> {
 fn uvm_map_external_allocation_fields_follow_the_band() {
     use puvm::map_external_allocation as m;
     for (version, size, fd_at, client_at, memory_at, status_at) in [
-        (DriverVersion::new(545, 29, 6), 1200u32, 1184, 1188, 1192, 1196),
+        (
+            DriverVersion::new(545, 29, 6),
+            1200u32,
+            1184,
+            1188,
+            1192,
+            1196,
+        ),
         (DriverVersion::new(550, 40, 7), 1200, 1184, 1188, 1192, 1196),
-        (DriverVersion::new(550, 40, 53), 9264, 9248, 9252, 9256, 9260),
+        (
+            DriverVersion::new(550, 40, 53),
+            9264,
+            9248,
+            9252,
+            9256,
+            9260,
+        ),
         (DriverVersion::new(595, 45, 4), 9264, 9248, 9252, 9256, 9260),
     ] {
         let l = Layout::for_version(version);
@@ -884,9 +922,21 @@ fn uvm_map_external_allocation_fields_follow_the_band() {
         put32(&mut b, status_at, status::NV_ERR_INVALID_ADDRESS);
         let d = decode(&uvm_call(uvm::MAP_EXTERNAL_ALLOCATION, &b), &l);
         assert_eq!(d.status, Some(status::NV_ERR_INVALID_ADDRESS), "{version}");
-        assert_eq!(field(&d, "rmCtrlFd"), Some(&Value::Str("7".into())), "{version}");
-        assert_eq!(field(&d, "hClient"), Some(&Value::Handle(CLIENT)), "{version}");
-        assert_eq!(field(&d, "hMemory"), Some(&Value::Handle(MEMORY)), "{version}");
+        assert_eq!(
+            field(&d, "rmCtrlFd"),
+            Some(&Value::Str("7".into())),
+            "{version}"
+        );
+        assert_eq!(
+            field(&d, "hClient"),
+            Some(&Value::Handle(CLIENT)),
+            "{version}"
+        );
+        assert_eq!(
+            field(&d, "hMemory"),
+            Some(&Value::Handle(MEMORY)),
+            "{version}"
+        );
     }
 }
 
@@ -908,7 +958,10 @@ fn uvm_range_group_id_is_64_bits() {
         let d = decode(&uvm_call(cmd, &b), &l);
         assert_eq!(field(&d, "rangeGroupId"), Some(&Value::U64(id)), "{d}");
         assert_eq!(d.status, Some(status::NV_OK), "{d}");
-        assert_eq!(l.uvm_params(cmd).and_then(|p| p.status_offset), Some(status_at));
+        assert_eq!(
+            l.uvm_params(cmd).and_then(|p| p.status_offset),
+            Some(status_at)
+        );
     }
 }
 
@@ -925,7 +978,10 @@ fn status_names_follow_the_driver_version() {
         (DriverVersion::new(595, 44, 2), "NV_ERR_OPERATION_ABORTED"),
     ] {
         let d = decode(&frontend(cmd, &data, &[]), &Layout::for_version(version));
-        assert!(d.to_string().ends_with(&format!(" = {want}")), "{version}: {d}");
+        assert!(
+            d.to_string().ends_with(&format!(" = {want}")),
+            "{version}: {d}"
+        );
         let status = field(&d, "status").expect("status field");
         assert_eq!(status.name(), Some(want), "{version}");
         let json = serde_json::to_value(&d).expect("json");
@@ -941,8 +997,14 @@ fn escape_0x5f_is_named_as_the_driver_names_it() {
     let cmd = esc(0x5f, 64);
     for (version, want) in [
         (DriverVersion::new(535, 288, 1), "NV_ESC_RM_NVLOG_CTRL"),
-        (DriverVersion::new(545, 23, 6), "NV_ESC_RM_LOCKLESS_DIAGNOSTIC"),
-        (DriverVersion::new(595, 45, 4), "NV_ESC_RM_LOCKLESS_DIAGNOSTIC"),
+        (
+            DriverVersion::new(545, 23, 6),
+            "NV_ESC_RM_LOCKLESS_DIAGNOSTIC",
+        ),
+        (
+            DriverVersion::new(595, 45, 4),
+            "NV_ESC_RM_LOCKLESS_DIAGNOSTIC",
+        ),
     ] {
         let d = decode(&frontend(cmd, &data, &[]), &Layout::for_version(version));
         assert_eq!(d.escape, want, "{version}");
@@ -972,5 +1034,50 @@ fn uvm_range_groups_are_unknown_from_610() {
         let l610 = Layout::for_version(DriverVersion::new(610, 43, 2));
         let d = decode(&uvm_call(cmd, &data), &l610);
         assert_eq!((&d.op, d.status), (&Op::Unknown, None), "{cmd}: {d}");
+    }
+}
+
+/// RM_CONTROL of 0x20801358: NV2080_CTRL_CMD_FB_QUERY_DRAM_ENCRYPTION_INFOROM_SUPPORT at 570.x and
+/// NV2080_CTRL_CMD_FB_QUERY_DRAM_ENCRYPTION_STATUS from 575.51.02 (`ctrl/ctrl2080/ctrl2080fb.h` at
+/// 570.195.03 and 575.51.02; gVisor `pkg/abi/nvgpu/ctrl.go`).
+#[test]
+fn control_command_names_follow_the_driver_version() {
+    let mut b = vec![0u8; nvos54::SIZE as usize];
+    put32(&mut b, nvos54::CMD_OFFSET, 0x2080_1358);
+    let cmd = esc(escape::RM_CONTROL, nvos54::SIZE);
+    for (version, want) in [
+        (
+            DriverVersion::new(570, 195, 3),
+            "NV2080_CTRL_CMD_FB_QUERY_DRAM_ENCRYPTION_INFOROM_SUPPORT",
+        ),
+        (
+            DriverVersion::new(575, 51, 2),
+            "NV2080_CTRL_CMD_FB_QUERY_DRAM_ENCRYPTION_STATUS",
+        ),
+    ] {
+        let d = decode(&frontend(cmd, &b, &[]), &Layout::for_version(version));
+        assert_eq!(
+            field(&d, "cmd").and_then(Value::name),
+            Some(want),
+            "{version}"
+        );
+        assert!(d.args().contains(&format!("cmd={want}(0x20801358)")), "{d}");
+    }
+}
+
+/// RM_ALLOC of classes CUDA/NVML allocate that the decoder used to leave unnamed (gVisor
+/// `pkg/abi/nvgpu/classes.go`; `src/common/sdk/nvidia/inc/class/cl503b.h`, `clcb33.h` at 595.45.04).
+#[test]
+fn rm_alloc_names_the_classes_cuda_and_nvml_allocate() {
+    let l = Layout::DEFAULT;
+    let al = l.rm_alloc_layout(l.nvos64_size).expect("nvos64");
+    for (c, want) in [
+        (class::NV50_P2P, "NV50_P2P"),
+        (class::NV_CONFIDENTIAL_COMPUTE, "NV_CONFIDENTIAL_COMPUTE"),
+        (class::RM_USER_SHARED_DATA, "RM_USER_SHARED_DATA"),
+    ] {
+        let data = rm_alloc_struct(&al, c, status::NV_OK);
+        let d = decode(&frontend(esc(escape::RM_ALLOC, al.size), &data, &[]), &l);
+        assert_eq!(field(&d, "hClass").and_then(Value::name), Some(want));
     }
 }
