@@ -387,8 +387,10 @@ impl Layout {
         }
         Some(match nr {
             e::RM_ALLOC => self.rm_alloc_layout(ioc_size).is_some(),
-            e::CARD_INFO => ioc_size != 0 && ioc_size % crate::params::card_info::ENTRY_SIZE == 0,
-            e::ATTACH_GPUS_TO_FD => ioc_size != 0 && ioc_size % 4 == 0,
+            e::CARD_INFO => {
+                ioc_size != 0 && ioc_size.is_multiple_of(crate::params::card_info::ENTRY_SIZE)
+            }
+            e::ATTACH_GPUS_TO_FD => ioc_size != 0 && ioc_size.is_multiple_of(4),
             e::RM_LOCKLESS_DIAGNOSTIC => true,
             e::RM_ADD_VBLANK_CALLBACK | e::RM_EXPORT_OBJECT_TO_FD | e::RM_IMPORT_OBJECT_FROM_FD => {
                 false

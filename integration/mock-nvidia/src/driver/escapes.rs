@@ -413,7 +413,10 @@ mod tests {
             let right = ioc::iowr(ioc::NV_IOCTL_MAGIC, escape::RM_FREE, 16);
             let out = escapes.handle(&mut rm, fh, 1, right, &free_params(16));
             let status = out.ok().and_then(|p| get_u32(&p, nvos00::STATUS_OFFSET));
-            assert!(status.is_some_and(|s| s != 0xdead), "{version}: RM answered");
+            assert!(
+                status.is_some_and(|s| s != 0xdead),
+                "{version}: RM answered"
+            );
         }
         let version = "590.48.01";
         let escapes = Escapes::new(layout_for(version).unwrap());
@@ -422,6 +425,9 @@ mod tests {
         let wrong = ioc::iowr(ioc::NV_IOCTL_MAGIC, escape::RM_FREE, 20);
         let out = escapes.handle(&mut rm, fh, 1, wrong, &free_params(20));
         let status = out.ok().and_then(|p| get_u32(&p, nvos00::STATUS_OFFSET));
-        assert!(status.is_some_and(|s| s != 0xdead), "{version}: RM answered");
+        assert!(
+            status.is_some_and(|s| s != 0xdead),
+            "{version}: RM answered"
+        );
     }
 }
