@@ -22,6 +22,8 @@
 //! | | >= 535 | 560 | |
 //! | nv_ioctl_export_to_dma_buf_fd_t (NV_ESC_EXPORT_TO_DMABUF_FD) | <= 565 | 2600 | status@2592 |
 //! | | >= 570 | 2608 | mappingType@32, status@2600 |
+//! | NV_LOCKLESS_DIAGNOSTIC_PARAMS (NV_ESC_RM_LOCKLESS_DIAGNOSTIC) | 545 .. 565, 550 < 550.142 | 4024 | |
+//! | | >= 570, 550.142+ | 15412 | |
 //!
 //! Within a major the layouts are stable (first and last tag of every major compared), except UVM: the
 //! first 550 release (550.40.07) still had the 545 structs of the four commands that grew with
@@ -204,6 +206,9 @@ pub struct Layout {
     pub export_dmabuf_status: u32,
     /// nv_ioctl_export_to_dma_buf_fd_t mappingType (u8): @32 from 570.86.15, absent before.
     pub export_dmabuf_mapping_type: Option<u32>,
+    /// NV_LOCKLESS_DIAGNOSTIC_PARAMS size (`nv-ioctl-lockless-diag.h`): absent before 545.23.06, 4024 up
+    /// to 565.77 (and 550 before 550.142), 15412 from 570.86.15 and 550.142.
+    pub lockless_diagnostic_size: Option<u32>,
 }
 
 /// NVOS46 fields that did not move: hClient@0, hDevice@4, hDma@8, hMemory@12, offset@16, length@24,
@@ -288,6 +293,7 @@ impl Layout {
         };
         let (export_dmabuf_size, export_dmabuf_status, export_dmabuf_mapping_type) =
             export_dmabuf_layout(v);
+        let lockless_diagnostic_size = lockless_diagnostic_size(v);
         Layout {
             version: v,
             nvos21_size: 32,
@@ -314,6 +320,7 @@ impl Layout {
             export_dmabuf_size,
             export_dmabuf_status,
             export_dmabuf_mapping_type,
+            lockless_diagnostic_size,
         }
     }
 
@@ -356,6 +363,7 @@ impl Layout {
             crate::escape::RM_UNMAP_MEMORY_DMA => Some(self.nvos47_size),
             crate::escape::NUMA_INFO => Some(self.numa_info_size),
             crate::escape::EXPORT_TO_DMABUF_FD => Some(self.export_dmabuf_size),
+            crate::escape::RM_LOCKLESS_DIAGNOSTIC => self.lockless_diagnostic_size,
             _ => crate::escape::params_size(nr),
         }
     }
@@ -378,8 +386,7 @@ impl Layout {
     /// 595.44.02's `nv_validate_ioctls` / `rm_validate_ioctls` / `RmValidateIoctl` decide: RM_ALLOC takes
     /// NVOS21 or NVOS64, CARD_INFO and ATTACH_GPUS_TO_FD a non-empty array of their entries, the rest
     /// exactly their struct. Numbers in none of those tables (RM_ADD_VBLANK_CALLBACK,
-    /// RM_EXPORT/IMPORT_OBJECT_TO/FROM_FD, unknown ones) are refused; RM_LOCKLESS_DIAGNOSTIC, whose size
-    /// this crate does not record, is taken as accepted.
+    /// RM_EXPORT/IMPORT_OBJECT_TO/FROM_FD, unknown ones) are refused.
     pub const fn accepts_escape(&self, nr: u32, ioc_size: u32) -> Option<bool> {
         use crate::escape as e;
         if !self.version.at_least(FIRST_VALIDATING_IOCTLS) {
@@ -391,7 +398,6 @@ impl Layout {
                 ioc_size != 0 && ioc_size.is_multiple_of(crate::params::card_info::ENTRY_SIZE)
             }
             e::ATTACH_GPUS_TO_FD => ioc_size != 0 && ioc_size.is_multiple_of(4),
-            e::RM_LOCKLESS_DIAGNOSTIC => true,
             e::RM_ADD_VBLANK_CALLBACK | e::RM_EXPORT_OBJECT_TO_FD | e::RM_IMPORT_OBJECT_FROM_FD => {
                 false
             }
@@ -400,6 +406,18 @@ impl Layout {
                 None => false,
             },
         })
+    }
+}
+
+/// NV_LOCKLESS_DIAGNOSTIC_PARAMS size for driver `v` (its nvlog params grew to 15412 bytes at 570.86.15,
+/// backported to 550.142); `None` before the escape existed (545.23.06).
+const fn lockless_diagnostic_size(v: DriverVersion) -> Option<u32> {
+    if !v.at_least(crate::escape::FIRST_LOCKLESS_DIAGNOSTIC) {
+        None
+    } else if v.major >= 570 || (v.major == 550 && v.at_least(DriverVersion::new(550, 142, 0))) {
+        Some(15412)
+    } else {
+        Some(4024)
     }
 }
 

@@ -1081,3 +1081,42 @@ fn rm_alloc_names_the_classes_cuda_and_nvml_allocate() {
         assert_eq!(field(&d, "hClass").and_then(Value::name), Some(want));
     }
 }
+
+/// NV_ESC_RM_LOCKLESS_DIAGNOSTIC: sizeof(NV_LOCKLESS_DIAGNOSTIC_PARAMS) in
+/// `src/nvidia/arch/nvalloc/unix/include/nv-ioctl-lockless-diag.h` is 4024 at 545.23.06 .. 565.77 and
+/// 550.40.07 .. 550.135, 15412 at 550.142+ and from 570.86.15; 595.44.02+ refuses any other size
+/// (`RmValidateIoctl`, src/nvidia/arch/nvalloc/unix/src/escape.c).
+#[test]
+fn lockless_diagnostic_size_by_band() {
+    for (version, size) in [
+        (DriverVersion::new(545, 23, 6), 4024u32),
+        (DriverVersion::new(550, 135, 0), 4024),
+        (DriverVersion::new(550, 142, 0), 15412),
+        (DriverVersion::new(565, 77, 0), 4024),
+        (DriverVersion::new(570, 86, 15), 15412),
+        (DriverVersion::new(595, 45, 4), 15412),
+    ] {
+        let l = Layout::for_version(version);
+        assert_eq!(
+            l.escape_params_size(escape::RM_LOCKLESS_DIAGNOSTIC),
+            Some(size),
+            "{version}"
+        );
+        let data = vec![0u8; size as usize];
+        let cmd = esc(escape::RM_LOCKLESS_DIAGNOSTIC, size);
+        assert_eq!(
+            decode(&frontend(cmd, &data, &[]), &l).op,
+            Op::Other,
+            "{version}"
+        );
+    }
+    let l595 = Layout::DEFAULT;
+    let old_size = esc(escape::RM_LOCKLESS_DIAGNOSTIC, 4024);
+    let d = decode(&frontend(old_size, &[0; 4024], &[]), &l595);
+    assert_eq!(d.op, Op::Refused, "{d}");
+    let l535 = Layout::for_version(DriverVersion::new(535, 288, 1));
+    assert_eq!(
+        l535.escape_params_size(escape::RM_LOCKLESS_DIAGNOSTIC),
+        None
+    );
+}
