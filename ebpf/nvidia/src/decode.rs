@@ -909,6 +909,10 @@ fn decode_export_dmabuf(data: &[u8], layout: &Layout) -> Parts {
         let v = f.data.u8(off);
         f.push("mappingType", v.map(|v| Value::U32(v.into())));
     }
+    if let Some(off) = layout.export_dmabuf_allow_mmap {
+        let v = f.data.u8(off);
+        f.push("bAllowMmap", v.map(|v| Value::U32(v.into())));
+    }
     let status = f.status("status", layout.export_dmabuf_status);
     Parts {
         status,

@@ -21,7 +21,8 @@
 //! | nv_ioctl_numa_info_t (NV_ESC_NUMA_INFO) | <= 530 | 552 | |
 //! | | >= 535 | 560 | |
 //! | nv_ioctl_export_to_dma_buf_fd_t (NV_ESC_EXPORT_TO_DMABUF_FD) | <= 565 | 2600 | status@2592 |
-//! | | >= 570 | 2608 | mappingType@32, status@2600 |
+//! | | 570-575 | 2608 | mappingType@32, status@2600 |
+//! | | >= 580 | 2608 | mappingType@32, bAllowMmap@33, status@2600 |
 //! | NV_LOCKLESS_DIAGNOSTIC_PARAMS (NV_ESC_RM_LOCKLESS_DIAGNOSTIC) | 545 .. 565, 550 < 550.142 | 4024 | |
 //! | | >= 570, 550.142+ | 15412 | |
 //!
@@ -206,6 +207,8 @@ pub struct Layout {
     pub export_dmabuf_status: u32,
     /// nv_ioctl_export_to_dma_buf_fd_t mappingType (u8): @32 from 570.86.15, absent before.
     pub export_dmabuf_mapping_type: Option<u32>,
+    /// nv_ioctl_export_to_dma_buf_fd_t bAllowMmap (NvBool): @33 from 580 (580.65.06), absent before.
+    pub export_dmabuf_allow_mmap: Option<u32>,
     /// NV_LOCKLESS_DIAGNOSTIC_PARAMS size (`nv-ioctl-lockless-diag.h`): absent before 545.23.06, 4024 up
     /// to 565.77 (and 550 before 550.142), 15412 from 570.86.15 and 550.142.
     pub lockless_diagnostic_size: Option<u32>,
@@ -294,6 +297,11 @@ impl Layout {
         let (export_dmabuf_size, export_dmabuf_status, export_dmabuf_mapping_type) =
             export_dmabuf_layout(v);
         let lockless_diagnostic_size = lockless_diagnostic_size(v);
+        let export_dmabuf_allow_mmap = if m >= 580 {
+            Some(crate::params::export_to_dmabuf_fd::ALLOW_MMAP_OFFSET)
+        } else {
+            None
+        };
         Layout {
             version: v,
             nvos21_size: 32,
@@ -320,6 +328,7 @@ impl Layout {
             export_dmabuf_size,
             export_dmabuf_status,
             export_dmabuf_mapping_type,
+            export_dmabuf_allow_mmap,
             lockless_diagnostic_size,
         }
     }

@@ -385,6 +385,8 @@ pub mod export_to_dmabuf_fd {
     pub const TOTAL_SIZE_OFFSET: u32 = 24;
     /// mappingType (u8, 570.86.15+).
     pub const MAPPING_TYPE_OFFSET: u32 = 32;
+    /// bAllowMmap (NvBool, 580.65.06+).
+    pub const ALLOW_MMAP_OFFSET: u32 = 33;
 }
 
 /// `nv_ioctl_numa_info_t`: `NV_ESC_NUMA_INFO` (`kernel-open/common/inc/nv-ioctl-numa.h`).

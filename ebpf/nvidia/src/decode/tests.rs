@@ -776,6 +776,8 @@ fn export_to_dmabuf_fd_by_band() {
         (DriverVersion::new(515, 43, 4), 2600u32, 2592u32),
         (DriverVersion::new(565, 77, 0), 2600, 2592),
         (DriverVersion::new(570, 86, 15), 2608, 2600),
+        (DriverVersion::new(575, 64, 5), 2608, 2600),
+        (DriverVersion::new(580, 65, 6), 2608, 2600),
         (DriverVersion::new(595, 45, 4), 2608, 2600),
     ] {
         let l = Layout::for_version(version);
@@ -798,6 +800,12 @@ fn export_to_dmabuf_fd_by_band() {
         assert_eq!(
             field(&d, "mappingType").is_some(),
             size == 2608,
+            "{version}"
+        );
+        // bAllowMmap (byte 33) exists from 580.65.06 (nv-ioctl.h; gVisor IoctlExportToDMABufFD_V580).
+        assert_eq!(
+            field(&d, "bAllowMmap").is_some(),
+            version.major >= 580,
             "{version}"
         );
         // One byte short of the band's struct: no status.
