@@ -77,9 +77,9 @@ fn fields_object<S: serde::Serializer>(fields: &Option<&[Field]>, s: S) -> Resul
     }
 }
 
-/// The name of an RM status, or its hex value.
-pub fn status_name(s: u32) -> String {
-    status::name(s).map_or_else(|| format!("0x{s:x}"), str::to_owned)
+/// The name of an RM status as driver `v` numbers it (0x8b and 0x8c were renumbered), or its hex value.
+pub fn status_name(s: u32, v: baton_nvidia::layout::DriverVersion) -> String {
+    status::name_for(s, v).map_or_else(|| format!("0x{s:x}"), str::to_owned)
 }
 
 impl<'a> TraceEvent<'a> {
@@ -115,7 +115,10 @@ impl<'a> TraceEvent<'a> {
                 t.escape = Some(&io.decoded.escape);
                 t.cmd = Some(io.cmd);
                 t.status = io.decoded.status;
-                t.status_name = io.decoded.status.map(status_name);
+                t.status_name = io
+                    .decoded
+                    .status
+                    .map(|s| status_name(s, io.decoded.version));
                 t.ret = Some(io.ret);
                 t.latency_ns = Some(io.latency_ns);
                 t.fields = Some(&io.decoded.fields);
@@ -240,4 +243,28 @@ pub struct StateChange<'a> {
     /// From the write to the kernel's confirmation (freeze, thaw), ns.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub latency_ns: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::status_name;
+    use baton_nvidia::layout::DriverVersion;
+
+    /// 0x8b named as the traced driver numbers it (NVIDIA's src/common/sdk/nvidia/inc/nvstatuscodes.h at
+    /// 590.48.01 and 595.45.04), and an unnamed status in hex.
+    #[test]
+    fn a_status_is_named_as_the_traced_driver_numbers_it() {
+        assert_eq!(
+            status_name(0x8b, DriverVersion::new(590, 48, 1)),
+            "NV_ERR_DMA_XFER_FAILED"
+        );
+        assert_eq!(
+            status_name(0x8b, DriverVersion::new(595, 45, 4)),
+            "NV_ERR_OPERATION_ABORTED"
+        );
+        assert_eq!(
+            status_name(0xfff0, DriverVersion::new(595, 45, 4)),
+            "0xfff0"
+        );
+    }
 }

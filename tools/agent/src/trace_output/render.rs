@@ -79,7 +79,7 @@ pub fn line(e: &Event, container: &str, t0_ns: u64) -> String {
         Body::Ioctl(io) => {
             let fields: Vec<String> = io.decoded.fields.iter().map(ToString::to_string).collect();
             let result = match (io.ret, io.decoded.status) {
-                (0, Some(s)) => status_name(s),
+                (0, Some(s)) => status_name(s, io.decoded.version),
                 (0, None) => "0".to_owned(),
                 (r, _) => format!("{r} ({})", nix::errno::Errno::from_raw(-r as i32)),
             };

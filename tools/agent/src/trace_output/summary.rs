@@ -55,7 +55,7 @@ impl Summary {
         if failed {
             calls.errors += 1;
             let what = match (io.ret, io.decoded.status) {
-                (0, Some(s)) => status_name(s),
+                (0, Some(s)) => status_name(s, io.decoded.version),
                 (r, _) => format!("errno {}", -r),
             };
             *self
