@@ -136,7 +136,7 @@ pub fn transition(id: &str, init: bool, from: State, op: Op) -> Result<State> {
     Ok(next)
 }
 
-/// What [`Process::exited`] watchers see.
+/// What watchers of a process's exit ([`Process::exit_tx`]) see.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ExitInfo {
     /// Exit status.

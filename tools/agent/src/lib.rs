@@ -48,7 +48,7 @@ pub struct AgentArgs {
     #[arg(long)]
     log_file: Option<PathBuf>,
     /// Under --daemon, the log file's size cap in bytes (at least 65536): before a line would pass it, the
-    /// file becomes <log>.1 (replacing the older one) and a new one starts.
+    /// file becomes `<log>.1` (replacing the older one) and a new one starts.
     #[arg(long, default_value_t = 8 << 20, value_parser = clap::value_parser!(u64).range(65536..))]
     log_max_bytes: u64,
     /// Co-runner controller: never keep a co-runner frozen longer than this at a stretch (ms).
