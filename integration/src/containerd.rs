@@ -359,9 +359,13 @@ impl Containerd {
 
     /// The last `lines` lines of containerd's log.
     pub fn log_tail(&self, lines: usize) -> String {
-        let text = std::fs::read_to_string(self.log_path()).unwrap_or_default();
-        let tail: Vec<&str> = text.lines().rev().take(lines).collect();
-        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        tail_of(&self.log_path(), lines)
+    }
+
+    /// The last `lines` lines of the log of the agent the shims started (next to its socket), if any.
+    pub fn agent_log_tail(&self, lines: usize) -> Option<String> {
+        let log = self.agent_socket().with_file_name("agent.log");
+        log.exists().then(|| tail_of(&log, lines))
     }
 
     /// Runs `ctr --address <socket> --namespace <ns> ARGS` and returns what it printed (never fails: look at
@@ -607,6 +611,13 @@ disabled_plugins = [{disabled}]
   level = "info"
 {tail}"#
     )
+}
+
+/// The last `lines` lines of the text file at `path` (empty when it cannot be read).
+fn tail_of(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let tail: Vec<&str> = text.lines().rev().take(lines).collect();
+    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
 }
 
 #[cfg(test)]

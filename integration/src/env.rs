@@ -320,6 +320,10 @@ impl Drop for TestEnv {
                 self.containerd.log_path().display(),
                 self.containerd.log_tail(40)
             );
+            // The agent decides what gap-fill, the gate and the controller do: its side of the story.
+            if let Some(tail) = self.containerd.agent_log_tail(60) {
+                eprintln!("agent log ends with:\n{tail}");
+            }
         }
         let shims: Vec<i32> = self.shims().iter().map(|shim| shim.pid).collect();
         cleanup::clean_namespace(self.namespace(), &shims, self.dir.path());
