@@ -18,6 +18,7 @@
 //!
 //! This module keeps the state and runs the shim calls; the core tells it what the probes and the gate
 //! see (it owns the watched containers).
+use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use baton_agent_api::{
@@ -761,7 +762,16 @@ impl Core {
             return;
         };
         let watched = &self.watched;
-        let held = |w: &Watched| gate::devices_held(tracer, w.cgroup_id);
+        // One view of what each container holds for the whole decision: read afresh for each candidate,
+        // a server exiting between two reads blocked the first candidate (it still held the GPU) and not
+        // the next (it no longer did), and a lower-priority co-runner was resumed first.
+        let seen: RefCell<BTreeMap<u64, BTreeSet<DeviceKey>>> = RefCell::default();
+        let held = |w: &Watched| {
+            seen.borrow_mut()
+                .entry(w.cgroup_id)
+                .or_insert_with(|| gate::devices_held(tracer, w.cgroup_id))
+                .clone()
+        };
         self.gapfill
             .settle_claims(|c| watched.get(c).is_some_and(|w| !held(w).is_empty()));
         let mut waiting: Vec<(ContainerRef, BTreeSet<DeviceKey>)> = self
