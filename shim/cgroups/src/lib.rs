@@ -177,27 +177,32 @@ impl CgroupIndex {
     }
 }
 
+/// Process `pid`'s /proc/PID/stat, if it still has one.
+fn stat_of(pid: u32) -> Option<procfs::process::Stat> {
+    procfs::process::Process::new(pid as i32)
+        .and_then(|p| p.stat())
+        .ok()
+}
+
+/// Whether `stat` is a zombie's or a dead process's (it runs nothing any more).
+fn is_dead(stat: &procfs::process::Stat) -> bool {
+    matches!(stat.state, 'Z' | 'X' | 'x')
+}
+
 /// Whether process `pid` has exited: no such process, or a zombie (it runs nothing any more).
 pub fn process_gone(pid: u32) -> bool {
-    match procfs::process::Process::new(pid as i32).and_then(|p| p.stat()) {
-        Ok(stat) => matches!(stat.state, 'Z' | 'X' | 'x'),
-        Err(_) => true,
-    }
+    stat_of(pid).is_none_or(|s| is_dead(&s))
 }
 
 /// Whether process `pid` has exited or is exiting: [`process_gone`], or inside the kernel's exit (`PF_EXITING`:
 /// it has called `exit` or was killed, and closes its files and memory before it becomes a zombie, which can take
 /// a while on a loaded node or with files on a slow FUSE driver).
 pub fn process_ending(pid: u32) -> bool {
-    match procfs::process::Process::new(pid as i32).and_then(|p| p.stat()) {
-        Ok(stat) => {
-            matches!(stat.state, 'Z' | 'X' | 'x')
-                || stat
-                    .flags()
-                    .is_ok_and(|f| f.contains(procfs::process::StatFlags::PF_EXITING))
-        }
-        Err(_) => true,
-    }
+    stat_of(pid).is_none_or(|s| {
+        is_dead(&s)
+            || s.flags()
+                .is_ok_and(|f| f.contains(procfs::process::StatFlags::PF_EXITING))
+    })
 }
 
 /// The cgroups of a process, one per hierarchy (/proc/PID/cgroup, read by procfs): the one place Baton reads it.
