@@ -222,9 +222,16 @@ fn shim_exec_output_is_complete_when_wait_returns_on_busy_cpus() {
     let short = short
         .into_inner()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
+    // The shim says when it published an exit with output still unread (OUTPUT_STALL): the first lead.
+    let stalls: Vec<String> = std::fs::read_to_string(env.containerd().log_path())
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("output still open"))
+        .map(str::to_owned)
+        .collect();
     assert!(
         short.is_empty(),
-        "output missing when Wait returned, in {} of {} runs: {short:?}",
+        "output missing when Wait returned, in {} of {} runs: {short:?}; the shim's stall warnings: {stalls:?}",
         short.len(),
         2 * runs
     );

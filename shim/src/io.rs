@@ -204,14 +204,26 @@ impl AsyncWrite for StdinCloser {
 
 /// How long a process's exit waits for its output copies once no more output flows: long enough for a loaded
 /// shim to be scheduled again, short enough that output nobody reads (a client gone) or a pipe a daemonised child
-/// keeps open holds the exit back only briefly.
-pub const OUTPUT_STALL: Duration = Duration::from_secs(2);
+/// keeps open holds the exit back only briefly: on a 2-core CI machine with every CPU kept busy and three clients
+/// at once (the output series), a copy can go unscheduled for a few seconds. (Terminal output lost at the exit in
+/// that series was not a stall: the copy dropped what it had read when the terminal hung up, and the kernel
+/// hung it up with output still queued; see `crate::console`.)
+pub const OUTPUT_STALL: Duration = Duration::from_secs(5);
 
 /// The output streams of one process that the shim copies (console, stdout and stderr pipes, to fifos or
 /// `file://` logs): how many are still open and how many bytes they gave. A process's exit is published only
 /// once they reached their end ([`OutputDrain::drained`]), so that Wait never returns before the output did.
-#[derive(Clone)]
-pub struct OutputDrain(Arc<tokio::sync::watch::Sender<Flow>>);
+/// It also tells the process's terminal of the exit ([`OutputDrain::process_exited`]), which is when the shim
+/// lets go of its hold on the terminal (see `crate::console`).
+#[derive(Clone, Default)]
+pub struct OutputDrain(Arc<DrainShared>);
+
+#[derive(Default)]
+struct DrainShared {
+    flow: tokio::sync::watch::Sender<Flow>,
+    exited: std::sync::atomic::AtomicBool,
+    terminal: Mutex<Option<Console>>,
+}
 
 /// What [`OutputDrain`] counts.
 #[derive(Debug, Clone, Copy, Default)]
@@ -220,16 +232,10 @@ struct Flow {
     bytes: u64,
 }
 
-impl Default for OutputDrain {
-    fn default() -> Self {
-        Self(Arc::new(tokio::sync::watch::Sender::new(Flow::default())))
-    }
-}
-
 impl OutputDrain {
     /// `reader`, counted as open until the copy reading it drops it.
     pub fn track<R: AsyncRead + Unpin>(&self, reader: R) -> Tracked<R> {
-        self.0.send_modify(|f| f.open += 1);
+        self.0.flow.send_modify(|f| f.open += 1);
         Tracked {
             inner: reader,
             drain: Some(self.clone()),
@@ -237,13 +243,40 @@ impl OutputDrain {
     }
 
     fn ended(&self) {
-        self.0.send_modify(|f| f.open = f.open.saturating_sub(1));
+        self.0
+            .flow
+            .send_modify(|f| f.open = f.open.saturating_sub(1));
+    }
+
+    /// The process's terminal, to be told of its exit (at once if the exit came first).
+    pub fn set_terminal(&self, console: &Console) {
+        *self.terminal() = Some(console.clone());
+        if self.0.exited.load(std::sync::atomic::Ordering::SeqCst) {
+            console.process_exited();
+        }
+    }
+
+    /// The process exited: its terminal, if any, may hang up once it has nothing left to give.
+    pub fn process_exited(&self) {
+        self.0
+            .exited
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(console) = self.terminal().as_ref() {
+            console.process_exited();
+        }
+    }
+
+    fn terminal(&self) -> std::sync::MutexGuard<'_, Option<Console>> {
+        self.0
+            .terminal
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Waits until every tracked stream reached its end (true), or until no byte flowed for [`OUTPUT_STALL`]
     /// (false: output nobody reads, or a pipe another process holds open).
     pub async fn drained(&self) -> bool {
-        let mut flow = self.0.subscribe();
+        let mut flow = self.0.flow.subscribe();
         loop {
             if flow.borrow_and_update().open == 0 {
                 return true;
@@ -258,7 +291,7 @@ impl OutputDrain {
 
     /// Bytes read so far (for logs).
     pub fn bytes(&self) -> u64 {
-        self.0.borrow().bytes
+        self.0.flow.borrow().bytes
     }
 }
 
@@ -290,7 +323,7 @@ impl<R: AsyncRead + Unpin> AsyncRead for Tracked<R> {
         if n > 0
             && let Some(drain) = &self.drain
         {
-            drain.0.send_modify(|f| f.bytes += n as u64);
+            drain.0.flow.send_modify(|f| f.bytes += n as u64);
         }
         res
     }
@@ -376,6 +409,7 @@ pub fn start_console_copies(
     if !spec.stdin.is_empty() {
         io.copy_from_fifo(&spec.stdin, console.input())?;
     }
+    output.set_terminal(console);
     match parse_output(&spec.stdout)? {
         OutputTarget::Fifo(path) => io.copy_to_fifo(output.track(console.clone()), &path)?,
         OutputTarget::Null => {}

@@ -20,8 +20,8 @@ use containerd_shim::{
         CloseIORequest, ConnectRequest, ConnectResponse, CreateTaskRequest, CreateTaskResponse,
         DeleteRequest, DeleteResponse, ExecProcessRequest, KillRequest, PauseRequest, PidsRequest,
         PidsResponse, ResizePtyRequest, ResumeRequest, ShutdownRequest, StartRequest,
-        StartResponse, StateRequest, StateResponse, StatsRequest, StatsResponse, UpdateTaskRequest,
-        WaitRequest, WaitResponse,
+        StartResponse, StateRequest, StateResponse, StatsRequest, StatsResponse,
+        Status as ApiStatus, UpdateTaskRequest, WaitRequest, WaitResponse,
     },
     protos::{
         api::CheckpointTaskRequest, protobuf::MessageField,
@@ -37,6 +37,7 @@ use crate::{
     io::StdioSpec,
     oom::{MemoryCgroup, OomWatch},
     options::{self, BatonSettings, CONTAINER_TYPE_ANNOTATION},
+    process::State,
     reaper::ExitSubscription,
     stats,
 };
@@ -65,6 +66,21 @@ pub struct TaskService {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The status State reports for process `exec_id` of container `c` in state `state`: its own, except that a
+/// Kubernetes (CRI) container parked by Baton is reported running. CRI has no paused state: when containerd
+/// restarts, its CRI plugin reloads a paused task as exited (code 255, reason Unknown), and the kubelet would
+/// then restart the pod's container while its parked process still exists, losing the work the park kept.
+/// Parking is Baton's own preemption, which it ends by itself; a pause asked through the Task API (`ctr task
+/// pause`) is still reported paused, as runc-v2 does.
+fn reported_status(c: &Container, state: State, exec_id: &str) -> ApiStatus {
+    let parked_by_baton = state == State::Paused && c.preemption().is_some();
+    if exec_id.is_empty() && parked_by_baton && c.settings.kubernetes.is_some() {
+        ApiStatus::RUNNING
+    } else {
+        state.api_status()
+    }
 }
 
 impl TaskService {
@@ -116,7 +132,7 @@ impl TaskService {
         let base = if is_sandbox {
             let pod_settings = node.with_annotations(&annotations, "pod")?;
             *pod = Some(pod_settings.clone());
-            return Ok(pod_settings);
+            return Ok(pod_settings.for_sandbox());
         } else {
             pod.clone().unwrap_or_else(|| node.clone())
         };
@@ -300,7 +316,7 @@ impl TaskService {
             },
             bundle: c.bundle.display().to_string(),
             pid: p.pid,
-            status: p.state.api_status().into(),
+            status: reported_status(&c, p.state, &req.exec_id).into(),
             stdin: p.stdio.stdin.clone(),
             stdout: p.stdio.stdout.clone(),
             stderr: p.stdio.stderr.clone(),

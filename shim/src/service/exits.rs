@@ -73,6 +73,7 @@ impl TaskService {
         else {
             return;
         };
+        output.process_exited();
         if !output.drained().await {
             tracing::warn!(
                 id = %c.id,

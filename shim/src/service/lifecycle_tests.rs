@@ -290,13 +290,16 @@ async fn a_container_lives_and_is_restored_through_runc() {
     );
 
     // Checkpoint, leaving the container running.
-    let leave_running = "checkpoint --image-path /img/1 --leave-running c1";
+    let leave_running = format!(
+        "{}checkpoint --image-path /img/1 --leave-running c1",
+        FakeRunc::criu_prefix()
+    );
     h.fake.fail("checkpoint", "criu exploded");
     let (code, msg) = code_of(h.checkpoint("c1", "/img/1", false).await);
     assert_eq!(code, Code::UNKNOWN);
     assert!(msg.contains("criu exploded"), "{msg}");
     assert_eq!(h.status("c1").await, Status::RUNNING);
-    assert_eq!(h.calls(&b1), [leave_running]);
+    assert_eq!(h.calls(&b1), std::slice::from_ref(&leave_running));
     assert!(h.topics().is_empty());
     h.fake.heal("checkpoint");
     h.checkpoint("c1", "/img/1", false)
@@ -310,7 +313,13 @@ async fn a_container_lives_and_is_restored_through_runc() {
     h.checkpoint("c1", "/img/2", true)
         .await
         .expect("checkpoint and exit");
-    assert_eq!(h.calls(&b1), ["checkpoint --image-path /img/2 c1"]);
+    assert_eq!(
+        h.calls(&b1),
+        [format!(
+            "{}checkpoint --image-path /img/2 c1",
+            FakeRunc::criu_prefix()
+        )]
+    );
     assert_eq!(h.wait("c1").await.exit_status, 128 + 9);
     assert_eq!(h.status("c1").await, Status::STOPPED);
     assert_eq!(
@@ -346,7 +355,8 @@ async fn a_container_lives_and_is_restored_through_runc() {
         Code::FAILED_PRECONDITION
     );
     let restore = format!(
-        "restore --image-path /img/2 --detach --pid-file {b}/init.pid --no-subreaper --bundle {b} c2"
+        "{}restore --image-path /img/2 --detach --pid-file {b}/init.pid --no-subreaper --bundle {b} c2",
+        FakeRunc::criu_prefix()
     );
     h.fake.fail("restore", "restore exploded");
     let (code, msg) = code_of(h.start("c2").await);
