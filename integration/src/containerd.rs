@@ -136,7 +136,19 @@ pub struct Containerd {
     namespace: String,
     child: Option<Child>,
     cgroups: CgroupMode,
+    node: Option<PathBuf>,
 }
+
+/// The node's own folders in [`Containerd::start_as_node`]: each `<host root>/X` is bind-mounted over `/X`
+/// in containerd's mount namespace, so that what the node's config, binaries and runtime state name by
+/// their usual paths (a DaemonSet's hostPath volumes, `baton install`'s entry, runc's default root) are the
+/// test's, not this machine's.
+pub const NODE_FOLDERS: [&str; 4] = [
+    "etc/containerd",
+    "usr/local/bin",
+    "run/baton",
+    "run/containerd",
+];
 
 impl Containerd {
     /// Writes the config into `dir` (which must exist) and starts containerd with `shim_dir` first on its PATH.
@@ -151,7 +163,7 @@ impl Containerd {
         shim_dir: &Path,
         cgroups: CgroupMode,
     ) -> Result<Self, Error> {
-        Self::start_configured(dir, namespace, shim_dir, cgroups, None)
+        Self::start_configured(dir, namespace, shim_dir, cgroups, Config::Plain)
     }
 
     /// [`Containerd::start`] with the CRI plugin enabled and configured by `cri` (its TOML tables, in the
@@ -159,7 +171,44 @@ impl Containerd {
     /// `[plugins."io.containerd.grpc.v1.cri"]` for 1.x, format 3 and the `io.containerd.cri.v1.*` plugins
     /// for 2.x), for namespace `k8s.io` (the only one CRI uses).
     pub fn start_with_cri(dir: &Path, shim_dir: &Path, cri: &str) -> Result<Self, Error> {
-        Self::start_configured(dir, CRI_NAMESPACE, shim_dir, CgroupMode::Host, Some(cri))
+        Self::start_configured(
+            dir,
+            CRI_NAMESPACE,
+            shim_dir,
+            CgroupMode::Host,
+            Config::Cri(cri),
+        )
+    }
+
+    /// containerd as a Kubernetes node's: in a mount namespace of its own where the folders
+    /// [`NODE_FOLDERS`] of `host_root` are bind-mounted over the machine's (its config is
+    /// `/etc/containerd/config.toml` there, written here with the CRI tables `cri`; its PATH is the
+    /// machine's, so shims are found in the node's /usr/local/bin), in the cgroup layout `cgroups`, and with
+    /// no agent socket in its environment (shims use what their runtime's options say). Root, state and
+    /// sockets are under `dir`, as for every test's containerd.
+    pub fn start_as_node(
+        dir: &Path,
+        host_root: &Path,
+        cgroups: CgroupMode,
+        cri: &str,
+    ) -> Result<Self, Error> {
+        for sub in NODE_FOLDERS {
+            let path = host_root.join(sub);
+            std::fs::create_dir_all(&path).map_err(|source| Error::Io { path, source })?;
+        }
+        let config = host_root.join("etc/containerd/config.toml");
+        let text = cri_config_toml(dir, major_version()?, cri);
+        std::fs::write(&config, text).map_err(|source| Error::Io {
+            path: config,
+            source,
+        })?;
+        Self::start_configured(
+            dir,
+            CRI_NAMESPACE,
+            Path::new(""),
+            cgroups,
+            Config::Node(host_root),
+        )
     }
 
     fn start_configured(
@@ -167,7 +216,7 @@ impl Containerd {
         namespace: &str,
         shim_dir: &Path,
         cgroups: CgroupMode,
-        cri: Option<&str>,
+        config: Config<'_>,
     ) -> Result<Self, Error> {
         for sub in ["root", "state"] {
             std::fs::create_dir_all(dir.join(sub)).map_err(|source| Error::Io {
@@ -175,20 +224,30 @@ impl Containerd {
                 source,
             })?;
         }
-        let config = dir.join("config.toml");
-        let text = match cri {
-            None => config_toml(dir, major_version()?),
-            Some(cri) => cri_config_toml(dir, major_version()?, cri),
+        let text = match config {
+            Config::Plain => Some(config_toml(dir, major_version()?)),
+            Config::Cri(cri) => Some(cri_config_toml(dir, major_version()?, cri)),
+            Config::Node(_) => None,
         };
-        std::fs::write(&config, text).map_err(|source| Error::Io {
-            path: config,
-            source,
-        })?;
-        let path = format!(
-            "{}:{}",
-            shim_dir.display(),
-            std::env::var("PATH").unwrap_or_default()
-        );
+        if let Some(text) = text {
+            let config = dir.join("config.toml");
+            std::fs::write(&config, text).map_err(|source| Error::Io {
+                path: config,
+                source,
+            })?;
+        }
+        let node = match config {
+            Config::Node(root) => Some(root.to_path_buf()),
+            _ => None,
+        };
+        let path = match node {
+            Some(_) => std::env::var("PATH").unwrap_or_default(),
+            None => format!(
+                "{}:{}",
+                shim_dir.display(),
+                std::env::var("PATH").unwrap_or_default()
+            ),
+        };
         std::fs::write(dir.join("path"), &path).map_err(|source| Error::Io {
             path: dir.join("path"),
             source,
@@ -198,6 +257,7 @@ impl Containerd {
             namespace: namespace.to_string(),
             child: None,
             cgroups,
+            node,
         };
         containerd.spawn()?;
         Ok(containerd)
@@ -306,23 +366,38 @@ impl Containerd {
             source,
         })?;
         let path = std::fs::read_to_string(self.dir.join("path")).unwrap_or_default();
-        let mut command = match self.cgroups {
-            CgroupMode::Host => Command::new(containerd_program()),
-            CgroupMode::V2 => {
-                // unshare and sh exec in place: the child's pid is containerd's.
-                let mut c = Command::new("unshare");
-                c.args(["-m", "--propagation", "private", "sh", "-c"])
-                    .arg(r#"mount -t cgroup2 none /sys/fs/cgroup && exec "$0" "$@""#)
-                    .arg(containerd_program());
-                c
+        let mut mounts = Vec::new();
+        if self.cgroups == CgroupMode::V2 {
+            mounts.push("mount -t cgroup2 none /sys/fs/cgroup".to_owned());
+        }
+        if let Some(root) = &self.node {
+            for sub in NODE_FOLDERS {
+                let from = root.join(sub).display().to_string();
+                mounts.push(format!("mkdir -p /{sub} && mount --bind '{from}' /{sub}"));
             }
+        }
+        let mut command = if mounts.is_empty() {
+            Command::new(containerd_program())
+        } else {
+            // unshare and sh exec in place: the child's pid is containerd's.
+            let mut c = Command::new("unshare");
+            c.args(["-m", "--propagation", "private", "sh", "-c"])
+                .arg(format!(r#"{} && exec "$0" "$@""#, mounts.join(" && ")))
+                .arg(containerd_program());
+            c
         };
-        let child = command
-            .arg("--config")
-            .arg(self.dir.join("config.toml"))
-            .env("PATH", path)
+        let config = match self.node {
+            Some(_) => PathBuf::from("/etc/containerd/config.toml"),
+            None => self.dir.join("config.toml"),
+        };
+        command.arg("--config").arg(config).env("PATH", path);
+        if self.node.is_none() {
             // Every shim of this containerd talks to (and starts) an agent of the test's own.
-            .env(baton_agent_api::SOCKET_ENV, self.agent_socket())
+            command.env(baton_agent_api::SOCKET_ENV, self.agent_socket());
+        } else {
+            command.env_remove(baton_agent_api::SOCKET_ENV);
+        }
+        let child = command
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)
@@ -550,6 +625,17 @@ fn parse_major_version(version_line: &str) -> Option<u32> {
         .take_while(char::is_ascii_digit)
         .collect();
     digits.parse().ok()
+}
+
+/// Where a containerd's config comes from.
+#[derive(Clone, Copy)]
+enum Config<'a> {
+    /// No CRI (the tests that drive containerd's own API).
+    Plain,
+    /// The CRI plugin with these tables.
+    Cri(&'a str),
+    /// A node's, written into this host root's etc/containerd/config.toml ([`Containerd::start_as_node`]).
+    Node(&'a Path),
 }
 
 /// The config for a containerd of major version `major`: format 2 for 1.x; format 3 for 2.x, where CRI is

@@ -186,6 +186,18 @@ impl TestEnv {
         self.containerd.ctr(args)
     }
 
+    /// Runs containerd's garbage collector now: a lease made and deleted with `--sync` (which collects before
+    /// it returns), so that a test shows what survives a collection instead of racing the scheduled ones.
+    pub fn collect_garbage(&self) -> Result<(), containerd::Error> {
+        let lease = self.ctr_ok(&["leases", "create"])?;
+        let id = lease
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_owned();
+        self.ctr_ok(&["leases", "delete", "--sync", &id]).map(drop)
+    }
+
     /// `ctr` that must succeed; returns stdout.
     pub fn ctr_ok(&self, args: &[&str]) -> Result<String, containerd::Error> {
         self.containerd.ctr_ok(args)
@@ -304,6 +316,37 @@ impl TestEnv {
                 .then(|| fields.last().map(|status| status.to_string()))
                 .flatten()
         })
+    }
+
+    /// The CRIU blob of checkpoint image `image` (the name `ctr task checkpoint` printed) in the content
+    /// store, as a task's `checkpoint` descriptor for restoring from it.
+    pub fn checkpoint_blob(&self, image: &str) -> containerd_client::types::Descriptor {
+        let images = self.ctr(&["images", "ls"]).stdout;
+        let index = images
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(image.trim()))
+            .and_then(|l| l.split_whitespace().nth(2))
+            .unwrap_or_else(|| panic!("no checkpoint image {image:?}: {images}"))
+            .to_owned();
+        let index: serde_json::Value =
+            serde_json::from_str(&self.ctr(&["content", "get", &index]).stdout)
+                .unwrap_or_else(|e| panic!("checkpoint index {index}: {e}"));
+        let criu = index["manifests"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|m| {
+                m["mediaType"]
+                    .as_str()
+                    .is_some_and(|t| t.ends_with("checkpoint.criu.tar"))
+            })
+            .unwrap_or_else(|| panic!("no CRIU blob in {index}"));
+        containerd_client::types::Descriptor {
+            media_type: criu["mediaType"].as_str().unwrap_or_default().to_owned(),
+            digest: criu["digest"].as_str().unwrap_or_default().to_owned(),
+            size: criu["size"].as_i64().unwrap_or_default(),
+            ..Default::default()
+        }
     }
 
     /// What container `id` left behind (processes, mounts, cgroups, runc state).

@@ -13,12 +13,11 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use baton_integration::agent::{AgentProcess, container_status, install_workload, wait_until};
+use baton_integration::agent::{AgentProcess, container_status_when, wait_until};
 use baton_integration::cri::client::{Error, pid_from_info};
-use baton_integration::cri::image::ImageSpec;
 use baton_integration::cri::{CriNode, Handler, runc_root_in};
 use baton_integration::shim_binary::BATON_SHIM_NAME;
-use baton_integration::{rootfs, skip, trace_env::missing_trace_prerequisite};
+use baton_integration::{skip, trace_env::missing_trace_prerequisite};
 use baton_mock_nvidia::driver::{MockDriver, MountOptions};
 use k8s_cri::v1::{
     ContainerConfig, ContainerMetadata, ContainerState, ImageSpec as CriImage,
@@ -59,20 +58,6 @@ fn prerequisites() -> bool {
         return false;
     }
     true
-}
-
-/// The GPU image: busybox and the mock CUDA workload with its libraries, sleeping.
-fn import_gpu_image(node: &CriNode) -> String {
-    let rootfs_dir = node.dir().join("images").join("gpu");
-    rootfs::make_busybox_rootfs(&rootfs_dir).unwrap();
-    let workload = install_workload(&rootfs_dir).unwrap();
-    node.import_image(&ImageSpec {
-        name: GPU_IMAGE,
-        rootfs: &rootfs_dir,
-        entrypoint: &["/bin/sleep", "2147483647"],
-    })
-    .unwrap();
-    workload
 }
 
 fn host_network() -> NamespaceOption {
@@ -136,16 +121,8 @@ fn ppid(pid: i32) -> i32 {
 
 /// The agent's status of container `id`, once `cond` holds for it (polled, with a deadline).
 fn agent_status_when(socket: &Path, id: &str, cond: impl Fn(&Value) -> bool) -> Value {
-    let mut last = Value::Null;
-    let held = wait_until(WITHIN, || {
-        last = container_status(socket, id)
-            .ok()
-            .flatten()
-            .unwrap_or(Value::Null);
-        cond(&last)
-    });
-    assert!(held, "agent status of {id}: {last}");
-    last
+    container_status_when(socket, id, WITHIN, cond)
+        .unwrap_or_else(|last| panic!("agent status of {id}: {last}"))
 }
 
 #[test]
@@ -161,7 +138,7 @@ fn a_baton_pod_runs_under_one_shim_with_its_options_and_annotations_and_is_watch
         return;
     };
     let cri = node.client();
-    let workload = import_gpu_image(&node);
+    let workload = node.import_gpu_image(GPU_IMAGE).unwrap();
     let socket = agent_socket(node.dir());
     let _agent = AgentProcess::start(&socket, &node.dir().join("node-agent.log")).unwrap();
 
@@ -334,7 +311,7 @@ fn unknown_baton_options_or_annotations_fail_the_pod_clearly_and_leave_nothing()
     }) else {
         return;
     };
-    import_gpu_image(&node);
+    node.import_gpu_image(GPU_IMAGE).unwrap();
     let socket = agent_socket(node.dir());
     let _agent = AgentProcess::start(&socket, &node.dir().join("node-agent.log")).unwrap();
     let cri = node.client();

@@ -2,7 +2,7 @@
 //! instead of passing unseen; a developer's plain `cargo test` still skips it, saying why. Each child test is
 //! this test binary run again on one ignored test: with a PATH that has containerd and ctr but no runc; with
 //! another runtime under test (`BATON_TEST_RUNTIME`), asked for (`BATON_COMPARE_RUNTIME=1`) or not; and a
-//! test that has the name of an allowed skip of another target.
+//! test that finds it cannot run on this machine kind but is not an allowed skip.
 #![allow(
     clippy::unwrap_used,
     reason = "test helpers fail the test by panicking"
@@ -19,8 +19,8 @@ use baton_prereq::{COMPARE_ENV, LOG_ENV, RUNTIME_ENV, STRICT_ENV};
 const CHILD: &str = "a_containerd_test_run_by_the_strict_mode_test";
 const NOT_APPLICABLE_CHILD: &str = "a_test_that_finds_itself_not_applicable";
 const BATON_ONLY_CHILD: &str = "a_baton_only_test_run_by_the_runtime_switch_test";
-/// The name of the one allowed skip of integration/tests/shim_resilience.rs.
-const ALLOWED_ELSEWHERE: &str = "shim_checkpoint_where_criu_works";
+/// A test that says no machine of this kind can run it, which integration/allowed-skips.toml does not list.
+const CANNOT_RUN_CHILD: &str = "a_test_that_says_this_machine_cannot_run_it";
 const GO_SHIM: &str = "io.containerd.runc.v2";
 
 #[test]
@@ -48,8 +48,8 @@ fn a_test_that_finds_itself_not_applicable() {
 }
 
 #[test]
-#[ignore = "run in a child process by an_allowed_skip_of_another_target_fails_strict_mode"]
-fn shim_checkpoint_where_criu_works() {
+#[ignore = "run in a child process by a_skip_not_listed_as_allowed_fails_strict_mode"]
+fn a_test_that_says_this_machine_cannot_run_it() {
     skip::cannot_run_here("this machine kind cannot run this (says the test)");
 }
 
@@ -165,16 +165,16 @@ fn strict_mode_fails_not_applicable_unless_a_comparison_was_asked_for() {
 }
 
 #[test]
-fn an_allowed_skip_of_another_target_fails_strict_mode() {
-    let (out, text) = run_named_child(ALLOWED_ELSEWHERE, true, &[]);
+fn a_skip_not_listed_as_allowed_fails_strict_mode() {
+    let (out, text) = run_named_child(CANNOT_RUN_CHILD, true, &[]);
     assert!(
         !out.status.success(),
-        "a test named like shim_resilience.rs's allowed skip skipped in strict mode here:\n{text}"
+        "a test that cannot run here skipped in strict mode, unlisted:\n{text}"
     );
     assert!(
         text.contains(baton_prereq::ALLOWED_FILE) && text.contains("strict_prereqs"),
         "strict run failed for another reason:\n{text}"
     );
-    let (out, text) = run_named_child(ALLOWED_ELSEWHERE, false, &[]);
+    let (out, text) = run_named_child(CANNOT_RUN_CHILD, false, &[]);
     assert!(out.status.success(), "loose run failed:\n{text}");
 }

@@ -12,8 +12,8 @@ use k8s_cri::v1::{
     ContainerConfig, ContainerStatusRequest, ContainerStatusResponse, CreateContainerRequest,
     ExecSyncRequest, ExecSyncResponse, ImageSpec, ImageStatusRequest, ListPodSandboxRequest,
     PodSandbox, PodSandboxConfig, PodSandboxStatusRequest, PodSandboxStatusResponse,
-    RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest, StopPodSandboxRequest,
-    VersionRequest,
+    RemoveContainerRequest, RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest,
+    StopContainerRequest, StopPodSandboxRequest, VersionRequest,
 };
 use tonic::transport::Channel;
 
@@ -194,6 +194,29 @@ impl CriClient {
         self.runtime
             .block_on(self.runtime_service().start_container(request))
             .map_err(rpc("StartContainer", id))?;
+        Ok(())
+    }
+
+    /// StopContainer, giving it `grace` (whole seconds) after SIGTERM before SIGKILL.
+    pub fn stop_container(&self, id: &str, grace: Duration) -> Result<(), Error> {
+        let request = StopContainerRequest {
+            container_id: id.to_string(),
+            timeout: i64::try_from(grace.as_secs()).unwrap_or(i64::MAX),
+        };
+        self.runtime
+            .block_on(self.runtime_service().stop_container(request))
+            .map_err(rpc("StopContainer", id))?;
+        Ok(())
+    }
+
+    /// RemoveContainer.
+    pub fn remove_container(&self, id: &str) -> Result<(), Error> {
+        let request = RemoveContainerRequest {
+            container_id: id.to_string(),
+        };
+        self.runtime
+            .block_on(self.runtime_service().remove_container(request))
+            .map_err(rpc("RemoveContainer", id))?;
         Ok(())
     }
 

@@ -41,7 +41,8 @@ fn oci_architecture() -> &'static str {
     }
 }
 
-fn hex_sha256(bytes: &[u8]) -> String {
+/// The lower-case hex SHA-256 of `bytes` (a content digest without its `sha256:`).
+pub(crate) fn hex_sha256(bytes: &[u8]) -> String {
     Sha256::digest(bytes)
         .iter()
         .map(|b| format!("{b:02x}"))

@@ -18,7 +18,7 @@ use k8s_cri::v1::{
     PodSandboxConfig, PodSandboxMetadata,
 };
 
-use crate::containerd::{self, CRI_NAMESPACE, Containerd};
+use crate::containerd::{self, CRI_NAMESPACE, CgroupMode, Containerd};
 use crate::procs::{self, Found};
 use crate::shim_binary::{self, BATON_RUNTIME, BATON_SHIM_NAME};
 use crate::{cleanup, rootfs, skip};
@@ -186,6 +186,18 @@ fn cri_section_v3(dir: &Path, handlers: &[Handler]) -> String {
     text
 }
 
+/// The node's private folder (`/tmp/baton-it-cri-*`).
+fn new_dir() -> Result<tempfile::TempDir, Error> {
+    tempfile::Builder::new()
+        .prefix("baton-it-cri-")
+        .tempdir()
+        .map_err(|source| Error::Io {
+            what: "creating",
+            path: PathBuf::from("/tmp"),
+            source,
+        })
+}
+
 static SERIAL: Mutex<()> = Mutex::new(());
 static NODES: AtomicU32 = AtomicU32::new(0);
 
@@ -194,8 +206,68 @@ pub struct CriNode {
     containerd: Containerd,
     client: CriClient,
     cgroup_parent: String,
+    runc_root: PathBuf,
     dir: tempfile::TempDir,
     _serial: MutexGuard<'static, ()>,
+}
+
+/// The runc entry of a node's config as `containerd config default` writes it (the default runtime; the
+/// node's own pods and the DaemonSet's run under it), for containerd of major version `major`, with runc
+/// `binary` when given (its `BinaryName`, which `baton install` copies into Baton's runtime).
+fn runc_entry(major: u32, binary: Option<&Path>) -> String {
+    let table = if major >= 2 {
+        "plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc"
+    } else {
+        r#"plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc"#
+    };
+    let binary = binary.map_or_else(String::new, |b| {
+        format!("    BinaryName = \"{}\"\n", b.display())
+    });
+    format!(
+        "  [{table}]\n    runtime_type = \"io.containerd.runc.v2\"\n  [{table}.options]\n{binary}    SystemdCgroup = false\n"
+    )
+}
+
+/// runc for a node in [`CgroupMode::V2`] on this machine, whose v2 hierarchy has no cpu or memory
+/// controller (they stay bound to v1, machine.md): CRI sets CPU shares on every sandbox (2) and the
+/// kubelet's limits on containers, which runc could not write there (no cpu.weight), so this drops the
+/// bundle's `linux.resources.cpu` and `.memory` before `runc create` and runs runc. A node with those
+/// controllers in its v2 hierarchy needs nothing of the kind.
+const RUNC_WITHOUT_V1_CONTROLLERS: &str = r#"#!/bin/sh
+bundle=
+prev=
+for arg in "$@"; do
+  case "$prev" in --bundle|-b) bundle=$arg ;; esac
+  prev=$arg
+done
+if [ -n "$bundle" ] && [ -f "$bundle/config.json" ]; then
+  python3 - "$bundle/config.json" <<'PY' || exit 1
+import json, sys
+path = sys.argv[1]
+with open(path) as f:
+    spec = json.load(f)
+resources = spec.get("linux", {}).get("resources", {})
+resources.pop("cpu", None)
+resources.pop("memory", None)
+with open(path, "w") as f:
+    json.dump(spec, f)
+PY
+fi
+exec runc "$@"
+"#;
+
+/// Writes [`RUNC_WITHOUT_V1_CONTROLLERS`] into `dir`; its path.
+fn write_runc_wrapper(dir: &Path) -> Result<PathBuf, Error> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join("runc-v2-node");
+    std::fs::write(&path, RUNC_WITHOUT_V1_CONTROLLERS)
+        .and_then(|()| std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)))
+        .map_err(|source| Error::Io {
+            what: "writing",
+            path: path.clone(),
+            source,
+        })?;
+    Ok(path)
 }
 
 impl CriNode {
@@ -213,6 +285,46 @@ impl CriNode {
         }
     }
 
+    /// Starts a Kubernetes node for `test` ([`Containerd::start_as_node`]): its host root is `<dir>/host`
+    /// ([`CriNode::host_root`]), its config `<host root>/etc/containerd/config.toml` with the CRI plugin and
+    /// runc only (as a node's before `baton install`), runc's state under `<host root>/run/containerd/runc`,
+    /// shims found in `<host root>/usr/local/bin`, in the cgroup layout `cgroups`.
+    pub fn start_as_node(test: &str, cgroups: CgroupMode) -> Option<Self> {
+        if let Some(reason) = skip::missing_containerd_prerequisite() {
+            skip::missing(&reason);
+            return None;
+        }
+        let serial = SERIAL
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let started = new_dir().and_then(|dir| {
+            let host = dir.path().join("host");
+            let major = containerd::major_version()?;
+            let runc = match cgroups {
+                CgroupMode::V2 => Some(write_runc_wrapper(dir.path())?),
+                CgroupMode::Host => None,
+            };
+            let cri = format!(
+                "{}{}",
+                cri_section(dir.path(), &[], major),
+                runc_entry(major, runc.as_deref())
+            );
+            let containerd = Containerd::start_as_node(dir.path(), &host, cgroups, &cri)?;
+            let runc_root = host.join("run/containerd/runc");
+            Self::finish_start(serial, dir, containerd, runc_root)
+        });
+        match started {
+            Ok(node) => Some(node),
+            Err(error) => panic!("setting up {test}: {error}"),
+        }
+    }
+
+    /// The node's host root ([`CriNode::start_as_node`]): what the node's processes see at `/X` for the
+    /// folders [`containerd::NODE_FOLDERS`] is `<host root>/X`.
+    pub fn host_root(&self) -> PathBuf {
+        self.dir().join("host")
+    }
+
     fn try_start(handlers: impl FnOnce(&Path) -> Vec<Handler>) -> Result<Self, Error> {
         let serial = SERIAL
             .lock()
@@ -221,10 +333,7 @@ impl CriNode {
             let path = path.to_path_buf();
             move |source| Error::Io { what, path, source }
         };
-        let dir = tempfile::Builder::new()
-            .prefix("baton-it-cri-")
-            .tempdir()
-            .map_err(io("creating", Path::new("/tmp")))?;
+        let dir = new_dir()?;
         let shim_dir = dir.path().join("bin");
         for sub in [shim_dir.clone(), dir.path().join("handlers")] {
             std::fs::create_dir_all(&sub).map_err(io("creating", &sub))?;
@@ -239,6 +348,17 @@ impl CriNode {
         }
         let cri = cri_section(dir.path(), &handlers, containerd::major_version()?);
         let containerd = Containerd::start_with_cri(dir.path(), &shim_dir, &cri)?;
+        let runc_root = runc_root_in(dir.path());
+        Self::finish_start(serial, dir, containerd, runc_root)
+    }
+
+    /// Waits for CRI, then imports the pause image.
+    fn finish_start(
+        serial: MutexGuard<'static, ()>,
+        dir: tempfile::TempDir,
+        containerd: Containerd,
+        runc_root: PathBuf,
+    ) -> Result<Self, Error> {
         let client = CriClient::connect(&containerd.socket())?;
         if let Err(error) = client.wait_ready(READY_WITHIN) {
             return Err(Error::CriPlugin {
@@ -264,6 +384,7 @@ impl CriNode {
             containerd,
             client,
             cgroup_parent,
+            runc_root,
             dir,
             _serial: serial,
         };
@@ -291,6 +412,28 @@ impl CriNode {
         Ok(())
     }
 
+    /// Restarts containerd (stop, start on the same root, state and config) and waits until CRI answers;
+    /// shims and containers keep running.
+    pub fn restart_containerd(&mut self) -> Result<(), Error> {
+        self.containerd.restart()?;
+        self.client.wait_ready(READY_WITHIN)?;
+        Ok(())
+    }
+
+    /// Imports image `name`: busybox and the mock CUDA workload with its libraries, sleeping (the GPU pods'
+    /// image); returns the workload's path in it.
+    pub fn import_gpu_image(&self, name: &str) -> anyhow::Result<String> {
+        let rootfs_dir = self.dir().join("images").join("gpu");
+        rootfs::make_busybox_rootfs(&rootfs_dir)?;
+        let workload = crate::agent::install_workload(&rootfs_dir)?;
+        self.import_image(&ImageSpec {
+            name,
+            rootfs: &rootfs_dir,
+            entrypoint: &["/bin/sleep", "2147483647"],
+        })?;
+        Ok(workload)
+    }
+
     /// The CRI client.
     pub fn client(&self) -> &CriClient {
         &self.client
@@ -306,9 +449,10 @@ impl CriNode {
         self.dir.path()
     }
 
-    /// The runc root the handlers' `Root` names.
+    /// The runc root the handlers' `Root` names (for a node, runc's default root in the node:
+    /// `<host root>/run/containerd/runc`; containers are in its `k8s.io` folder).
     pub fn runc_root(&self) -> PathBuf {
-        runc_root_in(self.dir())
+        self.runc_root.clone()
     }
 
     /// The cgroup parent of the node's pods (`/baton-it-cri-<pid>-<n>`).
@@ -353,7 +497,12 @@ impl CriNode {
     /// Containers runc knows in the node's runc root, and in runc's default root for `k8s.io`.
     pub fn runc_containers(&self) -> Vec<String> {
         let mut ids = Vec::new();
-        for root in [self.runc_root(), cleanup::runc_root(CRI_NAMESPACE)] {
+        let roots = [
+            self.runc_root(),
+            self.runc_root().join(CRI_NAMESPACE),
+            cleanup::runc_root(CRI_NAMESPACE),
+        ];
+        for root in roots {
             let listed = std::process::Command::new("runc")
                 .arg("--root")
                 .arg(&root)
@@ -414,6 +563,7 @@ impl Drop for CriNode {
         let shims: Vec<i32> = self.shims().iter().map(|shim| shim.pid).collect();
         let parent = self.cgroup_parent.trim_start_matches('/').to_string();
         cleanup::clean_namespace(&parent, &shims, self.dir.path());
+        cleanup::runc_delete_all(&self.runc_root().join(CRI_NAMESPACE));
         cleanup::runc_delete_all(&self.runc_root());
         cleanup::runc_delete(&cleanup::runc_root(CRI_NAMESPACE), &ids);
         self.containerd.stop();

@@ -191,7 +191,20 @@ fn is_dead(stat: &procfs::process::Stat) -> bool {
 
 /// Whether process `pid` has exited: no such process, or a zombie (it runs nothing any more).
 pub fn process_gone(pid: u32) -> bool {
-    stat_of(pid).is_none_or(|s| is_dead(&s))
+    instance_gone(pid, None)
+}
+
+/// When process `pid` started (`starttime` of /proc/PID/stat, clock ticks after boot), to tell it from a later
+/// process given the same pid; `None` when there is no such process.
+pub fn start_ticks(pid: u32) -> Option<u64> {
+    stat_of(pid).map(|s| s.starttime)
+}
+
+/// Whether the process that was `pid` when it started at `started` ([`start_ticks`]) has exited: [`process_gone`],
+/// or `pid` now names another process. Pids are reused (pid_max is 32768 by default), so a dead process's pid
+/// alone can name a live stranger. Without a start time, the pid alone decides.
+pub fn instance_gone(pid: u32, started: Option<u64>) -> bool {
+    stat_of(pid).is_none_or(|s| is_dead(&s) || started.is_some_and(|t| s.starttime != t))
 }
 
 /// Whether process `pid` has exited or is exiting: [`process_gone`], or inside the kernel's exit (`PF_EXITING`:
@@ -211,12 +224,70 @@ pub fn of_pid(pid: u32) -> Option<Vec<procfs::ProcessCGroup>> {
     Some(procfs::process::Process::new(pid).ok()?.cgroups().ok()?.0)
 }
 
-/// The cgroup v2 path of a process (relative to the v2 root, starting with `/`): its hierarchy 0 entry.
+/// The cgroup v2 path of a process (relative to the v2 root, starting with `/`): its hierarchy 0 entry, as
+/// the node names it ([`adopt_node_paths`]).
 pub fn v2_path_of_pid(pid: u32) -> Option<String> {
     of_pid(pid)?
         .into_iter()
         .find(|cg| cg.hierarchy == 0)
+        .map(|cg| on_node(&cg.pathname))
+}
+
+/// The node path of this process's cgroup namespace root, once [`adopt_node_paths`] found one.
+static NAMESPACE_ROOT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// For a process in a cgroup namespace of its own (a pod's, on cgroup v2 nodes) that sees the node's whole
+/// v2 hierarchy at `root` (mounted from the node): finds the cgroup holding this process there (its pid in
+/// a `cgroup.procs`), and when /proc/self/cgroup names it otherwise (the namespace makes it read `/`),
+/// takes that cgroup as the namespace's root, so that [`v2_path_of_pid`] from then on gives node paths (the
+/// kernel writes a path relative to the reader's namespace, `/..` climbing out of it). Returns that root, or
+/// `None` where the paths /proc gives are the node's already. Call once, first thing.
+pub fn adopt_node_paths(root: &Path) -> Result<Option<String>, CgroupError> {
+    let seen = of_pid(std::process::id())
+        .and_then(|cgs| cgs.into_iter().find(|cg| cg.hierarchy == 0))
         .map(|cg| cg.pathname)
+        .ok_or(CgroupError::NoCgroup2)?;
+    let me = std::process::id().to_string();
+    let index = CgroupIndex::new(root.to_path_buf());
+    let holds_me = |rel: &str| {
+        fs::read_to_string(root.join(rel.trim_start_matches('/')).join("cgroup.procs"))
+            .is_ok_and(|procs| procs.lines().any(|p| p == me))
+    };
+    if let Some((_, on_node)) = index.entries().find(|(_, rel)| holds_me(rel)) {
+        if canonical_path(&seen).ok() == canonical_path(on_node).ok() {
+            return Ok(None);
+        }
+        let _ = NAMESPACE_ROOT.set(on_node.to_owned());
+        return Ok(Some(on_node.to_owned()));
+    }
+    Err(CgroupError::NotUnderRoot {
+        path: PathBuf::from(format!("the cgroup of process {me} ({seen})")),
+        root: root.to_path_buf(),
+    })
+}
+
+/// Cgroup path `seen` (as /proc wrote it for this process) as the node names it.
+fn on_node(seen: &str) -> String {
+    match NAMESPACE_ROOT.get() {
+        Some(ns_root) => resolve_under(ns_root, seen),
+        None => seen.to_owned(),
+    }
+}
+
+/// Path `rel` (from /proc, relative to a namespace root, with `..` to climb out of it) joined to `base`,
+/// `..` resolved: `/a/b` + `/../c` = `/a/c`.
+fn resolve_under(base: &str, rel: &str) -> String {
+    let mut parts: Vec<&str> = base.split('/').filter(|p| !p.is_empty()).collect();
+    for part in rel.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            p => parts.push(p),
+        }
+    }
+    format!("/{}", parts.join("/"))
 }
 
 /// The cgroup v2 id of a process.
@@ -342,7 +413,43 @@ fn short_id(id: &str) -> &str {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn paths_read_in_a_cgroup_namespace_resolve_on_the_node() {
+        assert_eq!(
+            resolve_under("/kubepods/pod1/agent", "/"),
+            "/kubepods/pod1/agent"
+        );
+        assert_eq!(
+            resolve_under("/kubepods/pod1/agent", "/../../pod2/c"),
+            "/kubepods/pod2/c"
+        );
+        assert_eq!(
+            resolve_under("/kubepods/pod1/agent", "/sub"),
+            "/kubepods/pod1/agent/sub"
+        );
+        assert_eq!(resolve_under("/a", "/../../.."), "/");
+        // Outside a namespace of its own, the paths read are the node's.
+        assert_eq!(on_node("/default/c1"), "/default/c1");
+    }
+
     use super::*;
+
+    #[test]
+    fn a_process_is_told_from_a_later_one_with_its_pid_by_its_start_time() {
+        let me = std::process::id();
+        let started = start_ticks(me);
+        assert!(started.is_some());
+        assert!(!instance_gone(me, started), "this very process");
+        assert!(!instance_gone(me, None), "the pid alone");
+        let other = started.map(|t| t + 1);
+        assert!(instance_gone(me, other), "another process with this pid");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let started = start_ticks(pid);
+        child.wait().unwrap();
+        assert!(instance_gone(pid, started), "exited and reaped");
+    }
 
     #[test]
     fn names_follow_runtime_conventions() {

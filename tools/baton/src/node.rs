@@ -129,6 +129,7 @@ pub fn render_status(s: &NodeStatus, now_ns: u64) -> String {
     for c in &s.containers {
         out.push_str(&render_container(c, now_ns));
     }
+    out.push_str(&render_gpus(&s.gpus));
     out.push_str(&render_controller(&s.controller));
     out.push_str(&render_gap_fill(&s.gap_fill));
     out
@@ -320,6 +321,29 @@ fn render_container(c: &ContainerStatus, now_ns: u64) -> String {
             String::new()
         }
     )
+}
+
+/// The GPUs the watched containers see: the ledger's video memory of those containers beside NVML's used
+/// memory of the device (nothing when no container sees a GPU).
+fn render_gpus(gpus: &[baton_agent_api::GpuMemory]) -> String {
+    if gpus.is_empty() {
+        return String::new();
+    }
+    let mut out = format!(
+        "{:<10} {:>10} {:>14} {:>14}\n",
+        "GPU", "CONTAINERS", "LEDGER VRAM", "NVML USED"
+    );
+    for g in gpus {
+        out.push_str(&format!(
+            "{:<10} {:>10} {:>14} {:>14}\n",
+            g.device,
+            g.containers,
+            g.ledger_vram_bytes,
+            g.nvml_used_bytes
+                .map_or_else(|| "unavailable".to_owned(), |b| b.to_string())
+        ));
+    }
+    out
 }
 
 /// One line of `baton events`.

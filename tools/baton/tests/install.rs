@@ -72,6 +72,39 @@ impl Node {
         std::fs::read_to_string(&self.config).expect("read config")
     }
 
+    /// The Baton runtime's options as its shim gets them: the table (version 3, sent whole as `config_body`),
+    /// or the file its `ConfigPath` names (version 2: containerd 1.x sends only that), which must be the
+    /// `baton-runtime.toml` beside the config.
+    fn delivered_options(&self) -> toml_edit::Table {
+        let doc: DocumentMut = self.read().parse().expect("TOML");
+        let plugins = doc["plugins"].as_table().expect("plugins");
+        let (name, _) = plugins
+            .iter()
+            .find(|(_, p)| {
+                p.get("containerd")
+                    .and_then(|c| c.get("runtimes"))
+                    .and_then(|r| r.get("baton"))
+                    .is_some()
+            })
+            .expect("a baton runtime");
+        let options = doc["plugins"][name]["containerd"]["runtimes"]["baton"]["options"]
+            .as_table()
+            .expect("options")
+            .clone();
+        if name != "io.containerd.grpc.v1.cri" {
+            return options;
+        }
+        let file = self.dir.path().join("baton-runtime.toml");
+        assert_eq!(
+            options["ConfigPath"].as_str(),
+            Some(file.to_str().expect("utf-8")),
+            "version 2: ConfigPath names the options file"
+        );
+        let text = std::fs::read_to_string(&file).expect("the options file");
+        let doc: DocumentMut = text.parse().expect("the options file is TOML");
+        doc.as_table().clone()
+    }
+
     fn names(&self) -> Vec<String> {
         let mut names: Vec<_> = std::fs::read_dir(self.dir.path())
             .expect("list")
@@ -127,7 +160,10 @@ fn round_trip(original: &str, plugin: &str) -> String {
     for key in ["pod_annotations", "container_annotations"] {
         assert_eq!(entry[key][0].as_str(), Some("baton.io/*"), "{key}");
     }
-    assert_eq!(entry["options"]["agent_autostart"].as_bool(), Some(true));
+    assert_eq!(
+        node.delivered_options()["agent_autostart"].as_bool(),
+        Some(true)
+    );
     let backup = node.dir.path().join("config.toml.baton-backup");
     assert_eq!(std::fs::read_to_string(&backup).expect("backup"), original);
 
@@ -177,7 +213,7 @@ fn install_and_uninstall_on_a_containerd_2_version_3_config() {
     assert!(installed.contains("# the kubelet runs with cgroupDriver: systemd"));
 }
 
-/// containerd 1.6 parses the installed config and shows the runtime with its options.
+/// containerd 1.6 parses the installed config and shows the runtime with its options file.
 fn containerd_reads(installed: &str) {
     if Command::new("containerd")
         .arg("--version")
@@ -208,9 +244,14 @@ fn containerd_reads(installed: &str) {
         cri["baton"]["pod_annotations"][0].as_str(),
         Some("baton.io/*")
     );
-    assert_eq!(
-        cri["baton"]["options"]["agent_socket"].as_str(),
-        Some("/run/baton/agent.sock")
+    // What containerd 1.x hands the shim: the file of options ConfigPath names (the install's node wrote it
+    // beside its config; this copy's config is elsewhere, so only the name is checked here).
+    assert!(
+        cri["baton"]["options"]["ConfigPath"]
+            .as_str()
+            .is_some_and(|p| p.ends_with("/baton-runtime.toml")),
+        "{}",
+        cri["baton"]
     );
     assert_eq!(
         cri["runc"]["runtime_type"].as_str(),
@@ -240,7 +281,18 @@ fn dry_run_prints_the_diff_and_writes_nothing() {
         diff.contains("+          runtime_type = \"io.containerd.baton.v1\""),
         "{diff}"
     );
-    assert!(!diff.contains("\n-"), "a dry run only adds lines: {diff}");
+    // The options file containerd 1.x passes the shim, shown as a new file.
+    assert!(diff.contains("baton-runtime.toml (after)"), "{diff}");
+    assert!(
+        diff.contains("+agent_socket = \"/run/baton/agent.sock\""),
+        "{diff}"
+    );
+    assert!(
+        !diff
+            .lines()
+            .any(|l| l.starts_with('-') && !l.starts_with("---")),
+        "a dry run only adds lines: {diff}"
+    );
     assert_eq!(node.read(), V2_DEFAULT);
     assert_eq!(node.names(), ["config.toml", "root"]);
 }
@@ -494,10 +546,10 @@ fn bin_dir_copies_baton_and_the_shim_and_uninstall_removes_them() {
         std::fs::read(Path::new(host_bin).join("baton")).expect("baton copied"),
         std::fs::read(BATON).expect("baton")
     );
-    let doc: DocumentMut = node.read().parse().expect("TOML");
-    let options =
-        &doc["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["baton"]["options"];
-    assert_eq!(options["agent_autostart"].as_bool(), Some(false));
+    assert_eq!(
+        node.delivered_options()["agent_autostart"].as_bool(),
+        Some(false)
+    );
     let again = Command::new(&me).args(args).output().expect("run baton");
     assert!(
         stderr(&again).contains("is up to date"),

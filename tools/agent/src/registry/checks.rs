@@ -2,7 +2,6 @@
 //! re-registration must come from its registrant for the same cgroup, and a process inside a watched
 //! container is not served.
 use baton_agent_api::{ContainerRef, Registration};
-use baton_tracer::cgroups::process_gone;
 
 use super::watched::Watched;
 use crate::core::Core;
@@ -52,7 +51,7 @@ pub(super) fn check_same_registrant(
             key.id, key.namespace, w.registration.cgroup, w.cgroup_id
         ));
     }
-    if w.owner != owner && !process_gone(w.owner) {
+    if w.owner != owner && w.owner_lives() {
         return Err(format!(
             "refusing to register container {} (namespace {}) again from pid {owner}: pid {} registered \
              it, and only that process may change where its freezes and preemptions go",

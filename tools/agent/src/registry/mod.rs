@@ -144,7 +144,7 @@ impl Core {
         let orphans: Vec<ContainerRef> = self
             .watched
             .iter()
-            .filter(|(_, w)| process_gone(w.owner) && process_gone(w.registration.init_pid))
+            .filter(|(_, w)| w.owner_and_init_gone())
             .map(|(c, _)| c.clone())
             .collect();
         for c in &orphans {
@@ -265,11 +265,10 @@ fn register_again(
 ) -> Result<ContainerStatus, String> {
     let cgroup_id = cgroup_id_of(tracer, &reg)?;
     check_same_registrant(&reg.container, w, cgroup_id, owner)?;
-    w.registration.init_pid = reg.init_pid;
+    w.set_owner_and_init(owner, reg.init_pid);
     w.registration.control_socket = reg.control_socket;
     w.registration.role = reg.role;
     w.registration.kubernetes = reg.kubernetes;
-    w.owner = owner;
     Ok(w.status(tracer))
 }
 

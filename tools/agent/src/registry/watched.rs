@@ -21,6 +21,11 @@ pub struct Watched {
     pub registration: Registration,
     /// The pid of the process that registered it.
     pub owner: u32,
+    /// When the owner started ([`baton_tracer::cgroups::start_ticks`]): once it is gone, its pid alone may
+    /// name a later process.
+    owner_started: Option<u64>,
+    /// When the init started, likewise.
+    init_started: Option<u64>,
     /// Its cgroup v2 id.
     pub cgroup_id: u64,
     gpu: GpuHold,
@@ -39,6 +44,31 @@ pub struct Watched {
 }
 
 impl Watched {
+    /// Whether the process that registered it and its init are both gone (by pid and start time).
+    pub fn owner_and_init_gone(&self) -> bool {
+        use baton_tracer::cgroups::instance_gone;
+        instance_gone(self.owner, self.owner_started)
+            && instance_gone(self.registration.init_pid, self.init_started)
+    }
+
+    /// Whether the process that registered it is still there (by pid and start time).
+    pub fn owner_lives(&self) -> bool {
+        !baton_tracer::cgroups::instance_gone(self.owner, self.owner_started)
+    }
+
+    /// Takes `owner` and `init_pid` as its registrant and init from now on.
+    pub fn set_owner_and_init(&mut self, owner: u32, init_pid: u32) {
+        use baton_tracer::cgroups::start_ticks;
+        if owner != self.owner {
+            self.owner_started = start_ticks(owner);
+        }
+        if init_pid != self.registration.init_pid {
+            self.init_started = start_ticks(init_pid);
+        }
+        self.owner = owner;
+        self.registration.init_pid = init_pid;
+    }
+
     /// A container just watched; `tracer` has seeded what its processes already hold.
     pub fn new(
         registration: Registration,
@@ -48,10 +78,13 @@ impl Watched {
         now_ns: u64,
     ) -> Self {
         let preemption = registration.preemption.clone();
+        let init_started = baton_tracer::cgroups::start_ticks(registration.init_pid);
         let mut w = Self {
             preemption,
             registration,
             owner,
+            owner_started: baton_tracer::cgroups::start_ticks(owner),
+            init_started,
             cgroup_id,
             gpu: GpuHold::Never,
             since_ns: now_ns,

@@ -98,6 +98,12 @@ pub enum ConfigError {
     },
 }
 
+/// The file beside a version 2 config that holds the Baton runtime's options (`ConfigPath` names it).
+pub const OPTIONS_FILE: &str = "baton-runtime.toml";
+/// The key of a CRI runtime's options naming a file of options (the only way containerd 1.x passes a
+/// non-runc runtime its options: it sends the shim `ConfigPath` and `TypeUrl`, never the table's other keys).
+const CONFIG_PATH: &str = "ConfigPath";
+
 /// What `baton install` puts in the runtime's `options` beyond the runc settings it copies.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EntrySettings {
@@ -105,6 +111,9 @@ pub struct EntrySettings {
     pub agent_socket: String,
     /// Whether shims start the agent (false where systemd or a DaemonSet runs it).
     pub agent_autostart: bool,
+    /// The options file ([`OPTIONS_FILE`]) as containerd on the node names it: a version 2 config's
+    /// `ConfigPath`.
+    pub options_file: String,
 }
 
 /// The result of an edit: the new text and what changed (empty: nothing, the text is the input).
@@ -118,6 +127,9 @@ pub struct Edit {
     pub changes: Vec<String>,
     /// Warnings (e.g. the CRI plugin is disabled).
     pub warnings: Vec<String>,
+    /// Version 2: the options the file `ConfigPath` names must hold (empty for version 3, whose table
+    /// containerd sends whole, as `config_body`).
+    pub file_options: Vec<(&'static str, Item)>,
 }
 
 /// Parses `text` (from `path`, for errors) and finds its version.
@@ -346,9 +358,31 @@ pub fn add_runtime(path: &Path, text: &str, settings: &EntrySettings) -> Result<
         (AGENT_SOCKET, value(settings.agent_socket.as_str())),
         (AGENT_AUTOSTART, value(settings.agent_autostart)),
     ];
-    for (key, item) in runc.into_iter().chain(baton) {
-        let indent = &layout.option_key_indent;
-        put_missing(options, key, item, indent, &options_name, &mut changes);
+    let indent = &layout.option_key_indent;
+    let mut file_options = Vec::new();
+    let mut warnings = warnings;
+    if version == Version::V2 {
+        // containerd 1.x hands the shim only `ConfigPath` of this table: the options go in that file.
+        let file = settings.options_file.as_str();
+        put_missing(
+            options,
+            CONFIG_PATH,
+            value(file),
+            indent,
+            &options_name,
+            &mut changes,
+        );
+        match options.get(CONFIG_PATH).and_then(Item::as_str) {
+            Some(named) if named == file => file_options = runc.into_iter().chain(baton).collect(),
+            named => warnings.push(format!(
+                "{options_name}.{CONFIG_PATH} names {named:?}, not {file}: Baton's options ({AGENT_SOCKET}, \
+                 {AGENT_AUTOSTART}) must be in that file; add them there by hand"
+            )),
+        }
+    } else {
+        for (key, item) in runc.into_iter().chain(baton) {
+            put_missing(options, key, item, indent, &options_name, &mut changes);
+        }
     }
     if new_entry {
         changes = vec![format!(
@@ -370,7 +404,46 @@ pub fn add_runtime(path: &Path, text: &str, settings: &EntrySettings) -> Result<
         text,
         changes,
         warnings,
+        file_options,
     })
+}
+
+/// The options file's text with `options` added where missing (a key already there keeps its value, as in
+/// the config), and one line per change; `text` is the file's current text (empty when there is none).
+pub fn options_file_text(
+    path: &Path,
+    text: &str,
+    options: &[(&'static str, Item)],
+) -> Result<(String, Vec<String>), ConfigError> {
+    let mut doc: DocumentMut =
+        text.parse()
+            .map_err(|e: toml_edit::TomlError| ConfigError::NotToml {
+                path: path.to_owned(),
+                message: e.to_string(),
+            })?;
+    let mut changes = Vec::new();
+    let what = path.display().to_string();
+    for (key, item) in options {
+        put_missing(
+            doc.as_table_mut(),
+            key,
+            item.clone(),
+            "",
+            &what,
+            &mut changes,
+        );
+    }
+    let out = if changes.is_empty() && !text.is_empty() {
+        text.to_owned()
+    } else if text.is_empty() {
+        format!(
+            "# Options of containerd's `baton` runtime (containerd 1.x passes a runtime's options only \
+             through\n# the file its ConfigPath names), written by baton install. Keys: see the README.\n{doc}"
+        )
+    } else {
+        doc.to_string()
+    };
+    Ok((out, changes))
 }
 
 /// `runtime_type` and the annotation lists of the entry: set when missing or wrong.
@@ -425,6 +498,7 @@ pub fn remove_runtime(path: &Path, text: &str) -> Result<Edit, ConfigError> {
         text,
         changes,
         warnings,
+        file_options: Vec::new(),
     })
 }
 
@@ -439,6 +513,7 @@ mod tests {
         EntrySettings {
             agent_socket: baton_agent_api::DEFAULT_SOCKET.to_owned(),
             agent_autostart: false,
+            options_file: format!("/etc/containerd/{OPTIONS_FILE}"),
         }
     }
 
@@ -470,6 +545,62 @@ mod tests {
             .unwrap()
     }
 
+    /// The options as the shim gets them: the table itself (version 3, `config_body`), or the file its
+    /// `ConfigPath` names (version 2), written fresh.
+    fn delivered(edit: &Edit) -> DocumentMut {
+        let text = match edit.version {
+            Version::V3 => {
+                let doc: DocumentMut = edit.text.parse().unwrap();
+                let options = entry(&doc, Version::V3)["options"].as_table().unwrap();
+                let mut out = DocumentMut::new();
+                for (k, v) in options.iter() {
+                    out.insert(k, v.clone());
+                }
+                return out;
+            }
+            Version::V2 => options_file_text(path(), "", &edit.file_options).unwrap().0,
+        };
+        text.parse().unwrap()
+    }
+
+    #[test]
+    fn version_2_names_the_options_file_and_the_file_gets_the_options() {
+        let edit = add_runtime(path(), V2, &settings()).unwrap();
+        let doc: DocumentMut = edit.text.parse().unwrap();
+        let options = entry(&doc, Version::V2)["options"].as_table().unwrap();
+        assert_eq!(
+            options.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            [CONFIG_PATH],
+            "containerd 1.x sends only ConfigPath: no other key belongs in the table"
+        );
+        assert_eq!(
+            options[CONFIG_PATH].as_str(),
+            Some("/etc/containerd/baton-runtime.toml")
+        );
+        // A file already there keeps its keys and gets what is missing; a second pass changes nothing.
+        let mine = "agent_autostart = true # mine\n";
+        let (text, changes) = options_file_text(path(), mine, &edit.file_options).unwrap();
+        assert!(text.starts_with(mine), "{text}");
+        assert!(
+            changes.iter().any(|c| c.contains(AGENT_SOCKET)),
+            "{changes:?}"
+        );
+        let (again, none) = options_file_text(path(), &text, &edit.file_options).unwrap();
+        assert_eq!((again, none.len()), (text, 0));
+        // A ConfigPath of the user's own is kept, and the warning says where the options must go.
+        let theirs = V2.replace(
+            "[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]",
+            "[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.baton.options]\n  ConfigPath = \"/etc/mine.toml\"\n\n[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]",
+        );
+        let edit = add_runtime(path(), &theirs, &settings()).unwrap();
+        assert!(edit.file_options.is_empty());
+        assert!(
+            edit.warnings.iter().any(|w| w.contains("/etc/mine.toml")),
+            "{:?}",
+            edit.warnings
+        );
+    }
+
     #[test]
     fn both_versions_get_the_entry_in_one_piece_and_lose_it_byte_for_byte() {
         for (original, version) in [(V2, Version::V2), (V3, Version::V3)] {
@@ -482,9 +613,10 @@ mod tests {
             assert_eq!(e["runtime_type"].as_str(), Some(RUNTIME_TYPE));
             assert_eq!(e["pod_annotations"][0].as_str(), Some("baton.io/*"));
             assert_eq!(e["container_annotations"][0].as_str(), Some("baton.io/*"));
-            assert_eq!(e["options"][AGENT_AUTOSTART].as_bool(), Some(false));
+            let options = delivered(&edit);
+            assert_eq!(options[AGENT_AUTOSTART].as_bool(), Some(false));
             assert_eq!(
-                e["options"][AGENT_SOCKET].as_str(),
+                options[AGENT_SOCKET].as_str(),
                 Some(baton_agent_api::DEFAULT_SOCKET)
             );
             let again = add_runtime(path(), &edit.text, &settings()).unwrap();
@@ -501,8 +633,7 @@ mod tests {
         let text = "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc.options]\n\
                     SystemdCgroup = true\nBinaryName = \"/opt/runc\"\n";
         let edit = add_runtime(path(), text, &settings()).unwrap();
-        let doc: DocumentMut = edit.text.parse().unwrap();
-        let o = &entry(&doc, Version::V2)["options"];
+        let o = delivered(&edit);
         assert_eq!(o[RUNC_SYSTEMD_CGROUP].as_bool(), Some(true));
         assert_eq!(o[RUNC_BINARY_NAME].as_str(), Some("/opt/runc"));
     }

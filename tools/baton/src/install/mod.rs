@@ -49,7 +49,9 @@ pub struct InstallArgs {
     /// Also copy this `baton` and the shim beside it into DIR (e.g. /host/usr/local/bin from a DaemonSet).
     #[arg(long, value_name = "DIR")]
     bin_dir: Option<PathBuf>,
-    /// The root of the file system where the unit goes and systemd is looked for.
+    /// The root of the node's file system as seen here (`/host` from the DaemonSet's install container):
+    /// where the unit goes and systemd is looked for, and what paths written into the config are relative to
+    /// (containerd reads them on the node).
     #[arg(long, default_value = "/")]
     root: PathBuf,
 }
@@ -141,12 +143,15 @@ fn apply(path: &Path, old: &str, edit: &containerd_config::Edit, dry_run: bool) 
 pub fn install(args: InstallArgs) -> Result<()> {
     let (path, old) = read_config(&args.config)?;
     let unit = args.agent == AgentMode::Systemd && agent_unit::systemd_runs(&args.root);
+    let options_file = path.with_file_name(containerd_config::OPTIONS_FILE);
     let settings = EntrySettings {
         agent_socket: baton_agent_api::DEFAULT_SOCKET.to_owned(),
         agent_autostart: !(unit || args.agent == AgentMode::Daemonset),
+        options_file: on_node(&args.root, &options_file),
     };
     let edit = containerd_config::add_runtime(&path, &old, &settings)?;
     let changed = apply(&path, &old, &edit, args.dry_run)?;
+    let changed = write_options_file(&options_file, &edit, args.dry_run)? || changed;
     if !changed {
         note(format!(
             "{} already has the baton runtime [{}]: nothing changed",
@@ -169,6 +174,45 @@ pub fn install(args: InstallArgs) -> Result<()> {
     );
     print!("{RUNTIME_CLASS}");
     Ok(())
+}
+
+/// `path` (seen here) as the node names it: relative to `root` when under it.
+fn on_node(root: &Path, path: &Path) -> String {
+    match path.strip_prefix(root) {
+        Ok(rest) if root != Path::new("/") => Path::new("/").join(rest).display().to_string(),
+        _ => path.display().to_string(),
+    }
+}
+
+/// Writes the options a version 2 config's `ConfigPath` names into `file` (only what is missing there);
+/// whether it changed.
+fn write_options_file(file: &Path, edit: &containerd_config::Edit, dry_run: bool) -> Result<bool> {
+    if edit.file_options.is_empty() {
+        return Ok(false);
+    }
+    let old = match std::fs::read_to_string(file) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", file.display())),
+    };
+    let (text, changes) = containerd_config::options_file_text(file, &old, &edit.file_options)?;
+    if changes.is_empty() {
+        return Ok(false);
+    }
+    for c in &changes {
+        note(c);
+    }
+    if dry_run {
+        print_diff(file, &old, &text);
+        note(format!("--dry-run: {} not written", file.display()));
+    } else {
+        atomic_file::write(file, text.as_bytes(), 0o644)?;
+        note(format!(
+            "wrote {} (containerd 1.x passes the runtime its options through this file only)",
+            file.display()
+        ));
+    }
+    Ok(true)
 }
 
 /// The agent's part of install: the unit, or what runs the agent instead.
@@ -247,7 +291,16 @@ fn copy_binaries(dir: &Path, dry_run: bool) -> Result<()> {
 pub fn uninstall(args: UninstallArgs) -> Result<()> {
     let (path, old) = read_config(&args.config)?;
     let edit = containerd_config::remove_runtime(&path, &old)?;
-    let changed = apply(&path, &old, &edit, args.dry_run)?;
+    let mut changed = apply(&path, &old, &edit, args.dry_run)?;
+    let options_file = path.with_file_name(containerd_config::OPTIONS_FILE);
+    if options_file.exists() {
+        if args.dry_run {
+            note(format!("would remove {}", options_file.display()));
+        } else if atomic_file::remove(&options_file)? {
+            note(format!("removed {}", options_file.display()));
+        }
+        changed = true;
+    }
     if !changed {
         note(format!(
             "{} has no baton runtime: nothing changed",
