@@ -330,6 +330,25 @@ pub fn container_status(socket: &Path, id: &str) -> anyhow::Result<Option<Value>
         .and_then(|a| a.first().cloned()))
 }
 
+/// The `status` of container `id` once `cond` holds for it (polled until `within` passes; a container not
+/// watched, or an agent not answering, reads as `null`): `Ok` with it, or `Err` with the last one read.
+pub fn container_status_when(
+    socket: &Path,
+    id: &str,
+    within: Duration,
+    cond: impl Fn(&Value) -> bool,
+) -> Result<Value, Value> {
+    let mut last = Value::Null;
+    let held = wait_until(within, || {
+        last = container_status(socket, id)
+            .ok()
+            .flatten()
+            .unwrap_or(Value::Null);
+        cond(&last)
+    });
+    if held { Ok(last) } else { Err(last) }
+}
+
 /// Polls `cond` until it holds or `within` passes; returns whether it held.
 pub fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + within;

@@ -9,12 +9,15 @@ use std::time::{Duration, Instant};
 
 use containerd_client::services::v1::container::Runtime;
 use containerd_client::services::v1::containers_client::ContainersClient;
+use containerd_client::services::v1::content_client::ContentClient;
 use containerd_client::services::v1::events_client::EventsClient;
+use containerd_client::services::v1::leases_client::LeasesClient;
 use containerd_client::services::v1::tasks_client::TasksClient;
 use containerd_client::services::v1::{
-    CloseIoRequest, Container, CreateContainerRequest, CreateTaskRequest, DeleteContainerRequest,
-    DeleteTaskRequest, ExecProcessRequest, GetRequest, KillRequest, PublishRequest,
-    ResizePtyRequest, StartRequest, SubscribeRequest, UpdateTaskRequest, WaitRequest,
+    CheckpointTaskRequest, CloseIoRequest, Container, CreateContainerRequest, CreateTaskRequest,
+    DeleteContainerRequest, DeleteTaskRequest, ExecProcessRequest, GetRequest, KillRequest,
+    PublishRequest, ResizePtyRequest, StartRequest, SubscribeRequest, UpdateTaskRequest,
+    WaitRequest, WriteAction, WriteContentRequest,
 };
 use containerd_client::types::Mount;
 use prost::Message;
@@ -136,10 +139,16 @@ pub struct StdioPaths {
 }
 
 /// A blocking client for one containerd namespace.
+///
+/// Everything it makes in the content store (a Task Checkpoint's blobs, [`Api::write_content`]) is held by a
+/// lease of its own until it is dropped: containerd's garbage collector removes content that nothing refers to,
+/// and it runs at unpredictable times (100 ms after start-up, after deletions), so a blob a test wrote and
+/// then restored from vanished once in CI ("content digest ...: not found").
 pub struct Api {
     runtime: tokio::runtime::Runtime,
     channel: Channel,
     namespace: String,
+    lease: String,
 }
 
 /// A gRPC channel to containerd's socket and the one-worker runtime that blocking clients drive it on.
@@ -161,20 +170,85 @@ pub fn blocking_channel(socket: &Path) -> Result<(tokio::runtime::Runtime, Chann
 impl Api {
     /// Connects to containerd's socket for `namespace`.
     pub fn connect(socket: &Path, namespace: &str) -> Result<Self, Error> {
+        static LEASES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let (runtime, channel) = blocking_channel(socket)?;
-        Ok(Self {
+        let n = LEASES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut api = Self {
             runtime,
             channel,
             namespace: namespace.to_string(),
-        })
+            lease: String::new(),
+        };
+        let lease = format!("baton-test-{}-{n}", std::process::id());
+        let request = api.request(containerd_client::services::v1::CreateRequest {
+            id: lease.clone(),
+            labels: HashMap::new(),
+        });
+        let mut leases = LeasesClient::new(api.channel.clone());
+        api.runtime
+            .block_on(leases.create(request))
+            .map_err(|status| Error::Rpc {
+                call: "create lease",
+                id: lease.clone(),
+                status,
+            })?;
+        api.lease = lease;
+        Ok(api)
     }
 
+    /// `message` in this client's namespace and lease.
     fn request<T>(&self, message: T) -> Request<T> {
         let mut request = Request::new(message);
         if let Ok(value) = MetadataValue::try_from(self.namespace.as_str()) {
             request.metadata_mut().insert("containerd-namespace", value);
         }
+        if !self.lease.is_empty()
+            && let Ok(value) = MetadataValue::try_from(self.lease.as_str())
+        {
+            request.metadata_mut().insert("containerd-lease", value);
+        }
         request
+    }
+
+    /// Writes `data` into the content store under this client's lease, as `reference`; its descriptor with
+    /// `media_type`.
+    pub fn write_content(
+        &self,
+        reference: &str,
+        media_type: &str,
+        data: Vec<u8>,
+    ) -> Result<containerd_client::types::Descriptor, Error> {
+        let digest = format!("sha256:{}", crate::cri::image::hex_sha256(&data));
+        let size = data.len() as i64;
+        // One message: containerd writes its data, then commits at the expected size and digest.
+        let write = WriteContentRequest {
+            action: WriteAction::Commit as i32,
+            r#ref: reference.to_string(),
+            total: size,
+            expected: digest.clone(),
+            offset: 0,
+            data,
+            labels: HashMap::new(),
+        };
+        let request = self.request(tokio_stream::iter(vec![write]));
+        let mut content = ContentClient::new(self.channel.clone());
+        self.runtime
+            .block_on(async {
+                let mut replies = content.write(request).await?.into_inner();
+                while replies.message().await?.is_some() {}
+                Ok::<_, tonic::Status>(())
+            })
+            .map_err(|status| Error::Rpc {
+                call: "write content",
+                id: reference.to_string(),
+                status,
+            })?;
+        Ok(containerd_client::types::Descriptor {
+            media_type: media_type.to_string(),
+            digest,
+            size,
+            ..Default::default()
+        })
     }
 
     fn tasks(&self) -> TasksClient<Channel> {
@@ -388,6 +462,44 @@ impl Api {
                 call: "update",
                 id: id.to_string(),
                 status,
+            })
+    }
+
+    /// containerd's Task Checkpoint of `id` (runc's `CheckpointOptions`, with `exit` to stop the task after
+    /// the dump, which `ctr task checkpoint --exit` sends to runc's own shims only): the CRIU blob it wrote
+    /// into the content store, as a task's `checkpoint` for restoring from it.
+    pub fn checkpoint(
+        &self,
+        id: &str,
+        exit: bool,
+    ) -> Result<containerd_client::types::Descriptor, Error> {
+        use crate::task_options::{CHECKPOINT_OPTIONS_TYPE, CheckpointOptions};
+        let request = self.request(CheckpointTaskRequest {
+            container_id: id.to_string(),
+            options: Some(Any {
+                type_url: CHECKPOINT_OPTIONS_TYPE.to_string(),
+                value: CheckpointOptions { exit }.encode_to_vec(),
+            }),
+            ..Default::default()
+        });
+        let mut tasks = self.tasks();
+        let reply = self
+            .runtime
+            .block_on(tasks.checkpoint(request))
+            .map_err(|status| Error::Rpc {
+                call: "checkpoint",
+                id: id.to_string(),
+                status,
+            })?;
+        let descriptors = reply.into_inner().descriptors;
+        descriptors
+            .iter()
+            .find(|d| d.media_type.ends_with("checkpoint.criu.tar"))
+            .cloned()
+            .ok_or_else(|| Error::Encode {
+                what: "checkpoint reply",
+                id: id.to_string(),
+                detail: format!("no CRIU blob among {descriptors:?}"),
             })
     }
 
@@ -655,6 +767,21 @@ impl EventLog {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+}
+
+/// Lets go of the client's lease: what it held is garbage once nothing else refers to it.
+impl Drop for Api {
+    fn drop(&mut self) {
+        if self.lease.is_empty() {
+            return;
+        }
+        let request = self.request(containerd_client::services::v1::DeleteRequest {
+            id: self.lease.clone(),
+            sync: false,
+        });
+        let mut leases = LeasesClient::new(self.channel.clone());
+        let _ = self.runtime.block_on(leases.delete(request));
     }
 }
 

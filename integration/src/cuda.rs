@@ -146,6 +146,38 @@ impl CudaRig {
         self.create_from(id, t, annotations, options, None)
     }
 
+    /// Container `id` created from a Task Checkpoint of `source` taken with `exit` (paused first, as
+    /// containerd's Go client does; `source` stops), through containerd's content store, and started. The
+    /// client's lease holds the checkpoint's blobs until the task is created: a garbage collection runs in
+    /// between to show it.
+    pub fn restore_from_checkpoint_of(
+        &self,
+        source: &str,
+        id: &str,
+        options: Option<prost_types::Any>,
+    ) -> Running {
+        let env = &self.gpu.env;
+        env.ctr_ok(&["task", "pause", source])
+            .unwrap_or_else(|e| panic!("pause {source}: {e}"));
+        let api = env.api().unwrap_or_else(|e| panic!("api: {e}"));
+        let checkpoint = api
+            .checkpoint(source, true)
+            .unwrap_or_else(|e| panic!("checkpoint {source}: {e}"));
+        assert!(
+            self.wait_status(source, "STOPPED"),
+            "{source} did not stop at its checkpoint: {:?}",
+            self.task_status(source)
+        );
+        env.collect_garbage()
+            .unwrap_or_else(|e| panic!("garbage collection: {e}"));
+        let restored = self.create_from(id, &Trainer::default(), &[], options, Some(checkpoint));
+        drop(api);
+        env.api()
+            .and_then(|api| api.start(id, ""))
+            .unwrap_or_else(|e| panic!("start {id}: {e}"));
+        restored
+    }
+
     /// [`CudaRig::create_with`] of a task restored (at Start) from CRIU checkpoint blob `checkpoint`.
     pub fn create_from(
         &self,

@@ -36,6 +36,18 @@ pub struct RuncOptions {
     pub binary_name: String,
 }
 
+/// Type URL of runc's checkpoint options.
+pub const CHECKPOINT_OPTIONS_TYPE: &str = "containerd.runc.v1.CheckpointOptions";
+
+/// The subset of `containerd.runc.v1.CheckpointOptions` (containerd api/types/runc/options/oci.proto) the
+/// tests set.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct CheckpointOptions {
+    /// Field 1: stop the task after the dump.
+    #[prost(bool, tag = "1")]
+    pub exit: bool,
+}
+
 /// The subset of `containerd.linux.runc.CreateOptions` (containerd runtime/linux/runctypes/runc.proto) the
 /// Go client fills in.
 #[derive(Clone, PartialEq, prost::Message)]

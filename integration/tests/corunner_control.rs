@@ -953,7 +953,8 @@ fn exec_into_a_duty_cycled_co_runner_succeeds_every_time() {
         ]);
         assert!(
             out.success() && out.stdout.contains("exec-ok"),
-            "exec {i} into the duty-cycled co-runner: {} {}",
+            "exec {i} into the duty-cycled co-runner: exit {:?}, stdout {:?}, stderr {:?}",
+            out.code,
             out.stdout,
             out.stderr
         );

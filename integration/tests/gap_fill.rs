@@ -98,6 +98,22 @@ fn a_server_behind_the_gate_starts_on_the_preemptible_trainers_release_and_the_t
     };
     let mut trainer = rig.run("trainer", &Trainer::default(), &PREEMPTIBLE);
     wait_held(&rig, "trainer");
+    // `baton status` shows the GPU the trainer sees, the ledger's memory beside NVML's (none on the mock).
+    let (out, err, ok) = rig.baton(&["status", "--json"]);
+    assert!(ok, "baton status: {err}");
+    let gpus = serde_json::from_str::<Value>(&out).unwrap()["gpus"].clone();
+    assert_eq!(
+        gpus,
+        json!([{"device": "nvidia0", "minor": 0, "containers": 1,
+                "ledger_vram_bytes": Trainer::default().vram_mib << 20, "nvml_used_bytes": null}]),
+        "{out}"
+    );
+    let (out, _, _) = rig.baton(&["status"]);
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("nvidia0") && l.trim_end().ends_with("unavailable")),
+        "{out}"
+    );
     let mut events = rig.gpu.watch("trainer");
     let _server = rig.create("server", &Trainer::default(), &SERVER);
     let start = start_in_background(&rig, "server");

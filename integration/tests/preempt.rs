@@ -410,53 +410,33 @@ fn a_parked_container_survives_a_containerd_restart_and_a_killed_shim_leaves_not
     assert!(left.processes.is_empty(), "{left:?}");
 }
 
-/// A runc for the snapshot test: CRIU cannot run on this kernel (../shared/reference/machine.md), so
-/// `checkpoint` is played. It records its arguments and how many NVIDIA fds the container's processes
-/// hold at the dump, writes an image file, and stops the container unless `--leave-running`. Every other
-/// subcommand is the real runc.
-fn runc_without_criu(dir: &std::path::Path) -> std::path::PathBuf {
+/// A runc for the real-CRIU tests: before runc's own `checkpoint` (real CRIU, the shim's) it records its
+/// arguments, how many NVIDIA fds the container's processes hold at that moment, and what the image folder
+/// holds; every subcommand is then the real runc's.
+fn runc_recording_dumps(dir: &std::path::Path) -> std::path::PathBuf {
     let script = r#"#!/bin/sh
 D='@DIR@'
-root=""; img=""; bundle=""; pidfile=""; prev=""
+root=""; img=""; prev=""
 for a in "$@"; do
   [ "$prev" = "--root" ] && root=$a
   [ "$prev" = "--image-path" ] && img=$a
-  [ "$prev" = "--bundle" ] && bundle=$a
-  [ "$prev" = "--pid-file" ] && pidfile=$a
   prev=$a
 done
 case " $* " in
   *" checkpoint "*)
-    id=$prev
     echo "$*" > "$D/checkpoint-args"
     n=0
-    for p in $(runc --root "$root" ps --format json "$id" | tr -d '[]' | tr ',' ' '); do
+    for p in $(runc --root "$root" ps --format json "$prev" | tr -d '[]' | tr ',' ' '); do
       n=$((n + $(ls -l /proc/$p/fd 2>/dev/null | grep -c nvidia)))
     done
     echo $n > "$D/nvidia-fds-at-dump"
-    ls "$img" > "$D/image-at-dump"
-    mkdir -p "$img" && echo image > "$img/dump.img"
-    case " $* " in
-      *" --leave-running "*) ;;
-      *) runc --root "$root" kill "$id" KILL ;;
-    esac
-    exit 0 ;;
+    ls "$img" > "$D/image-at-dump" ;;
   *" restore "*)
-    # Played as a fresh start of the bundle whose program starts as CRIU would leave a CUDA process
-    # (--restored-checkpointed); like runc restore, it returns once the process is back (its socket).
-    id=$prev
-    ls "$img" > "$D/image-at-restore"
-    runc --root "$root" create --bundle "$bundle" --pid-file "$pidfile" "$id" || exit 1
-    runc --root "$root" start "$id" || exit 1
-    pid=$(cat "$pidfile"); i=0
-    while [ ! -S "/proc/$pid/root/tmp/baton-mock-cuda/1.sock" ] && [ $i -lt 3000 ]; do
-      sleep 0.01; i=$((i + 1))
-    done
-    exit 0 ;;
+    ls "$img" > "$D/image-at-restore" ;;
 esac
 exec runc "$@"
 "#;
-    let path = dir.join("runc-without-criu");
+    let path = dir.join("runc-recording-dumps");
     baton_integration::write_script(&path, &script.replace("@DIR@", &dir.display().to_string()))
         .unwrap();
     path
@@ -469,7 +449,7 @@ fn snapshot_and_task_checkpoint_release_the_gpu_before_criu_dumps() {
     };
     let dir = rig.gpu.env.scratch();
     std::fs::create_dir_all(&dir).unwrap();
-    let runc = runc_without_criu(&dir);
+    let runc = runc_recording_dumps(&dir);
     let options = baton_integration::api::runtime_options_toml(&format!(
         "BinaryName = \"{}\"\n",
         runc.display()
@@ -538,6 +518,14 @@ fn snapshot_and_task_checkpoint_release_the_gpu_before_criu_dumps() {
         "0"
     );
     assert!(rig.wait_status("snap", "STOPPED"), "the dump stopped it");
+    let dumped: Vec<String> = std::fs::read_dir(&image)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        dumped.iter().any(|f| f == "pstree.img") && dumped.iter().any(|f| f == "baton-cuda.json"),
+        "CRIU's dump beside the CUDA processes' list: {dumped:?}"
+    );
 }
 
 #[test]
@@ -570,7 +558,7 @@ fn a_task_created_from_a_checkpoint_gets_its_cuda_processes_restored_and_unlocke
     };
     let dir = rig.gpu.env.scratch();
     std::fs::create_dir_all(&dir).unwrap();
-    let runc = runc_without_criu(&dir);
+    let runc = runc_recording_dumps(&dir);
     let options = || {
         Some(baton_integration::api::runtime_options_toml(&format!(
             "BinaryName = \"{}\"\n",
@@ -580,45 +568,85 @@ fn a_task_created_from_a_checkpoint_gets_its_cuda_processes_restored_and_unlocke
     let _snap = rig.create_with("source", &Trainer::default(), &[], options());
     rig.gpu.env.api().unwrap().start("source", "").unwrap();
     wait_held(&rig, "source", 1);
-    // A checkpoint image in containerd's content store (the dump is played; the image carries the list of
-    // CUDA processes the shim wrote).
-    let out = rig.gpu.env.ctr(&["task", "checkpoint", "source"]);
-    assert!(out.success(), "ctr task checkpoint: {}", out.stderr);
-    let images = rig.gpu.env.ctr(&["images", "ls"]).stdout;
-    let index = images
-        .lines()
-        .find(|l| l.contains("checkpoint"))
-        .and_then(|l| l.split_whitespace().nth(2))
-        .unwrap_or_else(|| panic!("no checkpoint image: {images}"))
-        .to_owned();
-    let index: Value =
-        serde_json::from_str(&rig.gpu.env.ctr(&["content", "get", &index]).stdout).unwrap();
-    let criu = index["manifests"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|m| {
-            m["mediaType"]
-                .as_str()
-                .unwrap()
-                .ends_with("checkpoint.criu.tar")
-        })
-        .unwrap_or_else(|| panic!("no CRIU blob in {index}"));
-    let checkpoint = containerd_client::types::Descriptor {
-        media_type: criu["mediaType"].as_str().unwrap().to_owned(),
-        digest: criu["digest"].as_str().unwrap().to_owned(),
-        size: criu["size"].as_i64().unwrap(),
-        ..Default::default()
+    // A checkpoint in containerd's content store (CRIU's dump, and the list of CUDA processes the shim
+    // wrote), of a task paused first as containerd's Go client does, with `exit`: the source stops.
+    let mut restored = rig.restore_from_checkpoint_of("source", "restored", options());
+    // The image holds CRIU's dump of the process tree beside the list of CUDA processes the shim wrote.
+    let listing = std::fs::read_to_string(dir.join("image-at-restore")).unwrap();
+    assert!(
+        listing.contains("baton-cuda.json") && listing.contains("pstree.img"),
+        "{listing}"
+    );
+    let line = restored.wait_line("restored checksum");
+    assert!(line.ends_with("intact"), "{line}");
+    restored.wait_line("unlocked");
+    wait_held(&rig, "restored", 1);
+}
+
+#[test]
+fn a_lock_timeout_a_snapshot_and_a_restore_from_an_image_go_through_the_driver_api() {
+    let Some(rig) = CudaRig::start("preempt-api-snapshot") else {
+        return;
     };
-    let restored_opts = Trainer {
-        extra: vec!["--restored-checkpointed".into()],
+    let dir = tempfile::tempdir().unwrap();
+    let library = baton_integration::trace_env::fake_libcuda_in(dir.path()).unwrap();
+    // No program at all: every checkpoint call has to go through the helper.
+    let options = || api_only_options(&library, "cuda_lock_timeout = \"300ms\"\n");
+
+    // A lock that cannot succeed within cuda_lock_timeout: the driver's timeout, named with the call and
+    // the pid, and nothing changed.
+    let slow = Trainer {
+        extra: vec!["--lock-delay-ms".into(), "5000".into()],
         ..Trainer::default()
     };
-    let mut restored =
-        rig.create_from("restored", &restored_opts, &[], options(), Some(checkpoint));
-    rig.gpu.env.api().unwrap().start("restored", "").unwrap();
-    let listing = std::fs::read_to_string(dir.join("image-at-restore")).unwrap();
-    assert!(listing.contains("baton-cuda.json"), "{listing}");
+    let _slow = rig.create_with("slow-lock", &slow, &[], options());
+    rig.gpu.env.api().unwrap().start("slow-lock", "").unwrap();
+    wait_held(&rig, "slow-lock", 1);
+    let pid = pids_of(&rig, "slow-lock")[0];
+    let (_, err, ok) = rig.baton(&["preempt", "slow-lock"]);
+    assert!(!ok, "the lock times out");
+    assert!(
+        err.contains(&format!("cuCheckpointProcessLock of pid {pid}"))
+            && err.contains("CUDA_ERROR_TIMEOUT")
+            && err.contains("rolled back"),
+        "{err}"
+    );
+    assert_eq!(CudaRig::cuda_state(pid), "running");
+    assert_eq!(rig.task_status("slow-lock").as_deref(), Some("RUNNING"));
+
+    // baton preempt --mode snapshot through the helper and real CRIU: released before the dump, stopped,
+    // the image beside its list of CUDA processes.
+    let _snap = rig.create_with("snap", &Trainer::default(), &[], options());
+    rig.gpu.env.api().unwrap().start("snap", "").unwrap();
+    wait_held(&rig, "snap", 1);
+    let image = rig.gpu.env.scratch().join("api-snapshot");
+    let image_arg = image.display().to_string();
+    let (steps, outcome) = rig.baton_json(&[
+        "preempt",
+        "snap",
+        "--mode",
+        "snapshot",
+        "--image-path",
+        &image_arg,
+    ]);
+    assert_eq!(
+        outcome["preemption"]["state"],
+        json!("snapshotted"),
+        "{outcome}"
+    );
+    assert!(
+        t_of(&steps, "gpu_released", None) < t_of(&steps, "dumped", None),
+        "{steps:?}"
+    );
+    assert!(rig.wait_status("snap", "STOPPED"), "the dump stopped it");
+    assert!(image.join("pstree.img").is_file() && image.join("baton-cuda.json").is_file());
+
+    // A task created from a Task Checkpoint in containerd's content store: CRIU restores the process,
+    // then the helper restores and unlocks its CUDA state.
+    let _source = rig.create_with("source", &Trainer::default(), &[], options());
+    rig.gpu.env.api().unwrap().start("source", "").unwrap();
+    wait_held(&rig, "source", 1);
+    let mut restored = rig.restore_from_checkpoint_of("source", "restored", options());
     let line = restored.wait_line("restored checksum");
     assert!(line.ends_with("intact"), "{line}");
     restored.wait_line("unlocked");
@@ -666,6 +694,15 @@ fn a_park_whose_client_went_away_midway_is_still_known_to_the_agent_as_parked() 
     assert_eq!(outcome["preemption"], Value::Null, "{outcome}");
 }
 
+/// Node options naming `library` as the CUDA driver library and no cuda-checkpoint program at all, so that
+/// only the driver API can act; then the TOML lines `extra`.
+fn api_only_options(library: &std::path::Path, extra: &str) -> Option<prost_types::Any> {
+    Some(baton_integration::api::runtime_options_toml(&format!(
+        "cuda_driver_path = \"{}\"\ncuda_checkpoint_path = \"/nonexistent/cuda-checkpoint\"\n{extra}",
+        library.display()
+    )))
+}
+
 /// Sends `request` to the agent on `socket` and returns its reply line (step lines skipped).
 fn agent_reply(socket: &std::path::Path, mut request: Value) -> Value {
     use std::io::{BufRead, Write};
@@ -689,7 +726,7 @@ fn a_snapshot_goes_to_the_node_snapshot_dir_and_a_relative_image_path_is_refused
     };
     let dir = rig.gpu.env.scratch();
     std::fs::create_dir_all(&dir).unwrap();
-    let runc = runc_without_criu(&dir);
+    let runc = runc_recording_dumps(&dir);
     let snapshots = dir.join("snapshots");
     let options = baton_integration::api::runtime_options_toml(&format!(
         "BinaryName = \"{}\"\nsnapshot_dir = \"{}\"\n",
@@ -753,7 +790,190 @@ fn a_snapshot_goes_to_the_node_snapshot_dir_and_a_relative_image_path_is_refused
         "{args}"
     );
     assert!(
-        std::path::Path::new(&expected).join("dump.img").exists(),
-        "no image in {expected}"
+        std::path::Path::new(&expected).join("pstree.img").exists(),
+        "no CRIU image in {expected}"
     );
+}
+
+/// The fake libcuda's driver-API checkpoint calls (`cuCheckpointProcess*`, what a long-lived helper calls
+/// instead of running cuda-checkpoint per action) take a trainer in a container through lock, checkpoint,
+/// restore and unlock as the program does: its GPU is released and re-acquired and its weights come back
+/// intact. Like the real library's, the calls fail before this process called `cuInit`.
+#[test]
+fn the_driver_api_checkpoint_calls_take_a_trainer_through_a_park_and_back() {
+    use baton_nvidia::cuda_checkpoint::{Action, CudaState, driver_api as cu};
+    use std::ffi::{c_int, c_uint, c_void};
+    let Some(rig) = CudaRig::start("preempt-driver-api") else {
+        return;
+    };
+    let mut trainer = rig.run("trainer", &Trainer::default(), &[]);
+    wait_held(&rig, "trainer", 1);
+    let pid = pids_of(&rig, "trainer")[0] as c_int;
+    let mut w = rig.gpu.watch("trainer");
+    let dir = tempfile::tempdir().unwrap();
+    let path = baton_integration::trace_env::fake_libcuda_in(dir.path()).unwrap();
+    // SAFETY: the fake library has no initialisers that could misbehave in this process.
+    let lib = unsafe { libloading::Library::new(&path) }.unwrap();
+    type Init = unsafe extern "C" fn(c_uint) -> u32;
+    type Call = unsafe extern "C" fn(c_int, *const c_void) -> u32;
+    type GetState = unsafe extern "C" fn(c_int, *mut c_uint) -> u32;
+    // SAFETY: the symbols have these C signatures (NVIDIA's cuda.h, CUDA 12.8).
+    let (init, get_state) = unsafe {
+        (
+            *lib.get::<Init>(cu::CU_INIT).unwrap(),
+            *lib.get::<GetState>(cu::GET_STATE).unwrap(),
+        )
+    };
+    let state = |expect: u32| {
+        let mut value = u32::MAX;
+        // SAFETY: `value` lives for the call.
+        assert_eq!(unsafe { get_state(pid, &mut value) }, expect);
+        cu::state_from_value(value)
+    };
+    let lock_args = cu::LockArgs {
+        timeout_ms: 30_000,
+        ..Default::default()
+    };
+    let act = |action: Action| {
+        // SAFETY: the symbol has the C signature `Call` names; every args struct lives for the call (the
+        // lock's is read as its timeout, the others' reserved fields are zero).
+        unsafe {
+            let call = *lib.get::<Call>(cu::symbol(action)).unwrap();
+            let restore = cu::RestoreArgs::default();
+            let reserved = cu::ReservedArgs::default();
+            let args: *const c_void = match action {
+                Action::Lock => (&raw const lock_args).cast(),
+                Action::Restore => (&raw const restore).cast(),
+                _ => (&raw const reserved).cast(),
+            };
+            call(pid, args)
+        }
+    };
+    assert_eq!(state(cu::CUDA_ERROR_NOT_INITIALIZED), None);
+    assert_eq!(act(Action::Lock), cu::CUDA_ERROR_NOT_INITIALIZED);
+    // SAFETY: cuInit takes its flags by value.
+    assert_eq!(unsafe { init(0) }, cu::CUDA_SUCCESS);
+    assert_eq!(state(cu::CUDA_SUCCESS), Some(CudaState::Running));
+    assert_eq!(act(Action::Checkpoint), cu::CUDA_ERROR_ILLEGAL_STATE);
+    assert_eq!(act(Action::Lock), cu::CUDA_SUCCESS);
+    assert_eq!(state(cu::CUDA_SUCCESS), Some(CudaState::Locked));
+    assert_eq!(act(Action::Checkpoint), cu::CUDA_SUCCESS);
+    assert_eq!(state(cu::CUDA_SUCCESS), Some(CudaState::Checkpointed));
+    let released = w.next_transition("trainer", WITHIN).unwrap();
+    assert_eq!(released["kind"], json!("released"), "{released}");
+    assert_eq!(act(Action::Restore), cu::CUDA_SUCCESS);
+    assert_eq!(act(Action::Unlock), cu::CUDA_SUCCESS);
+    assert_eq!(state(cu::CUDA_SUCCESS), Some(CudaState::Running));
+    let line = trainer.wait_line("restored checksum");
+    assert!(line.ends_with("intact"), "{line}");
+    assert_eq!(
+        w.next_transition("trainer", WITHIN).unwrap()["kind"],
+        json!("acquired")
+    );
+}
+
+/// Where the node's driver library has the checkpoint calls (`cuda_driver_path`, here the fake libcuda), a park,
+/// a resume and a Task Checkpoint make them through the shim's driver helper: the program is not there at all, so only the API can
+/// have parked the trainer. A call the driver refuses names the call, the pid and the driver's error, and the
+/// preemption rolls back. A library without the calls leaves the program in charge (the other tests: no
+/// libcuda.so.1 on this machine's loader path).
+#[test]
+fn park_and_resume_go_through_the_driver_api_where_the_library_has_it() {
+    let Some(rig) = CudaRig::start("preempt-api") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let library = baton_integration::trace_env::fake_libcuda_in(dir.path()).unwrap();
+    let options = || api_only_options(&library, "");
+    let mut trainer = rig.create_with("trainer", &Trainer::default(), &[], options());
+    rig.gpu.env.api().unwrap().start("trainer", "").unwrap();
+    wait_held(&rig, "trainer", 1);
+    let pid = pids_of(&rig, "trainer")[0];
+    let mut w = rig.gpu.watch("trainer");
+
+    let (steps, outcome) = rig.baton_json(&["preempt", "trainer"]);
+    assert_eq!(outcome["preemption"]["state"], json!("parked"), "{outcome}");
+    assert!(
+        t_of(&steps, "gpu_released", None) < t_of(&steps, "frozen", None),
+        "{steps:?}"
+    );
+    let released = w.next_transition("trainer", WITHIN).unwrap();
+    assert_eq!(released["kind"], json!("released"), "{released}");
+    assert_eq!(released["pids"], json!([pid]), "{released}");
+    let (steps, _) = rig.baton_json(&["resume", "trainer"]);
+    assert_eq!(
+        phases(&steps),
+        ["asked", "thawed", "restored", "unlocked", "done"],
+        "{steps:?}"
+    );
+    let line = trainer.wait_line("restored checksum");
+    assert!(line.ends_with("intact"), "{line}");
+    assert_eq!(CudaRig::cuda_state(pid), "running");
+
+    // containerd's Task Checkpoint (real CRIU, the task left running): checkpointed before the dump and
+    // restored after it, through the same helper.
+    let image = rig.gpu.env.scratch().join("api-task-image");
+    let image_arg = image.display().to_string();
+    let out = rig
+        .gpu
+        .env
+        .ctr(&["task", "checkpoint", "--image-path", &image_arg, "trainer"]);
+    assert!(out.success(), "ctr task checkpoint: {}", out.stderr);
+    let line = trainer.wait_line("restored checksum");
+    assert!(line.ends_with("intact"), "{line}");
+    assert!(rig.wait_status("trainer", "RUNNING"));
+    assert_eq!(CudaRig::cuda_state(pid), "running");
+
+    let failing = Trainer {
+        extra: vec!["--fail-at".into(), "checkpoint".into()],
+        ..Trainer::default()
+    };
+    let _failing = rig.create_with("fail-checkpoint", &failing, &[], options());
+    rig.gpu
+        .env
+        .api()
+        .unwrap()
+        .start("fail-checkpoint", "")
+        .unwrap();
+    wait_held(&rig, "fail-checkpoint", 1);
+    let pid = pids_of(&rig, "fail-checkpoint")[0];
+    let (_, err, ok) = rig.baton(&["preempt", "fail-checkpoint"]);
+    assert!(!ok, "the preemption fails");
+    assert!(
+        err.contains(&format!("cuCheckpointProcessCheckpoint of pid {pid}"))
+            && err.contains("CUDA_ERROR_UNKNOWN: unknown error")
+            && err.contains("rolled back"),
+        "the error names the call, the pid and the driver's error: {err}"
+    );
+    assert_eq!(CudaRig::cuda_state(pid), "running", "unlocked again");
+    assert_eq!(
+        rig.task_status("fail-checkpoint").as_deref(),
+        Some("RUNNING")
+    );
+
+    // A crash inside the library (the fake aborts at the first checkpoint) takes down the helper only: the
+    // preemption fails saying so and rolls back through a new helper, and the next one parks.
+    let crashing = Trainer {
+        extra: vec!["--crash-caller-at".into(), "checkpoint".into()],
+        ..Trainer::default()
+    };
+    let mut crashing = rig.create_with("crash", &crashing, &[], options());
+    rig.gpu.env.api().unwrap().start("crash", "").unwrap();
+    wait_held(&rig, "crash", 1);
+    let pid = pids_of(&rig, "crash")[0];
+    let (_, err, ok) = rig.baton(&["preempt", "crash"]);
+    assert!(!ok, "the preemption fails");
+    assert!(
+        err.contains(&format!("cuCheckpointProcessCheckpoint of pid {pid}"))
+            && err.contains("the CUDA driver helper")
+            && err.contains("died")
+            && err.contains("rolled back"),
+        "{err}"
+    );
+    assert_eq!(CudaRig::cuda_state(pid), "running", "unlocked again");
+    let (_, outcome) = rig.baton_json(&["preempt", "crash"]);
+    assert_eq!(outcome["preemption"]["state"], json!("parked"), "{outcome}");
+    rig.baton_json(&["resume", "crash"]);
+    let line = crashing.wait_line("restored checksum");
+    assert!(line.ends_with("intact"), "{line}");
 }

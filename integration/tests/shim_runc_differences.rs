@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use baton_integration::api::StdioPaths;
+use baton_integration::api::{Api, StdioPaths};
 use baton_integration::containerd::CgroupMode;
 use baton_integration::procs::alive;
 use baton_integration::shim_ttrpc::ShimClient;
@@ -197,37 +197,18 @@ fn shim_reports_the_zero_time_as_exited_at_until_a_process_exits() {
     );
 }
 
-/// An (empty) CRIU checkpoint blob in containerd's content store, as `ctr task checkpoint` leaves one.
-fn checkpoint_blob(env: &TestEnv) -> containerd_client::types::Descriptor {
-    use sha2::Digest;
+/// An (empty) CRIU checkpoint blob in containerd's content store, as `ctr task checkpoint` leaves one, held by
+/// `api`'s lease (containerd's garbage collector removed an unreferenced one before the restore once in CI).
+fn checkpoint_blob(api: &Api) -> containerd_client::types::Descriptor {
     let mut archive = tar::Builder::new(Vec::new());
     archive.finish().expect("tar");
     let blob = archive.into_inner().expect("tar bytes");
-    let hex: String = sha2::Sha256::digest(&blob)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let digest = format!("sha256:{hex}");
-    let size = blob.len().to_string();
-    let file = env.scratch().join("checkpoint.tar");
-    std::fs::write(&file, &blob).expect("write the blob");
-    let mut ingest = env.containerd().ctr_command();
-    ingest
-        .args(["content", "ingest", "--expected-size", &size])
-        .args(["--expected-digest", &digest, "checkpoint-blob"])
-        .stdin(std::fs::File::open(&file).expect("open the blob"));
-    let out = ingest.output().expect("run ctr content ingest");
-    assert!(
-        out.status.success(),
-        "ctr content ingest: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    containerd_client::types::Descriptor {
-        media_type: "application/vnd.containerd.container.criu.checkpoint.criu.tar".to_string(),
-        digest,
-        size: blob.len() as i64,
-        ..Default::default()
-    }
+    api.write_content(
+        "checkpoint-blob",
+        "application/vnd.containerd.container.criu.checkpoint.criu.tar",
+        blob,
+    )
+    .expect("write the checkpoint blob")
 }
 
 #[test]
@@ -247,12 +228,14 @@ fn shim_update_of_a_task_created_from_a_checkpoint_is_refused_with_the_reason() 
     let json = serde_json::to_vec(&spec).expect("spec json");
     api.create_container("restored", env.runtime(), json, None, Default::default())
         .expect("create container");
+    let checkpoint = checkpoint_blob(&api);
+    env.collect_garbage().expect("a garbage collection");
     api.create_task_from(
         "restored",
         &StdioPaths::default(),
         vec![baton_integration::api::bind_rootfs(env.rootfs())],
         None,
-        Some(checkpoint_blob(&env)),
+        Some(checkpoint),
     )
     .expect("create the task from the checkpoint");
     assert_eq!(api.state("restored", "").expect("state").0, "CREATED");

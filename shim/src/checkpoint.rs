@@ -120,9 +120,10 @@ impl CriuOpts {
     }
 }
 
-/// `runc <global> checkpoint <criu flags> [--leave-running] <id>`.
+/// `runc <global> [--criu C] checkpoint <criu flags> [--leave-running] <id>`.
 pub fn checkpoint_args(global: &RuncGlobal, id: &str, criu: &CriuOpts) -> Vec<String> {
     let mut args = global.args();
+    args.extend(global.criu_flags().0);
     args.push("checkpoint".to_string());
     args.extend(criu.args());
     if !criu.exit {
@@ -145,7 +146,7 @@ pub struct RestoreTarget {
     pub no_pivot: bool,
 }
 
-/// `runc <global> restore <criu flags> --detach --pid-file P --no-subreaper [...] --bundle B <id>`.
+/// `runc <global> [--criu C] restore <criu flags> --detach --pid-file P --no-subreaper [...] --bundle B <id>`.
 pub fn restore_args(
     global: &RuncGlobal,
     id: &str,
@@ -153,6 +154,7 @@ pub fn restore_args(
     target: &RestoreTarget,
 ) -> Vec<String> {
     let mut args = global.args();
+    args.extend(global.criu_flags().0);
     args.push("restore".to_string());
     args.extend(criu.args());
     args.push("--detach".to_string());

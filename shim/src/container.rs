@@ -218,7 +218,8 @@ impl Container {
         let bundle = PathBuf::from(&req.bundle);
         let spec = load_spec(&bundle)?;
         write_options(&bundle, &options).await?;
-        let global = RuncGlobal::new(&options, namespace, &bundle);
+        let global =
+            RuncGlobal::new(&options, namespace, &bundle).with_criu(settings.criu_program());
         write_runtime(&bundle, &global.binary.display().to_string()).await?;
         let runc = runtime::runc_client(&global)?;
 
@@ -423,7 +424,7 @@ impl Container {
     pub async fn runc_checkpoint(&self, criu: &CriuOpts) -> Result<()> {
         self.procs.lock().await.init.check(Op::Checkpoint)?;
         let args = checkpoint::checkpoint_args(&self.global, &self.id, criu);
-        runtime::run_raw(&self.global.binary, &args, "checkpoint", &self.id)
+        runtime::run_raw(&self.global, &args, "checkpoint", &self.id)
             .await
             .map(|_| ())
             .map_err(|e| with_log(e, &self.global.log))

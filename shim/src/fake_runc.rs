@@ -23,7 +23,7 @@ echo "$*" >> "$D/calls"
 log=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    --root|--log-format) shift 2 ;;
+    --root|--log-format|--criu) shift 2 ;;
     --log) log=$2; shift 2 ;;
     --systemd-cgroup|--debug) shift ;;
     *) break ;;
@@ -236,6 +236,14 @@ impl FakeRunc {
                     .to_string()
             })
             .collect()
+    }
+
+    /// What a checkpoint or restore call starts with before its subcommand: `--criu PATH ` when the
+    /// default settings name a CRIU (the one tools/setup.sh caches, where it exists), else nothing.
+    pub fn criu_prefix() -> String {
+        crate::options::BatonSettings::default()
+            .criu_program()
+            .map_or_else(String::new, |c| format!("--criu {} ", c.display()))
     }
 
     /// What the played init of `id` has read from its stdin so far.

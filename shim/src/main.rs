@@ -9,6 +9,7 @@ mod checkpoint;
 mod console;
 mod container;
 mod control;
+mod cuda_helper;
 mod errors;
 mod events;
 #[cfg(test)]
@@ -36,6 +37,12 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 fn main() {
     let args: Vec<_> = std::env::args_os().collect();
+    if args
+        .get(1)
+        .is_some_and(|a| a == baton_agent_api::driver_helper::HELPER_ARG)
+    {
+        std::process::exit(cuda_helper::serve(&args[2..]));
+    }
     let flags = match containerd_shim::parse(&args[1..]) {
         Ok(f) => f,
         Err(e) => {

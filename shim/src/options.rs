@@ -10,7 +10,10 @@
 //! not know (a typo would otherwise be silently ignored), fails Create with a message naming the key
 //! and listing the known ones.
 
-use std::{collections::HashMap, path::PathBuf};
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+};
 
 use containerd_shim_protos::{
     protobuf::{self, CodedInputStream, Message, rt::WireType, well_known_types::any::Any},
@@ -53,6 +56,12 @@ pub struct BatonSettings {
     pub ebpf: bool,
     /// The cuda-checkpoint binary (`cuda_checkpoint_path`, default `cuda-checkpoint` from PATH).
     pub cuda_checkpoint_path: PathBuf,
+    /// The CUDA driver library whose checkpoint calls replace the program (`cuda_driver_path`, node only; a
+    /// path, or a name for the dynamic loader; default `libcuda.so.1`); `None`: the program only (set empty).
+    pub cuda_driver_path: Option<String>,
+    /// The CRIU program runc runs for checkpoints and restores (`criu_path`, node only, absolute); `None`:
+    /// see [`BatonSettings::criu_program`].
+    pub criu_path: Option<PathBuf>,
     /// Freezer kind (`freezer`: "cgroup" | "signal").
     pub freezer: Freezer,
     /// Device path prefix the tracer watches (`trace_prefix`, default "/dev/nvidia").
@@ -101,11 +110,40 @@ pub struct BatonSettings {
     pub kubernetes: Option<baton_agent_api::KubernetesRef>,
 }
 
+impl BatonSettings {
+    /// The CRIU runc is to run: `criu_path`, else [`baton_agent_api::option_keys::DEFAULT_CRIU_PATH`]
+    /// where it exists; `None`: runc's own choice (`criu` on its PATH).
+    pub fn criu_program(&self) -> Option<PathBuf> {
+        self.criu_path.clone().or_else(|| {
+            let cached = Path::new(baton_agent_api::option_keys::DEFAULT_CRIU_PATH);
+            cached.exists().then(|| cached.to_path_buf())
+        })
+    }
+
+    /// These (a pod's) settings as they apply to the pod's sandbox container itself: its process (pause)
+    /// runs no GPU work, so the pod's role, gate, preemption and idle park are its containers', not its
+    /// own. Otherwise a pod's `baton.io/wait-gpu-free` would hold its own sandbox's start, and with it
+    /// RunPodSandbox, until the GPU is free, before any container of the pod exists.
+    pub fn for_sandbox(&self) -> Self {
+        Self {
+            wait_gpu_free: None,
+            role: None,
+            yields_to: Vec::new(),
+            launch_blocking: false,
+            preemptible: None,
+            park_when_idle: None,
+            ..self.clone()
+        }
+    }
+}
+
 impl Default for BatonSettings {
     fn default() -> Self {
         Self {
             ebpf: true,
             cuda_checkpoint_path: PathBuf::from("cuda-checkpoint"),
+            cuda_driver_path: Some(baton_agent_api::option_keys::DEFAULT_CUDA_DRIVER.to_owned()),
+            criu_path: None,
             freezer: Freezer::Cgroup,
             trace_prefix: "/dev/nvidia".to_string(),
             agent_socket: None,
@@ -169,6 +207,21 @@ impl BatonSettings {
                     return Err(invalid("a path"));
                 }
                 self.cuda_checkpoint_path = PathBuf::from(value.trim());
+            }
+            "cuda_driver_path" => {
+                let value = value.trim();
+                if value.contains('/') && !value.starts_with('/') {
+                    return Err(invalid(
+                        "an absolute path, a library name for the dynamic loader, or empty (the program only)",
+                    ));
+                }
+                self.cuda_driver_path = (!value.is_empty()).then(|| value.to_owned());
+            }
+            "criu_path" => {
+                if !value.trim().starts_with('/') {
+                    return Err(invalid("an absolute path to CRIU"));
+                }
+                self.criu_path = Some(PathBuf::from(value.trim()));
             }
             "freezer" => {
                 self.freezer = match value.trim() {
@@ -737,6 +790,30 @@ mod tests {
     }
 
     #[test]
+    fn a_pods_gate_role_and_preemption_are_its_containers_not_its_sandboxs() {
+        let pod: HashMap<String, String> = [
+            ("baton.io/role", "latency-critical"),
+            ("baton.io/wait-gpu-free", "1m"),
+            ("baton.io/park-when-idle", "30s"),
+            ("baton.io/freezer", "signal"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let pod_settings = BatonSettings::default()
+            .with_annotations(&pod, "pod")
+            .unwrap();
+        assert!(pod_settings.wait_gpu_free.is_some() && pod_settings.role.is_some());
+        let sandbox = pod_settings.for_sandbox();
+        assert_eq!(sandbox.wait_gpu_free, None);
+        assert_eq!(sandbox.role, None);
+        assert_eq!(sandbox.park_when_idle, None);
+        assert!(!sandbox.launch_blocking);
+        // What is not about GPU work stays the pod's.
+        assert_eq!(sandbox.freezer, Freezer::Signal);
+    }
+
+    #[test]
     fn an_unknown_annotation_names_itself_and_the_known_ones() {
         let typo: HashMap<String, String> =
             [("baton.io/sparkle".to_string(), "1".to_string())].into();
@@ -911,6 +988,35 @@ mod tests {
     }
 
     #[test]
+    fn the_cuda_driver_library_comes_from_the_node_only_and_empty_turns_the_api_off() {
+        let tenant: HashMap<String, String> = [(
+            "baton.io/cuda_driver_path".to_string(),
+            "/tmp/evil.so".to_string(),
+        )]
+        .into();
+        let err = BatonSettings::default()
+            .with_annotations(&tenant, "container")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("baton.io/cuda_driver_path"), "{err}");
+        assert_eq!(
+            BatonSettings::default().cuda_driver_path.as_deref(),
+            Some("libcuda.so.1")
+        );
+        let cfg = parse_toml_options("cuda_driver_path = \"/opt/nvidia/libcuda.so.1\"\n").unwrap();
+        assert_eq!(
+            cfg.baton.cuda_driver_path.as_deref(),
+            Some("/opt/nvidia/libcuda.so.1")
+        );
+        let cfg = parse_toml_options("cuda_driver_path = \"\"\n").unwrap();
+        assert_eq!(cfg.baton.cuda_driver_path, None);
+        let err = parse_toml_options("cuda_driver_path = \"lib/libcuda.so.1\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("absolute"), "{err}");
+    }
+
+    #[test]
     fn the_cuda_checkpoint_timeout_comes_from_the_node_only() {
         let tenant: HashMap<String, String> = [(
             "baton.io/cuda_checkpoint_timeout".to_string(),
@@ -1016,6 +1122,34 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("baton.io/snapshot_dir"), "{err}");
+    }
+
+    #[test]
+    fn criu_is_a_node_only_absolute_path_and_defaults_to_the_cached_one_where_it_exists() {
+        let cfg = parse_toml_options("criu_path = \"/opt/criu/bin/criu\"\n").unwrap();
+        assert_eq!(
+            cfg.baton.criu_program(),
+            Some(PathBuf::from("/opt/criu/bin/criu"))
+        );
+        let err = parse_toml_options("criu_path = \"criu\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("criu_path") && err.contains("absolute"),
+            "{err}"
+        );
+        let tenant: HashMap<String, String> =
+            [("baton.io/criu_path".to_string(), "/tmp/x".to_string())].into();
+        let err = BatonSettings::default()
+            .with_annotations(&tenant, "container")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("baton.io/criu_path"), "{err}");
+        let cached = Path::new(baton_agent_api::option_keys::DEFAULT_CRIU_PATH);
+        assert_eq!(
+            BatonSettings::default().criu_program(),
+            cached.exists().then(|| cached.to_path_buf())
+        );
     }
 
     #[test]

@@ -35,6 +35,8 @@ pub struct RuncGlobal {
     pub log: PathBuf,
     /// `--systemd-cgroup`.
     pub systemd_cgroup: bool,
+    /// The CRIU of checkpoints and restores ([`RuncGlobal::with_criu`]); `None`: runc's own choice.
+    pub criu: Option<PathBuf>,
 }
 
 impl RuncGlobal {
@@ -58,7 +60,28 @@ impl RuncGlobal {
             root: root.join(namespace),
             log: bundle.join("log.json"),
             systemd_cgroup: options.systemd_cgroup,
+            criu: None,
         }
+    }
+
+    /// These flags with `criu` as the CRIU of checkpoints and restores.
+    pub fn with_criu(self, criu: Option<PathBuf>) -> Self {
+        Self { criu, ..self }
+    }
+
+    /// What makes runc run [`RuncGlobal::criu`]: `--criu PATH` (runc 1.1 and older; 1.2 ignores it with a
+    /// warning) before the subcommand, and the PATH runc is to run with, CRIU's folder first (runc 1.2 and
+    /// later look `criu` up in PATH only, so a program of another name is found by the old runcs alone).
+    pub fn criu_flags(&self) -> (Vec<String>, Option<std::ffi::OsString>) {
+        let Some(criu) = &self.criu else {
+            return (Vec::new(), None);
+        };
+        let flags = vec!["--criu".to_string(), criu.display().to_string()];
+        let dir = criu.parent().map(Path::to_path_buf).unwrap_or_default();
+        let rest = std::env::var_os("PATH").unwrap_or_default();
+        let path =
+            std::env::join_paths(std::iter::once(dir).chain(std::env::split_paths(&rest))).ok();
+        (flags, path)
     }
 
     /// The flags in the order go-runc writes them.
@@ -233,19 +256,23 @@ pub async fn run_program(
     Ok((ran.status, ran.stdout, ran.stderr))
 }
 
-/// Runs `binary args...` (a runc subcommand the runc crate does not cover) through the
-/// reaper-safe executor. Returns stdout; a non-zero exit is a [`ShimError::Runtime`].
+/// Runs runc's `args...` (a checkpoint or restore, which the runc crate does not cover; with the container's
+/// CRIU: [`RuncGlobal::criu_flags`]) through the reaper-safe executor. Returns stdout; a non-zero exit is a
+/// [`ShimError::Runtime`].
 pub async fn run_raw(
-    binary: &Path,
+    global: &RuncGlobal,
     args: &[String],
     action: &'static str,
     id: &str,
 ) -> Result<String> {
-    let mut cmd = Command::new(binary);
+    let mut cmd = Command::new(&global.binary);
     cmd.args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    if let (_, Some(path)) = global.criu_flags() {
+        cmd.env("PATH", path);
+    }
     let (status, _pid, stdout, stderr) = ShimExecutor
         .execute(cmd)
         .await
@@ -268,11 +295,11 @@ mod tests {
     use super::*;
     use crate::checkpoint::{CriuOpts, checkpoint_args};
 
-    /// A fake runc that records its argv and fails when a `fail` file exists.
+    /// A fake runc that records its argv and PATH and fails when a `fail` file exists.
     fn fake_runc(dir: &Path) -> std::path::PathBuf {
         let path = dir.join("runc");
         let script = format!(
-            "#!/bin/sh\necho \"$@\" > {d}/argv\nif [ -e {d}/fail ]; then echo 'criu: dump failed' >&2; exit 1; fi\nexit 0\n",
+            "#!/bin/sh\necho \"$@\" > {d}/argv\necho \"$PATH\" > {d}/path\nif [ -e {d}/fail ]; then echo 'criu: dump failed' >&2; exit 1; fi\nexit 0\n",
             d = dir.display()
         );
         std::fs::write(&path, script).unwrap();
@@ -290,16 +317,32 @@ mod tests {
             root: "/run/test-root".into(),
             log: dir.path().join("log.json"),
             systemd_cgroup: false,
+            criu: None,
         };
         let criu = CriuOpts::for_checkpoint("/img", None, &Default::default()).unwrap();
         let args = checkpoint_args(&global, "c1", &criu);
-        run_raw(&runc, &args, "checkpoint", "c1").await.unwrap();
+        run_raw(&global, &args, "checkpoint", "c1").await.unwrap();
         let argv = std::fs::read_to_string(dir.path().join("argv")).unwrap();
         assert_eq!(argv.trim(), args.join(" "));
         assert!(argv.contains("checkpoint --image-path /img --leave-running c1"));
+        assert!(!argv.contains("--criu"), "{argv}");
+
+        // A node's CRIU: named to runc 1.1 (`--criu`) and first on the PATH runc 1.2 looks it up in.
+        let global = global.with_criu(Some("/opt/criu-4/bin/criu".into()));
+        let args = checkpoint_args(&global, "c1", &criu);
+        run_raw(&global, &args, "checkpoint", "c1").await.unwrap();
+        let argv = std::fs::read_to_string(dir.path().join("argv")).unwrap();
+        assert!(
+            argv.contains("--criu /opt/criu-4/bin/criu checkpoint "),
+            "a global flag, before the subcommand: {argv}"
+        );
+        let path = std::fs::read_to_string(dir.path().join("path")).unwrap();
+        assert!(path.starts_with("/opt/criu-4/bin:"), "{path}");
 
         std::fs::write(dir.path().join("fail"), "").unwrap();
-        let err = run_raw(&runc, &args, "checkpoint", "c1").await.unwrap_err();
+        let err = run_raw(&global, &args, "checkpoint", "c1")
+            .await
+            .unwrap_err();
         assert!(matches!(
             err,
             ShimError::Runtime {

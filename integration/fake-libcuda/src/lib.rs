@@ -1,11 +1,14 @@
 //! A fake `libcuda.so`: the three launch entry points of the CUDA driver API (`cuLaunchKernel`,
 //! `cuLaunchKernelEx`, `cuGraphLaunch`) as real exported symbols with the C ABI and CUDA's signatures. Each
 //! counts its calls and returns `CUDA_SUCCESS`; `batonFakeCudaCalls` reads a count back, so that a workload
-//! can show that its calls really went into the library the uprobes watch.
+//! can show that its calls really went into the library the uprobes watch. And the driver API's checkpoint
+//! calls, driving the mock CUDA workload ([`checkpoint`]).
 //!
 //! Built as a cdylib (`target/<profile>/libbaton_fake_libcuda.so`); tests copy it to a file named
 //! `libcuda.so.1`, the name the tracer recognizes.
 #![allow(non_snake_case, reason = "CUDA's names")]
+pub mod checkpoint;
+
 use std::{
     ffi::c_void,
     sync::atomic::{AtomicU64, Ordering},

@@ -8,11 +8,15 @@
 //!   100 ms, then starting the server.
 //!
 //! It also reports, for the overlapped arm, the gap from the release to the server's start, and the time to
-//! resume the parked trainer. A snapshot restore needs CRIU, which cannot run on this kernel, so it is not
-//! measured. Figures only (no assertions); ratios are against the sequential arm of the same run.
+//! resume the parked trainer. Then the same with snapshots, through real CRIU (tools/setup.sh's): a fresh
+//! trainer of SNAP_MIB MiB per round is handed off with `--mode snapshot`, overlapped and sequential (the
+//! part after the release is now CRIU's dump of the trainer, its weights in host memory), and a trainer
+//! restored from a Task Checkpoint image (Task Checkpoint with `exit`, then a Create from the image and
+//! Start: CRIU's restore, cuda-checkpoint's restore and unlock) against a park resume of the same trainer. Figures only
+//! (no assertions); ratios are against the sequential arm, and the park resume, of the same run.
 //!
-//! Run as root: `cargo run --release -p baton-integration --bin baton-handoff-bench [-- ROUNDS MIB RATE]`
-//! (defaults 3, 4096, 4096; `tools/dev bench` runs it).
+//! Run as root: `cargo run --release -p baton-integration --bin baton-handoff-bench [-- ROUNDS MIB RATE
+//! SNAP_MIB]` (defaults 3, 4096, 4096, 512; `tools/dev bench` runs it).
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -53,7 +57,7 @@ fn main() -> Result<()> {
             s.parse().context("ROUNDS, MIB and RATE are numbers")
         })
     };
-    let (rounds, mib, rate) = (arg(1, 3)?, arg(2, 4096)?, arg(3, 4096)?);
+    let (rounds, mib, rate, snap_mib) = (arg(1, 3)?, arg(2, 4096)?, arg(3, 4096)?, arg(4, 512)?);
     let Some(rig) = CudaRig::start("handoff-bench") else {
         bail!("cannot benchmark: a prerequisite is missing (see above)");
     };
@@ -81,7 +85,138 @@ fn main() -> Result<()> {
         }
     }
     report(&results, &resumes);
+    println!();
+    snapshots(&rig, rounds, snap_mib, rate)
+}
+
+/// The snapshot handoffs (overlapped, sequential) and restores from a checkpoint image, each round with a
+/// fresh trainer of `mib` MiB; a restore against a park resume of the same trainer.
+fn snapshots(rig: &CudaRig, rounds: u64, mib: u64, rate: u64) -> Result<()> {
+    let trainer = Trainer {
+        vram_mib: mib,
+        copy_mib_per_s: rate,
+        ..Trainer::default()
+    };
+    println!(
+        "snapshot (real CRIU, {}) on the mock GPU: a fresh trainer of {mib} MiB per round, {rounds} rounds \
+         per arm (medians)",
+        baton_agent_api::option_keys::DEFAULT_CRIU_PATH
+    );
+    let mut results: Vec<(Arm, Vec<Round>)> =
+        vec![(Arm::Overlapped, vec![]), (Arm::Sequential, vec![])];
+    let (mut restores, mut resumes) = (Vec::new(), Vec::new());
+    let mut n = 0;
+    for _ in 0..rounds {
+        for (arm, rs) in &mut results {
+            n += 1;
+            rs.push(snapshot_round(rig, *arm, &trainer, n)?);
+        }
+        n += 1;
+        let (resume, restore) = restore_round(rig, &trainer, n)?;
+        resumes.push(resume);
+        restores.push(restore);
+    }
+    report_snapshots(&results, &restores, median(resumes));
     Ok(())
+}
+
+/// A fresh trainer handed off to a fresh server with `--mode snapshot`; both are removed after, and the image.
+fn snapshot_round(rig: &CudaRig, arm: Arm, trainer: &Trainer, n: u64) -> Result<Round> {
+    let (from, to) = (format!("snap-{n}"), format!("snap-server-{n}"));
+    let _t = rig.create(&from, trainer, &[]);
+    rig.gpu.env.api()?.start(&from, "")?;
+    rig.wait_gpu(&from, "held", WITHIN)?;
+    let small = Trainer {
+        vram_mib: 64,
+        ..Trainer::default()
+    };
+    let _s = rig.create(&to, &small, &[]);
+    let order = if arm == Arm::Overlapped {
+        "overlapped"
+    } else {
+        "sequential"
+    };
+    let (steps, _) = rig.baton_json(&[
+        "handoff", "--from", &from, "--to", &to, "--order", order, "--mode", "snapshot",
+    ]);
+    rig.remove(&to)?;
+    remove_stopped(rig, &from)?;
+    let image = std::path::Path::new(baton_agent_api::DEFAULT_SNAPSHOT_DIR)
+        .join(rig.gpu.env.namespace())
+        .join(&from);
+    std::fs::remove_dir_all(&image).with_context(|| format!("remove {}", image.display()))?;
+    Ok(Round {
+        asked: step_t_ns(&steps, "asked", &from),
+        released: step_t_ns(&steps, "gpu_released", &from),
+        started: step_t_ns(&steps, "started", &to),
+        acquired: step_t_ns(&steps, "gpu_acquired", &to),
+        frozen: step_t_ns(&steps, "dumped", &from),
+    })
+}
+
+/// A trainer parked and resumed (the resume's time, ns), then checkpointed by containerd's Task Checkpoint
+/// with `exit` and restored into a new task from the image: the time (ns) from the Create to the restored
+/// trainer holding the GPU again.
+fn restore_round(rig: &CudaRig, trainer: &Trainer, n: u64) -> Result<(u64, u64)> {
+    let (source, restored) = (format!("ckpt-{n}"), format!("restored-{n}"));
+    let _t = rig.create(&source, trainer, &[]);
+    rig.gpu.env.api()?.start(&source, "")?;
+    rig.wait_gpu(&source, "held", WITHIN)?;
+    rig.baton_json(&["preempt", &source]);
+    let resume = resume(rig, &source)?;
+    // The client's lease holds the checkpoint's blobs until the restored task is created from them.
+    let api = rig.gpu.env.api()?;
+    let checkpoint = api.checkpoint(&source, true)?;
+    let t0 = baton_agent_api::now_monotonic_ns();
+    let _r = rig.create_from(&restored, trainer, &[], None, Some(checkpoint));
+    api.start(&restored, "")?;
+    rig.wait_gpu(&restored, "held", WITHIN)?;
+    let took = baton_agent_api::now_monotonic_ns().saturating_sub(t0);
+    rig.remove(&restored)?;
+    remove_stopped(rig, &source)?;
+    Ok((resume, took))
+}
+
+/// Deletes the task and container `id` whose task has stopped (a snapshot or a checkpoint with --exit).
+fn remove_stopped(rig: &CudaRig, id: &str) -> Result<()> {
+    let api = rig.gpu.env.api()?;
+    api.wait(id, "", WITHIN)?;
+    api.delete_task(id)?;
+    api.delete_container(id)?;
+    Ok(())
+}
+
+fn report_snapshots(results: &[(Arm, Vec<Round>)], restores: &[u64], park_resume: u64) {
+    let baseline = sequential_to_b(results);
+    println!(
+        "{:<22} {:>18} {:>10} {:>24}",
+        "arm", "request->B holds", "ratio", "B holds - A dumped"
+    );
+    for (arm, rs) in results {
+        let total = to_b(rs);
+        let before_dumped = median_i64(
+            rs.iter()
+                .map(|r| r.acquired as i64 - r.frozen as i64)
+                .collect(),
+        );
+        println!(
+            "{:<22} {:>15.1} ms {:>9.2}x {:>21.1} ms",
+            arm.name(),
+            ms(total),
+            total as f64 / baseline as f64,
+            before_dumped as f64 / 1e6
+        );
+    }
+    let restore = median(restores.to_vec());
+    println!(
+        "restore from a checkpoint image (Create + Start: CRIU restore, cuda-checkpoint restore and unlock, \
+         until the GPU is held): median {:.1} ms over {} restores, {:.2}x a park resume of the same trainer \
+         ({:.1} ms)",
+        ms(restore),
+        restores.len(),
+        restore as f64 / park_resume.max(1) as f64,
+        ms(park_resume)
+    );
 }
 
 fn round(rig: &CudaRig, arm: Arm, server: &str) -> Result<Round> {
@@ -136,12 +271,22 @@ fn poller_round(rig: &CudaRig, server: &str) -> Result<Round> {
 /// Stops the server and resumes the trainer; returns how long the resume took (ns).
 fn finish_round(rig: &CudaRig, server: &str) -> Result<u64> {
     rig.remove(server)?;
-    let (steps, _) = rig.baton_json(&["resume", "trainer"]);
-    rig.wait_gpu("trainer", "held", WITHIN)?;
-    Ok(step_t_ns(&steps, "done", "trainer").saturating_sub(step_t_ns(&steps, "asked", "trainer")))
+    resume(rig, "trainer")
+}
+
+/// Resumes parked container `id`; returns how long the resume took (ns).
+fn resume(rig: &CudaRig, id: &str) -> Result<u64> {
+    let (steps, _) = rig.baton_json(&["resume", id]);
+    rig.wait_gpu(id, "held", WITHIN)?;
+    Ok(step_t_ns(&steps, "done", id).saturating_sub(step_t_ns(&steps, "asked", id)))
 }
 
 fn median(mut v: Vec<u64>) -> u64 {
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or(0)
+}
+
+fn median_i64(mut v: Vec<i64>) -> i64 {
     v.sort_unstable();
     v.get(v.len() / 2).copied().unwrap_or(0)
 }
@@ -150,18 +295,25 @@ fn ms(ns: u64) -> f64 {
     ns as f64 / 1e6
 }
 
-fn report(results: &[(Arm, Vec<Round>)], resumes: &[u64]) {
-    let to_b = |rs: &[Round]| {
-        median(
-            rs.iter()
-                .map(|r| r.acquired.saturating_sub(r.asked))
-                .collect(),
-        )
-    };
-    let baseline = results
+/// The median time from the request to the server holding the GPU of `rs`.
+fn to_b(rs: &[Round]) -> u64 {
+    median(
+        rs.iter()
+            .map(|r| r.acquired.saturating_sub(r.asked))
+            .collect(),
+    )
+}
+
+/// [`to_b`] of the sequential arm among `results`, the ratios' baseline (at least 1 ns).
+fn sequential_to_b(results: &[(Arm, Vec<Round>)]) -> u64 {
+    results
         .iter()
         .find(|(a, _)| *a == Arm::Sequential)
-        .map_or(1, |(_, rs)| to_b(rs).max(1));
+        .map_or(1, |(_, rs)| to_b(rs).max(1))
+}
+
+fn report(results: &[(Arm, Vec<Round>)], resumes: &[u64]) {
+    let baseline = sequential_to_b(results);
     println!(
         "{:<22} {:>18} {:>10} {:>20} {:>22}",
         "arm", "request->B holds", "ratio", "release->B started", "B started - A frozen"
@@ -173,13 +325,11 @@ fn report(results: &[(Arm, Vec<Round>)], resumes: &[u64]) {
                 .map(|r| r.started.saturating_sub(r.released))
                 .collect(),
         );
-        let vs_frozen: Vec<i64> = rs
-            .iter()
-            .map(|r| r.started as i64 - r.frozen as i64)
-            .collect();
-        let mut sorted = vs_frozen.clone();
-        sorted.sort_unstable();
-        let before_frozen = sorted.get(sorted.len() / 2).copied().unwrap_or(0);
+        let before_frozen = median_i64(
+            rs.iter()
+                .map(|r| r.started as i64 - r.frozen as i64)
+                .collect(),
+        );
         println!(
             "{:<22} {:>15.1} ms {:>9.2}x {:>17.3} ms {:>19.1} ms",
             arm.name(),
@@ -190,8 +340,7 @@ fn report(results: &[(Arm, Vec<Round>)], resumes: &[u64]) {
         );
     }
     println!(
-        "park resume (thaw, restore, unlock) of the trainer: median {:.1} ms over {} resumes; a snapshot \
-         restore needs CRIU, which fails on this kernel: not measured",
+        "park resume (thaw, restore, unlock) of the trainer: median {:.1} ms over {} resumes",
         ms(median(resumes.to_vec())),
         resumes.len()
     );

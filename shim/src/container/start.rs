@@ -187,7 +187,7 @@ impl Container {
         let args = checkpoint::restore_args(&self.global, &self.id, criu, &target);
         match setup.pipes() {
             None => {
-                runtime::run_raw(&self.global.binary, &args, "restore", &self.id).await?;
+                runtime::run_raw(&self.global, &args, "restore", &self.id).await?;
             }
             Some(pipes) => self.run_restore_with_pipes(&args, &pipes).await?,
         }
@@ -207,6 +207,9 @@ impl Container {
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped());
+        if let (_, Some(path)) = self.global.criu_flags() {
+            cmd.env("PATH", path);
+        }
         runc::Io::set(pipes, &mut cmd)
             .await
             .map_err(|e| ShimError::io("set restore stdio", e))?;

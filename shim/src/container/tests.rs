@@ -44,7 +44,10 @@ async fn restore_hands_the_request_stdin_to_the_restored_process() {
     let calls = fake.take_calls(&global);
     assert_eq!(calls.len(), 1, "{calls:?}");
     assert!(
-        calls[0].starts_with("restore --image-path /ckpt/r1 --detach"),
+        calls[0].starts_with(&format!(
+            "{}restore --image-path /ckpt/r1 --detach",
+            FakeRunc::criu_prefix()
+        )),
         "{calls:?}"
     );
     assert!(

@@ -1,15 +1,20 @@
 //! NVIDIA's `cuda-checkpoint`, run by the shim for each CUDA process of a container: `--action
 //! lock|checkpoint|restore|unlock --pid P [--timeout MS]` and `--get-state --pid P`. The program comes only
 //! from the node's options TOML (`cuda_checkpoint_path`) or the shim's PATH, never from an annotation.
+//! Where the node's CUDA driver library has the same calls (`cuCheckpointProcess*`, drivers 570 and later),
+//! they are made through the shim's driver helper instead ([`super::driver_api`]), with the program as the
+//! fallback when the library cannot be used.
 //!
 //! It acts on the container's own processes only: each pid is checked to be in the container's cgroups (the
 //! init's, read from /proc) right before cuda-checkpoint is run on it; a pid outside is refused, and
 //! nothing is run on it.
 use std::{
     path::{Path, PathBuf},
+    sync::Arc,
     time::Duration,
 };
 
+use super::driver_api::{ApiError, DriverApi};
 use crate::runtime::{self, ProgramError};
 
 pub use baton_nvidia::cuda_checkpoint::Action;
@@ -65,6 +70,18 @@ pub enum CudaError {
         /// What /proc said.
         why: String,
     },
+    /// A call through the CUDA driver API failed.
+    #[error("{call} of pid {pid} through the CUDA driver API ({library}) failed: {message}")]
+    Api {
+        /// The driver call.
+        call: &'static str,
+        /// The process.
+        pid: u32,
+        /// The library.
+        library: String,
+        /// The driver's error name and description, or what happened to the helper.
+        message: String,
+    },
     /// It could not be run.
     #[error("cannot run {path}: {message}")]
     Spawn {
@@ -80,6 +97,7 @@ impl CudaError {
     pub fn pid(&self) -> Option<u32> {
         match self {
             CudaError::Failed { pid, .. }
+            | CudaError::Api { pid, .. }
             | CudaError::TimedOut { pid, .. }
             | CudaError::NotInContainer { pid, .. } => Some(*pid),
             _ => None,
@@ -87,10 +105,15 @@ impl CudaError {
     }
 }
 
-/// The cuda-checkpoint program of a container, and the container whose processes it may act on.
+/// The cuda-checkpoint program of a container (or the driver API), and the container whose processes it may act
+/// on.
 #[derive(Clone, Debug)]
 pub struct CudaCheckpoint {
+    /// The program, or where it was looked for when it is not there (`found`).
     path: PathBuf,
+    found: bool,
+    /// The driver API, where the node's library can be used.
+    api: Option<Arc<DriverApi>>,
     /// How long one run may take before it is stopped.
     limit: Option<Duration>,
     scope: Option<Scope>,
@@ -141,6 +164,12 @@ impl Scope {
     }
 }
 
+/// The driver call a NUL-terminated symbol names.
+fn api_call_name(symbol: &'static [u8]) -> &'static str {
+    std::str::from_utf8(symbol.strip_suffix(b"\0").unwrap_or(symbol))
+        .unwrap_or("cuCheckpointProcess")
+}
+
 /// Whether cgroup path `path` is `top` or below it.
 fn is_at_or_below(path: &str, top: &str) -> bool {
     let (path, top) = (path.trim_end_matches('/'), top.trim_end_matches('/'));
@@ -162,12 +191,68 @@ impl CudaCheckpoint {
         found
             .map(|path| Self {
                 path,
+                found: true,
+                api: None,
                 limit: None,
                 scope: None,
             })
             .ok_or(CudaError::NotFound {
                 path: configured.to_path_buf(),
             })
+    }
+
+    /// The driver API of `api` where its library can be used (the program at `configured`, if there, stays the
+    /// fallback), else the program as [`Self::find`] finds it.
+    pub async fn choose(configured: &Path, api: Option<Arc<DriverApi>>) -> Result<Self, CudaError> {
+        let program = Self::find(configured);
+        let Some(api) = api else { return program };
+        if api.available().await.is_err() {
+            return program;
+        }
+        Ok(match program {
+            Ok(p) => Self {
+                api: Some(api),
+                ..p
+            },
+            Err(_) => Self {
+                path: configured.to_path_buf(),
+                found: false,
+                api: Some(api),
+                limit: None,
+                scope: None,
+            },
+        })
+    }
+
+    /// Whether calls go through the driver API (the library to say so in logs).
+    pub fn driver_api(&self) -> Option<&str> {
+        self.api.as_deref().map(DriverApi::library)
+    }
+
+    /// `action` through the driver API, if there is one that can be used: `None` means run the program.
+    async fn through_api(
+        &self,
+        action: &str,
+        call: &'static str,
+        pid: u32,
+        lock_timeout: Option<Duration>,
+    ) -> Option<Result<Option<String>, CudaError>> {
+        let api = self.api.as_ref()?;
+        let failed = |message: String| CudaError::Api {
+            call,
+            pid,
+            library: api.library().to_owned(),
+            message,
+        };
+        match api.call(action, pid, lock_timeout, self.limit).await {
+            Ok(state) => Some(Ok(state)),
+            Err(ApiError::Unavailable(_)) if self.found => None,
+            Err(ApiError::Unavailable(why)) => Some(Err(failed(why))),
+            Err(ApiError::Driver(e) | ApiError::HelperDied(e)) => Some(Err(failed(e))),
+            Err(ApiError::TimedOut(after)) => Some(Err(failed(format!(
+                "no answer within {after:?} (cuda_checkpoint_timeout): the helper was stopped"
+            )))),
+        }
     }
 
     /// The same program, each run stopped (and failed) after `limit`: a wedged process, or one frozen
@@ -203,6 +288,14 @@ impl CudaCheckpoint {
         timeout: Option<Duration>,
     ) -> Result<(), CudaError> {
         self.check(pid)?;
+        let lock_timeout = timeout.filter(|_| action == Action::Lock);
+        let call = api_call_name(baton_nvidia::cuda_checkpoint::driver_api::symbol(action));
+        if let Some(done) = self
+            .through_api(action.name(), call, pid, lock_timeout)
+            .await
+        {
+            return done.map(|_| ());
+        }
         let mut args = vec![
             "--action".to_owned(),
             action.name().to_owned(),
@@ -228,6 +321,10 @@ impl CudaCheckpoint {
     /// `--get-state --pid PID`: `running`, `locked`, `checkpointed` or `failed`.
     pub async fn state(&self, pid: u32) -> Result<String, CudaError> {
         self.check(pid)?;
+        let call = api_call_name(baton_nvidia::cuda_checkpoint::driver_api::GET_STATE);
+        if let Some(done) = self.through_api("get-state", call, pid, None).await {
+            return done.map(Option::unwrap_or_default);
+        }
         let args = [
             "--get-state".to_owned(),
             "--pid".to_owned(),
@@ -251,6 +348,11 @@ impl CudaCheckpoint {
         pid: u32,
         args: &[String],
     ) -> Result<(std::process::ExitStatus, String, String), CudaError> {
+        if !self.found {
+            return Err(CudaError::NotFound {
+                path: self.path.clone(),
+            });
+        }
         runtime::run_program(&self.path, args, self.limit)
             .await
             .map_err(|e| match e {

@@ -71,7 +71,7 @@ pub async fn restore_cuda_after_runc_restore(c: &Container, image: &Path, init: 
     }
     // No Task Pause while cuda-checkpoint runs in it.
     let _op = c.preempt_op.lock().await;
-    let cuda = c.cuda_checkpoint(init)?;
+    let cuda = c.cuda_checkpoint(init).await?;
     let mut steps = Steps::new(
         baton_agent_api::ContainerRef {
             id: c.id.clone(),
@@ -111,7 +111,7 @@ impl Container {
         steps: &mut Steps,
     ) -> Result<()> {
         let _op = self.preempt_op.try_lock().map_err(|_| self.busy())?;
-        let cuda = self.cuda_checkpoint(self.init_pid().await)?;
+        let cuda = self.cuda_checkpoint(self.init_pid().await).await?;
         self.end_hold_for("a checkpoint").await;
         let was_paused = self.procs.lock().await.init.state == State::Paused;
         if was_paused {

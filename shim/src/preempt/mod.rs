@@ -13,6 +13,7 @@
 //! cuda-checkpoint printed. A resume that fails for some processes leaves those parked (a second resume
 //! retries them) and the others running.
 pub mod cuda;
+mod driver_api;
 mod gpu_checkpoint;
 pub mod state;
 
@@ -157,10 +158,17 @@ impl Container {
         self.set_preemption(None);
     }
 
-    /// The container's cuda-checkpoint, acting only on processes in the cgroups of its init `init`, each
-    /// run stopped after `cuda_checkpoint_timeout`.
-    fn cuda_checkpoint(&self, init: u32) -> Result<CudaCheckpoint> {
-        CudaCheckpoint::find(&self.settings.cuda_checkpoint_path)
+    /// The container's cuda-checkpoint (the driver API where the node's library can be used, else the program),
+    /// acting only on processes in the cgroups of its init `init`, each call stopped after
+    /// `cuda_checkpoint_timeout`.
+    async fn cuda_checkpoint(&self, init: u32) -> Result<CudaCheckpoint> {
+        let api = self
+            .settings
+            .cuda_driver_path
+            .as_deref()
+            .map(driver_api::DriverApi::of);
+        CudaCheckpoint::choose(&self.settings.cuda_checkpoint_path, api)
+            .await
             .map(|c| c.confined_to(&self.id, init))
             .map(|c| c.within(self.settings.cuda_checkpoint_timeout))
             .map_err(|e| ShimError::FailedPrecondition {
@@ -206,7 +214,10 @@ impl Container {
         let _op = self.preempt_op.try_lock().map_err(|_| self.busy())?;
         self.check_preemptible(pids).await?;
         self.end_hold_for("a preemption").await;
-        let cuda = self.cuda_checkpoint(self.init_pid().await)?;
+        let cuda = self.cuda_checkpoint(self.init_pid().await).await?;
+        if let Some(library) = cuda.driver_api() {
+            tracing::info!(id = %self.id, library, "checkpoint calls go through the CUDA driver API");
+        }
         let since_ns = now_monotonic_ns();
         let mut state = PreemptState {
             state: PreemptPhase::Preempting,
@@ -425,7 +436,7 @@ impl Container {
                 });
             }
         };
-        let cuda = self.cuda_checkpoint(self.init_pid().await)?;
+        let cuda = self.cuda_checkpoint(self.init_pid().await).await?;
         self.set_preemption(Some(PreemptState {
             state: PreemptPhase::Resuming,
             since_ns: now_monotonic_ns(),

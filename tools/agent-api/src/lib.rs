@@ -6,6 +6,7 @@
 pub mod client;
 pub mod control;
 pub mod devices;
+pub mod driver_helper;
 pub mod duration;
 pub mod gapfill;
 pub mod lines;

@@ -10,6 +10,18 @@ pub const ANNOTATION_PREFIX: &str = "baton.io/";
 pub const EBPF: &str = "ebpf";
 /// NVIDIA's cuda-checkpoint binary (node only).
 pub const CUDA_CHECKPOINT_PATH: &str = "cuda_checkpoint_path";
+/// The CUDA driver library whose checkpoint calls (`cuCheckpointProcess*`, drivers 570 and later) the shim uses
+/// instead of running cuda-checkpoint (node only; default [`DEFAULT_CUDA_DRIVER`] through the dynamic loader;
+/// empty: always run the program).
+pub const CUDA_DRIVER_PATH: &str = "cuda_driver_path";
+/// The library the shim's driver helper loads when the node's TOML names none.
+pub const DEFAULT_CUDA_DRIVER: &str = "libcuda.so.1";
+/// The CRIU program runc runs for checkpoints and restores (node only; default
+/// [`DEFAULT_CRIU_PATH`] where it exists, else `criu` on PATH).
+pub const CRIU_PATH: &str = "criu_path";
+/// Where `tools/setup.sh` leaves CRIU 4 (Debian unstable's, through its own loader): the shim's CRIU when
+/// the node's TOML names none and this exists.
+pub const DEFAULT_CRIU_PATH: &str = "/var/cache/baton/criu/bin/criu";
 /// How co-runners are paused ("cgroup" | "signal").
 pub const FREEZER: &str = "freezer";
 /// Where the container's NVIDIA device files are.
@@ -50,9 +62,11 @@ pub const GAP_FILL_MIN_SHARE: &str = "gap_fill_min_share";
 pub const GAP_FILL_WINDOW: &str = "gap_fill_window";
 
 /// Every Baton key, in TOML and (prefixed with [`ANNOTATION_PREFIX`]) in annotations.
-pub const BATON_KEYS: [&str; 18] = [
+pub const BATON_KEYS: [&str; 20] = [
     EBPF,
     CUDA_CHECKPOINT_PATH,
+    CUDA_DRIVER_PATH,
+    CRIU_PATH,
     FREEZER,
     TRACE_PREFIX,
     AGENT_SOCKET,
@@ -72,13 +86,15 @@ pub const BATON_KEYS: [&str; 18] = [
 ];
 
 /// The keys only the node's TOML may set, as annotations come from whoever writes the pod spec: they name
-/// programs the shim (root) runs, the agent it trusts or where it writes, or decide what the probes see (a
+/// programs or libraries the shim (root) runs, the agent it trusts or where it writes, or decide what the probes see (a
 /// container that turned `ebpf` off, or moved `trace_prefix` elsewhere, would hold a GPU no other
 /// container's gate sees, and distinct prefixes would use up the probe set's few slots for the whole node), or
 /// bound a preemption (a tiny `cuda_checkpoint_timeout` would make a container impossible to preempt), or
 /// concern every container of the node (gap-fill's rate gate).
-pub const NODE_ONLY_KEYS: [&str; 9] = [
+pub const NODE_ONLY_KEYS: [&str; 11] = [
     CUDA_CHECKPOINT_PATH,
+    CUDA_DRIVER_PATH,
+    CRIU_PATH,
     AGENT_SOCKET,
     AGENT_AUTOSTART,
     SNAPSHOT_DIR,

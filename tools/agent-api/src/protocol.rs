@@ -97,6 +97,9 @@ pub struct TraceRequest {
     /// One JSON object per event (the trace schema) instead of text lines.
     #[serde(default)]
     pub json: bool,
+    /// With `json`: each ioctl's captured parameter bytes too (`params`, `nested`, hex).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub raw: bool,
     /// No live lines.
     #[serde(default)]
     pub quiet: bool,
@@ -368,6 +371,25 @@ pub struct NodeStatus {
     /// Gap-fill: the co-runners the agent parked by itself, in resume order.
     #[serde(default)]
     pub gap_fill: crate::gapfill::GapFillStatus,
+    /// Each GPU the watched containers see, its video memory by the ledger beside NVML's.
+    #[serde(default)]
+    pub gpus: Vec<GpuMemory>,
+}
+
+/// A GPU's video memory as the agent's ledger counts it and as NVML reports it (the cross-check).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuMemory {
+    /// Its device file's name (`nvidia0`).
+    pub device: String,
+    /// Its minor number (N of `/dev/nvidiaN`, NVML's minor number).
+    pub minor: u8,
+    /// The watched containers that see it.
+    pub containers: usize,
+    /// The ledger's video memory of those containers (a container that sees several GPUs counts on each:
+    /// the ledger does not split a container's memory by GPU).
+    pub ledger_vram_bytes: u64,
+    /// NVML's used memory of the device; `None` without NVML (no driver, as on the mock).
+    pub nvml_used_bytes: Option<u64>,
 }
 
 /// Whether a container holds the GPU.

@@ -66,13 +66,13 @@ struct Args {
     /// The `--fail-at` failure happens the first time only (a retry succeeds).
     #[arg(long, requires = "fail_at")]
     fail_once: bool,
+    /// The first request of this action tells the library that makes it to crash its process (the fake
+    /// libcuda aborts); it changes nothing.
+    #[arg(long, value_parser = parse_action)]
+    crash_caller_at: Option<Action>,
     /// On a restore request, exit at once with this code (a job that finished while checkpointed).
     #[arg(long)]
     exit_at_restore: Option<i32>,
-    /// Start as a process that CRIU restored from a snapshot: no GPU resource yet, its device memory (the
-    /// weights) in host memory, checkpointed, until cuda-checkpoint restores and unlocks it.
-    #[arg(long)]
-    restored_checkpointed: bool,
     /// Load this libcuda (dlopen) before the setup, as a CUDA program does before cuInit.
     #[arg(long)]
     libcuda: Option<PathBuf>,
@@ -158,8 +158,8 @@ fn restore_options(args: &Args) -> RestoreOptions {
         lock_delay: Duration::from_millis(args.lock_delay_ms),
         fail_at: args.fail_at,
         fail_once: args.fail_once,
+        crash_caller_at: args.crash_caller_at,
         exit_at_restore: args.exit_at_restore,
-        start_checkpointed: args.restored_checkpointed,
         weights_seed: weights::DEFAULT_SEED,
     }
 }
@@ -175,16 +175,10 @@ fn run(
     args: &Args,
     cuda: Option<&CudaLibrary>,
 ) -> anyhow::Result<()> {
-    if args.restored_checkpointed {
-        // The restore thread set the state to checkpointed: the first step waits for restore + unlock.
-        gate.done();
-        say("phase restored-checkpointed");
-    } else {
-        let setup = lock(workload).setup();
-        gate.done();
-        setup?;
-        say("phase setup-done");
-    }
+    let setup = lock(workload).setup();
+    gate.done();
+    setup?;
+    say("phase setup-done");
     if let (Some(cuda), Some(n)) = (cuda, args.launches) {
         launch(cuda, n, args.launch_when_exists.as_deref())?;
     }

@@ -82,6 +82,10 @@ impl fmt::Display for Request {
     }
 }
 
+/// In an injected failure's message: the library making the call is to crash its process (the fake libcuda
+/// aborts), as a fault inside the vendor's library would.
+pub const CRASH_THE_CALLER: &str = "the caller crashes";
+
 /// One reply line: the state after the request, or why it failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {

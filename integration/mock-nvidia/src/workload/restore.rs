@@ -28,12 +28,13 @@ pub struct RestoreOptions {
     pub fail_at: Option<Action>,
     /// The injected failure happens once; the action then works.
     pub fail_once: bool,
+    /// This action, the first time, answers a failure that tells the calling library to crash its process
+    /// ([`super::control::CRASH_THE_CALLER`]), and changes nothing.
+    pub crash_caller_at: Option<Action>,
     /// A restore request makes the process exit at once with this code.
     pub exit_at_restore: Option<i32>,
     /// Seed of the weights.
     pub weights_seed: u32,
-    /// The process starts checkpointed (as CRIU restored it): weights in host memory, no GPU resource.
-    pub start_checkpointed: bool,
 }
 
 /// The bound control socket; the file is removed when this is dropped.
@@ -82,13 +83,8 @@ impl ControlSocket {
             .listener
             .take()
             .ok_or_else(|| std::io::Error::other("the control socket is already served"))?;
-        let mut weights = Weights::new(options.weights_seed);
-        if options.start_checkpointed {
-            weights.save_to_host();
-            gate.set_state(CudaState::Checkpointed);
-        }
         let mut thread = RestoreThread {
-            weights,
+            weights: Weights::new(options.weights_seed),
             gate,
             workload,
             options,
@@ -154,6 +150,13 @@ impl RestoreThread {
                 self.options.fail_at = None;
             }
             return Err(format!("mock failure injected at {action}"));
+        }
+        if self.options.crash_caller_at == Some(action) {
+            self.options.crash_caller_at = None;
+            return Err(format!(
+                "mock failure injected at {action}: {}",
+                super::control::CRASH_THE_CALLER
+            ));
         }
         match request {
             Request::Lock { timeout_ms } => self.lock(timeout_ms)?,

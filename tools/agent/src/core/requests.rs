@@ -61,6 +61,7 @@ impl Core {
                 .collect(),
             None => Vec::new(),
         };
+        let gpus = gpu_memory(&containers);
         NodeStatus {
             agent_pid: std::process::id(),
             probes_attached: self.tracer.is_some(),
@@ -72,6 +73,7 @@ impl Core {
             containers,
             controller: self.controller_status(),
             gap_fill: self.gap_fill_status(),
+            gpus,
         }
     }
 
@@ -116,4 +118,41 @@ impl Core {
             gap_fill: self.gap_fill_status(),
         }
     }
+}
+
+/// Each GPU `containers` see (their `/dev/nvidiaN` files), with the ledger's video memory of those containers
+/// beside NVML's used memory of the device.
+fn gpu_memory(containers: &[baton_agent_api::ContainerStatus]) -> Vec<baton_agent_api::GpuMemory> {
+    let mut by_minor: std::collections::BTreeMap<u8, (String, usize, u64)> = Default::default();
+    for c in containers {
+        let mut seen = std::collections::BTreeSet::new();
+        for path in &c.devices {
+            let name = path.rsplit('/').next().unwrap_or(path);
+            if let Some((baton_nvidia::fdkind::FdKind::Device, minor)) =
+                baton_nvidia::fdkind::classify_name(name.as_bytes())
+                && seen.insert(minor)
+            {
+                let e = by_minor
+                    .entry(minor)
+                    .or_insert_with(|| (name.to_owned(), 0, 0));
+                e.1 += 1;
+                e.2 += c.vram_bytes;
+            }
+        }
+    }
+    let nvml = crate::nvml::used_by_minor();
+    by_minor
+        .into_iter()
+        .map(
+            |(minor, (device, containers, ledger))| baton_agent_api::GpuMemory {
+                device,
+                minor,
+                containers,
+                ledger_vram_bytes: ledger,
+                nvml_used_bytes: nvml
+                    .as_ref()
+                    .and_then(|m| m.get(&u32::from(minor)).copied()),
+            },
+        )
+        .collect()
 }
