@@ -124,6 +124,44 @@ pub struct Ioctl {
     pub latency_ns: u64,
     /// Decoded parameters, status and operation.
     pub decoded: Decoded,
+    /// The bytes the probe captured, as the decoder read them (`baton trace --json --raw` prints them, so
+    /// that a trace can be replayed through the decoder).
+    pub raw: RawParams,
+}
+
+/// The parameter bytes captured for one ioctl: those at its argument and those behind the pointer that
+/// matters (see [`baton_nvidia::decode::Call`]). Kept inline: the event is boxed already.
+#[derive(Clone, Debug)]
+pub struct RawParams {
+    data: [u8; DATA_CAP],
+    data_len: usize,
+    nested: [u8; NESTED_CAP],
+    nested_len: usize,
+}
+
+impl RawParams {
+    /// The first [`DATA_CAP`] bytes of `data` and [`NESTED_CAP`] of `nested`.
+    pub fn new(data: &[u8], nested: &[u8]) -> Self {
+        let mut raw = Self {
+            data: [0; DATA_CAP],
+            data_len: data.len().min(DATA_CAP),
+            nested: [0; NESTED_CAP],
+            nested_len: nested.len().min(NESTED_CAP),
+        };
+        raw.data[..raw.data_len].copy_from_slice(&data[..raw.data_len]);
+        raw.nested[..raw.nested_len].copy_from_slice(&nested[..raw.nested_len]);
+        raw
+    }
+
+    /// The bytes at the ioctl's argument.
+    pub fn data(&self) -> &[u8] {
+        &self.data[..self.data_len]
+    }
+
+    /// The bytes behind its inner pointer (empty when none were captured).
+    pub fn nested(&self) -> &[u8] {
+        &self.nested[..self.nested_len]
+    }
 }
 
 /// Errors parsing a record.
@@ -203,6 +241,7 @@ fn ioctl(rec: &IoctlRecord, layout: &Layout) -> Ioctl {
         ret: rec.ret,
         latency_ns: rec.latency_ns,
         decoded,
+        raw: RawParams::new(data, nested),
     }
 }
 

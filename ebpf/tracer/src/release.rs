@@ -398,6 +398,18 @@ mod tests {
         (tid, tx, reader)
     }
 
+    /// Lets the thread of [`thread_blocked_in_read`] return and end; returns once /proc shows it gone (or dead).
+    /// Joining is not enough: the joiner is woken in the thread's exit (CLONE_CHILD_CLEARTID) while /proc may
+    /// still show it alive inside `exit`, a syscall no removal names.
+    fn end_thread(tid: u32, tx: std::io::PipeWriter, reader: std::thread::JoinHandle<()>) {
+        drop(tx);
+        reader.join().unwrap();
+        let me = std::process::id();
+        while !matches!(thread_state(me, tid), ThreadState::Gone | ThreadState::Dead) {
+            std::thread::yield_now();
+        }
+    }
+
     #[test]
     fn a_second_removal_before_the_first_is_confirmed_merges_both_syscall_sets() {
         let me = std::process::id();
@@ -415,8 +427,7 @@ mod tests {
         assert_eq!(r.unconfirmed(9), 1);
         assert_eq!(r.last_removal_ns(9), Some(5_000));
         // Out of read (it returns and the thread ends): past both.
-        drop(tx);
-        reader.join().unwrap();
+        end_thread(tid, tx, reader);
         let past = r.check_proc(u64::MAX / 2);
         assert_eq!(past.len(), 1, "not confirmed once past both removals");
         assert_eq!(past[0].marked_ns, 5_000, "the latest removal's time counts");
@@ -430,8 +441,7 @@ mod tests {
         r.removed(tid, me, 9, 1_000, false, syscalls::MUNMAP);
         r.removed(tid, me, 9, 2_000, false, &[]);
         assert_eq!(r.check_proc(2_000 + FIRST_CHECK_NS), vec![]);
-        drop(tx);
-        reader.join().unwrap();
+        end_thread(tid, tx, reader);
         assert_eq!(r.check_proc(u64::MAX / 2).len(), 1);
     }
 }

@@ -68,6 +68,12 @@ pub struct TraceEvent<'a> {
     /// Child pid (fork).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub child: Option<u32>,
+    /// The captured parameter bytes, hex (ioctl; only with `--raw`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub params: Option<String>,
+    /// The captured bytes behind the inner pointer, hex (ioctl; only with `--raw`, when there are any).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nested: Option<String>,
 }
 
 fn fields_object<S: serde::Serializer>(fields: &Option<&[Field]>, s: S) -> Result<S::Ok, S::Error> {
@@ -106,6 +112,8 @@ impl<'a> TraceEvent<'a> {
             addr: None,
             len: None,
             child: None,
+            params: None,
+            nested: None,
         };
         match &e.body {
             Body::Ioctl(io) => {
@@ -184,6 +192,16 @@ impl<'a> TraceEvent<'a> {
             }
         }
         t
+    }
+
+    /// Adds the captured bytes of an ioctl (`params`, and `nested` when there are any), so that the trace
+    /// can be decoded again (a golden trace replayed by a later decoder).
+    pub fn with_raw(mut self, e: &Event) -> Self {
+        if let Body::Ioctl(io) = &e.body {
+            self.params = Some(hex::encode(io.raw.data()));
+            self.nested = (!io.raw.nested().is_empty()).then(|| hex::encode(io.raw.nested()));
+        }
+        self
     }
 }
 

@@ -110,6 +110,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         return Err(AgentError::NotRoot);
     }
     let bounds = args.bounds()?;
+    adopt_node_cgroup_paths();
     let socket = args
         .socket
         .clone()
@@ -131,6 +132,26 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     let _ = std::fs::remove_file(&socket);
     tracing::info!("agent: stopped");
     result
+}
+
+/// Where the agent runs in a cgroup namespace of its own (a pod on a cgroup v2 node), makes the cgroup paths
+/// it reads from /proc/PID/cgroup the node's: they read relative to that namespace (`/../..` for other pods'),
+/// while the shims register node paths and the node's hierarchy is mounted at /sys/fs/cgroup
+/// (tools/kubernetes/baton-agent.yaml). The namespace's root is found in that hierarchy as the cgroup that
+/// holds the agent; no other namespace is joined and no other process's /proc/PID/ns is read.
+fn adopt_node_cgroup_paths() {
+    let Ok(root) = baton_tracer::cgroups::find_v2_root() else {
+        return;
+    };
+    match baton_tracer::cgroups::adopt_node_paths(&root) {
+        Ok(Some(ns_root)) => tracing::info!(
+            "agent: runs in a cgroup namespace of its own, rooted at {ns_root} in the node's hierarchy \
+             ({}): cgroup paths read from /proc are taken as the node's",
+            root.display()
+        ),
+        Ok(None) => {}
+        Err(e) => tracing::warn!("agent: {e}"),
+    }
 }
 
 /// The directory of `socket` (its lock and, under `--daemon`, its log go there).
@@ -186,6 +207,7 @@ async fn serve_until_signal(
     bounds: control::Bounds,
     args: &AgentArgs,
 ) -> Result<(), AgentError> {
+    nvml::initialise_in_background();
     let (events, _) = broadcast::channel(4096);
     let (commands, rx) = mpsc::channel(64);
     let controller = control::spawn(bounds, commands.clone());

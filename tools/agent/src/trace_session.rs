@@ -118,6 +118,7 @@ impl TraceSession {
                 summary: Summary::default(),
                 pids: req.pids.iter().copied().collect(),
                 json: req.json,
+                raw: req.raw,
                 quiet: req.quiet,
                 t0,
                 probes_shown: HashSet::new(),

@@ -100,6 +100,8 @@ pub struct Output<W: Write, T: TimelineSink = NoTimeline> {
     pub pids: HashSet<u32>,
     /// JSON objects instead of text lines.
     pub json: bool,
+    /// With `json`: each ioctl's captured bytes too (`--raw`).
+    pub raw: bool,
     /// No live lines.
     pub quiet: bool,
     /// Time origin of the text lines.
@@ -134,7 +136,7 @@ impl<W: Write, T: TimelineSink> Output<W, T> {
                 t.add(&serde_json::to_value(TraceEvent::new(e, &name))?);
             }
             if !self.quiet {
-                emit(&mut self.out, e, &name, self.json, self.t0)?;
+                emit(&mut self.out, e, &name, (self.json, self.raw), self.t0)?;
             }
         }
         self.show_new_launch_probes(tracer)?;
@@ -298,11 +300,13 @@ fn emit(
     out: &mut dyn Write,
     e: &Event,
     name: &str,
-    json: bool,
+    (json, raw): (bool, bool),
     t0: u64,
 ) -> Result<(), OutputError> {
     if json {
-        serde_json::to_writer(&mut *out, &TraceEvent::new(e, name))?;
+        let object = TraceEvent::new(e, name);
+        let object = if raw { object.with_raw(e) } else { object };
+        serde_json::to_writer(&mut *out, &object)?;
         writeln!(out)?;
     } else {
         writeln!(out, "{}", render::line(e, name, t0))?;

@@ -33,6 +33,10 @@ pub struct TraceArgs {
     /// One JSON object per event instead of text lines.
     #[arg(long)]
     pub json: bool,
+    /// With --json: each ioctl's captured parameter bytes too (`params`, `nested`, hex), so that the trace
+    /// can be decoded again later (tools/gpu-check's golden traces).
+    #[arg(long, requires = "json")]
+    pub raw: bool,
     /// Print a per-container summary when tracing ends.
     #[arg(long)]
     pub summary: bool,
@@ -165,6 +169,7 @@ pub async fn run_until(
         summary: Summary::default(),
         pids: args.pids.iter().copied().collect(),
         json: args.json,
+        raw: args.raw,
         quiet: args.quiet,
         t0: now_monotonic_ns(),
         probes_shown: HashSet::new(),

@@ -39,6 +39,7 @@ pub async fn run(
         prefixes: args.prefixes.clone(),
         // A timeline is built here from the JSON objects, whatever the lines shown.
         json: args.json || args.timeline.any(),
+        raw: args.raw,
         quiet: args.quiet && !args.timeline.any(),
         summary: args.summary,
         launch_interval_ms: args.launch_interval.map(|s| (s * 1000.0).max(1.0) as u64),
