@@ -18,7 +18,8 @@ die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
 # unshare (tools/baton/tests/install.rs: a read-only bind mount); python3-venv: kubernetes-validate below;
 # systemd: systemd-analyze verify of the agent's unit (tools/baton/tests/install.rs).
 # chromium: the timeline test renders `baton trace --html` pages headless.
-# podman: integration/tests/oci_hooks.rs runs a container with podman and the example hooks.d of runc-hooks/.
+# podman: integration/tests/oci_hooks.rs runs a container with podman and the example hooks.d of runc-hooks/;
+# tools/image/build makes the node image with it (tools/dev image, integration/tests/kube_manifests.rs).
 DEB_PKGS=(containerd runc fuse3 libfuse3-dev pkg-config busybox-static iproute2 procps protobuf-compiler criu
   python3 python3-venv bsdutils util-linux systemd chromium podman)
 missing=()
@@ -78,6 +79,23 @@ if [ ! -x "$KV_VENV/bin/kubernetes-validate" ]; then
 fi
 ln -sf "$KV_VENV/bin/kubernetes-validate" "$HOME/.cargo/bin/kubernetes-validate"
 
+# A private apt state for Debian unstable in folder $1 (its own sources list, package lists and cache; the
+# system's packages and apt state are not touched), its package lists updated; sets UNSTABLE_APT to the options
+# that make apt-get and apt-cache use it. Dir::State::status=/dev/null: nothing counts as installed (the
+# system's containerd 1.6 is not a candidate; a download takes a package's whole dependency closure). The
+# downloads go to folders of root's, where apt's sandbox user could not write, so apt runs them as root.
+unstable_apt() {
+  local tmp=$1 mirror=${BATON_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+  chmod 755 "$tmp" # apt's sandbox user (_apt) writes into lists/partial
+  mkdir -p "$tmp/lists/partial" "$tmp/cache/archives/partial" "$tmp/deb"
+  echo "deb $mirror sid main" >"$tmp/sources.list"
+  UNSTABLE_APT=(-o "Dir::Etc::SourceList=$tmp/sources.list" -o Dir::Etc::SourceParts=/dev/null
+    -o "Dir::State::Lists=$tmp/lists" -o "Dir::Cache=$tmp/cache" -o Dir::State::status=/dev/null
+    -o APT::Get::List-Cleanup=0 -o APT::Sandbox::User=root)
+  apt-get "${UNSTABLE_APT[@]}" update -qq --error-on=any >&2 \
+    || die "apt-get update of Debian unstable ($mirror sid) failed: the mirror is not reachable (set BATON_DEBIAN_MIRROR to another Debian mirror)"
+}
+
 # containerd 2.x: Debian 12 has only 1.6, so the tests' second containerd is Debian unstable's `containerd`
 # package (2.1.x; it needs glibc >= 2.34, Debian 12 has 2.36). It is downloaded with a private apt
 # state (its own sources list, package lists and cache under a temporary folder) and extracted with dpkg -x
@@ -91,31 +109,20 @@ containerd2_bin() {
     echo "$cached"
     return
   fi
-  local mirror=${BATON_DEBIAN_MIRROR:-http://deb.debian.org/debian}
   local tmp
   tmp=$(mktemp -d)
   # shellcheck disable=SC2064 # $tmp is meant to be expanded now; the function runs in $(...), a subshell
   trap "rm -rf '$tmp'" EXIT
-  chmod 755 "$tmp" # apt's download sandbox user (_apt) writes into lists/partial
-  mkdir -p "$tmp/lists/partial" "$tmp/cache/archives/partial" "$tmp/deb"
-  echo "deb $mirror sid main" >"$tmp/sources.list"
-  # Dir::State::status=/dev/null: the system's installed containerd (1.6) is not a candidate.
-  local apt=(-o "Dir::Etc::SourceList=$tmp/sources.list" -o Dir::Etc::SourceParts=/dev/null
-    -o "Dir::State::Lists=$tmp/lists" -o "Dir::Cache=$tmp/cache" -o Dir::State::status=/dev/null
-    -o APT::Get::List-Cleanup=0)
-  say "downloading containerd 2.x from Debian unstable ($mirror sid) into $BATON_CACHE (once)"
-  apt-get "${apt[@]}" update -qq --error-on=any >&2 \
-    || die "apt-get update of Debian unstable ($mirror sid) failed: the mirror is not reachable (set BATON_DEBIAN_MIRROR to another Debian mirror)"
+  say "downloading containerd 2.x from Debian unstable into $BATON_CACHE (once)"
+  unstable_apt "$tmp"
   local version
-  version=$(apt-cache "${apt[@]}" show --no-all-versions containerd 2>/dev/null | sed -n 's/^Version: //p' | head -n1)
-  [ -n "$version" ] || die "Debian unstable ($mirror sid) has no containerd package: the tests need containerd 2.x"
+  version=$(apt-cache "${UNSTABLE_APT[@]}" show --no-all-versions containerd 2>/dev/null | sed -n 's/^Version: //p' | head -n1)
+  [ -n "$version" ] || die "Debian unstable has no containerd package: the tests need containerd 2.x"
   case "${version#*:}" in
     2.*) ;;
     *) die "Debian unstable's containerd is $version, not 2.x: the tests' second pass needs containerd 2.x (pin another source with BATON_DEBIAN_MIRROR, e.g. a snapshot.debian.org archive that has 2.1)" ;;
   esac
-  # Into a folder of root's: apt's sandbox user could not write there, so the download runs as root (as apt
-  # would do anyway, with a warning).
-  (cd "$tmp/deb" && apt-get "${apt[@]}" -o APT::Sandbox::User=root download -qq "containerd=$version" >&2) \
+  (cd "$tmp/deb" && apt-get "${UNSTABLE_APT[@]}" download -qq "containerd=$version" >&2) \
     || die "apt-get download containerd=$version from Debian unstable failed (see the output above)"
   local dest="$BATON_CACHE/containerd-${version//[:\/]/_}"
   rm -rf "$tmp/root"
@@ -129,5 +136,54 @@ containerd2_bin() {
 }
 CONTAINERD2_BIN=$(containerd2_bin)
 
+# CRIU: Debian 12's criu 3.17 fails `criu check` on this kernel ("Could not initialize kernel features
+# detection"); Debian unstable's 4.2.x passes it. It needs a newer glibc than Debian 12's, so it runs from a
+# cache folder through the loader and libraries of its own packages (criu and the 25 it depends on, extracted
+# with dpkg -x; nothing is installed into the system): $BATON_CACHE/criu-<version>/bin/criu runs it that way,
+# and $BATON_CACHE/criu links to the newest one, where the shim looks by default (its `criu_path` option
+# names another).
+criu_bin() {
+  local cached="$BATON_CACHE/criu/bin/criu"
+  if "$cached" --version 2>/dev/null | grep -q '^Version: 4\.'; then
+    echo "$cached"
+    return
+  fi
+  local tmp
+  tmp=$(mktemp -d)
+  # shellcheck disable=SC2064 # expanded now, on purpose; the function runs in a subshell
+  trap "rm -rf '$tmp'" EXIT
+  say "downloading CRIU 4.x and the libraries it links from Debian unstable into $BATON_CACHE (once)"
+  unstable_apt "$tmp"
+  local version
+  version=$(apt-cache "${UNSTABLE_APT[@]}" show --no-all-versions criu 2>/dev/null | sed -n 's/^Version: //p' | head -n1)
+  case "${version#*:}" in
+    4.*) ;;
+    *) die "Debian unstable's criu is '${version:-missing}', not 4.x: the checkpoint tests need CRIU 4 (Debian 12's 3.17 fails criu check on this kernel)" ;;
+  esac
+  # With no installed packages in its state, apt downloads criu's whole dependency closure (glibc among it).
+  apt-get "${UNSTABLE_APT[@]}" install --download-only --no-install-recommends -y -qq "criu=$version" >&2 \
+    || die "downloading criu=$version and its libraries from Debian unstable failed (see the output above)"
+  local dest="$BATON_CACHE/criu-${version//[:\/]/_}"
+  rm -rf "$dest"
+  mkdir -p "$dest/bin"
+  for deb in "$tmp"/cache/archives/*.deb; do
+    dpkg -x "$deb" "$dest/root" || die "dpkg -x $deb failed"
+  done
+  local lib="$dest/root/usr/lib/x86_64-linux-gnu"
+  [ -x "$lib/ld-linux-x86-64.so.2" ] || die "criu $version's packages bring no loader at $lib/ld-linux-x86-64.so.2"
+  cat >"$dest/bin/criu" <<SCRIPT
+#!/bin/sh
+# CRIU $version from Debian unstable, through its own loader and libraries (tools/setup.sh).
+exec "$lib/ld-linux-x86-64.so.2" --library-path "$lib" "$dest/root/usr/sbin/criu" "\$@"
+SCRIPT
+  chmod 755 "$dest/bin/criu"
+  "$dest/bin/criu" --version 2>/dev/null | grep -q '^Version: 4\.' \
+    || die "the downloaded criu $version does not run here: $("$dest/bin/criu" --version 2>&1 | head -n1)"
+  ln -sfn "$dest" "$BATON_CACHE/criu"
+  echo "$cached"
+}
+CRIU_BIN=$(criu_bin)
+
 echo "$LINKER_ROOT/bin"
 echo "$CONTAINERD2_BIN"
+echo "$CRIU_BIN"
