@@ -87,7 +87,7 @@ async fn decoded_events_and_ledger_follow_the_workload_through_each_phase() {
     .await
     .unwrap();
     let held = tracer.gpu_state(cg);
-    assert!(held.holds_gpu());
+    assert!(held.holds_anything());
     assert_eq!(
         held.open_fds, 4,
         "nvidiactl, nvidia0 and two nvidia-uvm fds"
@@ -119,7 +119,7 @@ async fn decoded_events_and_ledger_follow_the_workload_through_each_phase() {
     // Teardown: the ledger empties and every fd and mapping is gone.
     let summary = env.workload(w).finish().unwrap();
     events.extend(
-        collect_until(&mut tracer, WAIT, |t, _| !t.gpu_state(cg).holds_gpu())
+        collect_until(&mut tracer, WAIT, |t, _| !t.gpu_state(cg).holds_anything())
             .await
             .unwrap(),
     );
@@ -197,15 +197,15 @@ async fn two_workloads_in_two_cgroups_are_attributed_to_their_own_container() {
     assert_eq!(tracer.gpu_state(a).open_fds, 4);
     assert_eq!(tracer.gpu_state(b).open_fds, 4);
     env.workload(wa).finish().unwrap();
-    collect_until(&mut tracer, WAIT, |t, _| !t.gpu_state(a).holds_gpu())
+    collect_until(&mut tracer, WAIT, |t, _| !t.gpu_state(a).holds_anything())
         .await
         .unwrap();
     assert!(
-        tracer.gpu_state(b).holds_gpu(),
+        tracer.gpu_state(b).holds_anything(),
         "b is untouched by a's teardown"
     );
     env.workload(wb).finish().unwrap();
-    collect_until(&mut tracer, WAIT, |t, _| !t.gpu_state(b).holds_gpu())
+    collect_until(&mut tracer, WAIT, |t, _| !t.gpu_state(b).holds_anything())
         .await
         .unwrap();
 }
@@ -233,7 +233,7 @@ async fn a_process_that_opened_devices_before_tracing_is_tracked_from_proc() {
     );
 
     env.workload(w).finish().unwrap();
-    let events = collect_until(&mut tracer, WAIT, |t, _| !t.gpu_state(cg).holds_gpu())
+    let events = collect_until(&mut tracer, WAIT, |t, _| !t.gpu_state(cg).holds_anything())
         .await
         .unwrap();
     let closes = events
@@ -298,7 +298,7 @@ async fn release_and_reacquire_show_in_the_ledger() {
         .signal(nix::sys::signal::Signal::SIGUSR1)
         .unwrap();
     env.workload(w).wait_line("released", WAIT).unwrap();
-    collect_until(&mut tracer, WAIT, |t, _| !t.gpu_state(cg).holds_gpu())
+    collect_until(&mut tracer, WAIT, |t, _| !t.gpu_state(cg).holds_anything())
         .await
         .unwrap();
     assert_eq!(

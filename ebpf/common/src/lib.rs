@@ -107,6 +107,15 @@ pub enum RecordKind {
     /// A process holding NVIDIA fds closed the fds `addr..=len` with `close_range` (`FdRecord`, fd = -1,
     /// `aux` the flags; never sent for `CLOSE_RANGE_CLOEXEC`, which closes nothing).
     CloseRange = 11,
+    /// A holder's `mmap(MAP_FIXED)` (without `MAP_FIXED_NOREPLACE`) of anything replaced whatever was mapped
+    /// at `addr`/`len` (`FdRecord`, fd the new mapping's fd or -1, `aux` the mmap flags): the kernel unmapped
+    /// that range first, as munmap would. An NVIDIA mapping made by the same call follows as `Mmap`.
+    MapFixed = 12,
+    /// A holder's `mremap` succeeded (`MapRecord`): the range moved, shrank or grew.
+    Mremap = 13,
+    /// A holder's `madvise(MADV_DONTFORK | MADV_DOFORK)` succeeded (`FdRecord`, `addr`/`len` the range,
+    /// `aux` the advice): whether a fork copies those mappings to the child.
+    Madvise = 14,
 }
 
 impl RecordKind {
@@ -124,6 +133,9 @@ impl RecordKind {
             9 => Self::Fork,
             10 => Self::Confirm,
             11 => Self::CloseRange,
+            12 => Self::MapFixed,
+            13 => Self::Mremap,
+            14 => Self::Madvise,
             _ => return None,
         })
     }
@@ -211,6 +223,26 @@ pub struct FdRecord {
     pub len: u64,
     /// Device file name for `Open`, NUL padded.
     pub name: [u8; NAME_CAP],
+}
+
+/// A holder's successful `mremap` (`RecordKind::Mremap`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MapRecord {
+    /// Common fields.
+    pub hdr: Header,
+    /// The range remapped: start.
+    pub old_addr: u64,
+    /// The range remapped: length (0: a shared mapping duplicated, the old one stays).
+    pub old_len: u64,
+    /// Where it is now (the syscall's return value).
+    pub new_addr: u64,
+    /// Its new length.
+    pub new_len: u64,
+    /// mremap flags (`MREMAP_MAYMOVE` 1, `MREMAP_FIXED` 2, `MREMAP_DONTUNMAP` 4).
+    pub flags: u32,
+    /// Explicit padding.
+    pub _pad: u32,
 }
 
 /// Key of `NV_FDS`.

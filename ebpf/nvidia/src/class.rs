@@ -343,6 +343,33 @@ pub const fn is_copy_engine(class: u32) -> bool {
     )
 }
 
+/// Classes that are handles and hold nothing on the GPU: clients, the device and subdevice objects one
+/// allocates to query a GPU, and the event and bookkeeping objects beside them. A client whose live objects
+/// are all of these holds no GPU state: no memory, no address space, no channel, no context. NVML and
+/// nvidia-smi make such clients, and so does CUDA's checkpoint right after it freed a process's state: it
+/// reopens nvidiactl and nvidia0 and allocates a client, a device and a subdevice for a few queries
+/// (recording: /work/shared/gpu/580.159.04/park-program.jsonl.gz, pid 440 thread 462 after its root
+/// client's RM_FREE). Every other class, known or not, counts as GPU state.
+#[inline(always)]
+pub const fn is_handle_only(class: u32) -> bool {
+    matches!(
+        class,
+        NV01_ROOT
+            | NV01_ROOT_NON_PRIV
+            | NV01_ROOT_CLIENT
+            | NV01_DEVICE_0
+            | NV20_SUBDEVICE_0
+            | GF100_SUBDEVICE_MASTER
+            | NV20_SUBDEVICE_DIAG
+            | NV01_EVENT
+            | NV01_EVENT_OS_EVENT
+            | NV01_EVENT_KERNEL_CALLBACK
+            | NV01_EVENT_KERNEL_CALLBACK_EX
+            | NV2081_BINAPI
+            | NV_CONFIDENTIAL_COMPUTE
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -385,5 +412,8 @@ mod tests {
         assert!(is_compute(0xcbc0) && !is_compute(0xc86f));
         assert!(is_copy_engine(0xc8b5));
         assert_eq!(name(NV01_DEVICE_0), Some("NV01_DEVICE_0"));
+        assert!(is_handle_only(NV01_ROOT_CLIENT) && is_handle_only(NV20_SUBDEVICE_0));
+        assert!(!is_handle_only(NV01_MEMORY_LOCAL_USER) && !is_handle_only(FERMI_VASPACE_A));
+        assert!(!is_handle_only(HOPPER_CHANNEL_GPFIFO_A) && !is_handle_only(0xffff));
     }
 }

@@ -152,6 +152,9 @@ pub enum Op {
         memory: u32,
         /// length.
         length: u64,
+        /// The fd of the file the memory is then mmap()ed through (`nv_ioctl_nvos33_parameters_with_fd`),
+        /// when captured.
+        fd: Option<i32>,
     },
     /// RM_UNMAP_MEMORY (CPU mapping).
     UnmapMemory {
@@ -767,7 +770,7 @@ fn decode_nvos33(data: &[u8]) -> Parts {
     f.hex64("pLinearAddress", nvos33::P_LINEAR_ADDRESS_OFFSET);
     let status = f.status("status", nvos33::STATUS_OFFSET);
     f.hex32("flags", nvos33::FLAGS_OFFSET);
-    f.fd("fd", nvos33::FD_OFFSET);
+    let fd = f.fd("fd", nvos33::FD_OFFSET);
     Parts {
         status,
         op: Op::MapMemory {
@@ -775,6 +778,7 @@ fn decode_nvos33(data: &[u8]) -> Parts {
             device,
             memory,
             length,
+            fd: (fd >= 0).then_some(fd),
         },
         fields: f.out,
     }

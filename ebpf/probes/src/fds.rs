@@ -64,7 +64,7 @@ pub fn emit_fd(
 
 /// The NVIDIA fd `fd` of process `tgid`, if it is one (inherited ones included, see [`maps::nv_fd`]).
 #[inline(always)]
-fn nv_fd(tgid: u32, fd: u64) -> Option<FdInfo> {
+pub fn nv_fd(tgid: u32, fd: u64) -> Option<FdInfo> {
     maps::nv_fd(tgid, fd as u32)
 }
 
@@ -76,11 +76,12 @@ fn track(tgid: u32, fd: u32, info: FdInfo) {
 }
 
 #[inline(always)]
-fn pending(sys: Sys, fd: i32, info: FdInfo) -> Pending {
+pub fn pending(sys: Sys, fd: i32, info: FdInfo) -> Pending {
     Pending {
         ts_ns: now_ns(),
         arg: 0,
         len: 0,
+        arg2: 0,
         cmd: 0,
         fd,
         sys,
@@ -390,66 +391,5 @@ pub fn sys_exit_dup3(ctx: TracePointContext) -> u32 {
 #[tracepoint]
 pub fn sys_exit_fcntl(ctx: TracePointContext) -> u32 {
     let _ = try_exit_dup(arg(&ctx, 0) as i64);
-    0
-}
-
-#[tracepoint]
-pub fn sys_enter_mmap(ctx: TracePointContext) -> u32 {
-    confirm_returned();
-    let fd = arg(&ctx, 4);
-    let (tgid, tid) = ids();
-    if let Some(info) = nv_fd(tgid, fd) {
-        let mut p = pending(Sys::Mmap, fd as i32, info);
-        p.len = arg(&ctx, 1);
-        put_pending(tid, p);
-    }
-    0
-}
-
-#[tracepoint]
-pub fn sys_exit_mmap(ctx: TracePointContext) -> u32 {
-    let ret = arg(&ctx, 0);
-    if let Some(p) = take_pending(ids().1, Sys::Mmap) {
-        // Errors come back as -4095..-1.
-        if (ret as i64) < 0 && (ret as i64) >= -4095 {
-            return 0;
-        }
-        let info = FdInfo {
-            kind: p.kind,
-            minor: p.minor,
-            _pad: [0; 2],
-        };
-        emit_fd(RecordKind::Mmap, p.fd, -1, info, ret, p.len, &[0; NAME_CAP]);
-    }
-    0
-}
-
-#[tracepoint]
-pub fn sys_enter_munmap(ctx: TracePointContext) -> u32 {
-    confirm_returned();
-    let (tgid, tid) = ids();
-    // SAFETY: presence check only.
-    if unsafe { NV_PROCS.get(tgid).is_some() } {
-        put_pending(tid, pending(Sys::Munmap, -1, NO_INFO));
-        emit_fd(
-            RecordKind::Munmap,
-            -1,
-            -1,
-            NO_INFO,
-            arg(&ctx, 0),
-            arg(&ctx, 1),
-            &[0; NAME_CAP],
-        );
-    }
-    0
-}
-
-/// An munmap by a holder returned: the mapping's file reference, if it was the last, is dropped as task work
-/// before the thread is back in user space. User space only waits for it when the range held NVIDIA mappings.
-#[tracepoint]
-pub fn sys_exit_munmap(_ctx: TracePointContext) -> u32 {
-    if take_pending(ids().1, Sys::Munmap).is_some() {
-        await_confirm();
-    }
     0
 }

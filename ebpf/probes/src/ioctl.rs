@@ -31,6 +31,7 @@ pub fn sys_enter_ioctl(ctx: TracePointContext) -> u32 {
         ts_ns: now_ns(),
         arg: arg(&ctx, 2),
         len: 0,
+        arg2: 0,
         cmd: arg(&ctx, 1) as u32,
         fd: fd as i32,
         sys: Sys::Ioctl,

@@ -32,6 +32,8 @@ mod lifecycle;
 mod maps;
 #[cfg(target_arch = "bpf")]
 mod util;
+#[cfg(target_arch = "bpf")]
+mod vmas;
 
 #[cfg(target_arch = "bpf")]
 #[panic_handler]

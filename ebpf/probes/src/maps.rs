@@ -102,6 +102,8 @@ pub enum Sys {
     Close = 5,
     Munmap = 6,
     CloseRange = 7,
+    Mremap = 8,
+    Madvise = 9,
 }
 
 /// What a thread's syscall enter left for its exit.
@@ -111,6 +113,8 @@ pub struct Pending {
     pub ts_ns: u64,
     pub arg: u64,
     pub len: u64,
+    /// A third argument (mremap's new length).
+    pub arg2: u64,
     pub cmd: u32,
     pub fd: i32,
     pub sys: Sys,

@@ -5,7 +5,8 @@ use baton_nvidia::{
     layout::Layout,
 };
 use baton_probe_common::{
-    ConfirmReason, DATA_CAP, FdRecord, Header, IoctlRecord, NAME_CAP, NESTED_CAP, RecordKind,
+    ConfirmReason, DATA_CAP, FdRecord, Header, IoctlRecord, MapRecord, NAME_CAP, NESTED_CAP,
+    RecordKind,
 };
 
 use crate::release::ConfirmKind;
@@ -72,6 +73,36 @@ pub enum Body {
         addr: u64,
         /// Length.
         len: u64,
+    },
+    /// A holder's mmap(MAP_FIXED) replaced whatever was mapped in a range, as an munmap of it would (an
+    /// NVIDIA mapping made by the same call follows as `Mmap`).
+    MapFixed {
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
+    /// A holder's mremap moved, shrank or grew a range (`old_len` 0: a shared mapping duplicated).
+    Mremap {
+        /// The range's start before.
+        old_addr: u64,
+        /// Its length before.
+        old_len: u64,
+        /// Its start now.
+        new_addr: u64,
+        /// Its length now.
+        new_len: u64,
+        /// mremap flags.
+        flags: u32,
+    },
+    /// A holder's madvise changed whether a fork copies the mappings of a range.
+    Madvise {
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: u64,
+        /// `MADV_DONTFORK` (true) or `MADV_DOFORK` (false).
+        dont_fork: bool,
     },
     /// A holder closed the fds `first..=last` with close_range (only the NVIDIA ones among them matter).
     CloseRange {
@@ -206,6 +237,16 @@ pub fn parse(bytes: &[u8], layout: &Layout) -> Result<Event, ParseError> {
             let rec: IoctlRecord = read_pod(bytes).ok_or(short)?;
             Body::Ioctl(Box::new(ioctl(&rec, layout)))
         }
+        RecordKind::Mremap => {
+            let rec: MapRecord = read_pod(bytes).ok_or(short)?;
+            Body::Mremap {
+                old_addr: rec.old_addr,
+                old_len: rec.old_len,
+                new_addr: rec.new_addr,
+                new_len: rec.new_len,
+                flags: rec.flags,
+            }
+        }
         _ => {
             let rec: FdRecord = read_pod(bytes).ok_or(short)?;
             fd_body(kind, &rec).ok_or(ParseError::UnknownKind(hdr.kind))?
@@ -290,9 +331,21 @@ fn fd_body(kind: RecordKind, rec: &FdRecord) -> Option<Body> {
         RecordKind::Fork => Body::Fork {
             child: rec.aux as u32,
         },
-        RecordKind::Ioctl => return None,
+        RecordKind::MapFixed => Body::MapFixed {
+            addr: rec.addr,
+            len: rec.len,
+        },
+        RecordKind::Madvise => Body::Madvise {
+            addr: rec.addr,
+            len: rec.len,
+            dont_fork: rec.aux == MADV_DONTFORK,
+        },
+        RecordKind::Ioctl | RecordKind::Mremap => return None,
     })
 }
+
+/// The madvise advice that keeps a mapping out of a forked child.
+const MADV_DONTFORK: i32 = 10;
 
 fn name(raw: &[u8; NAME_CAP]) -> String {
     let end = raw.iter().position(|b| *b == 0).unwrap_or(NAME_CAP);

@@ -1,13 +1,17 @@
-//! The per-container ledger of GPU driver state: live RM objects by class, GPU memory allocated through
-//! memory classes, and UVM state, kept from the decoded calls of the container's processes.
+//! The per-container ledger of GPU driver state: live RM clients and objects by class, GPU memory allocated
+//! through memory classes, and UVM state, kept from the decoded calls of the container's processes.
 //!
-//! Driver semantics it follows (nvidia-driver.md): a successful RM_FREE frees the object and its subtree, and
-//! freeing a client frees the client's whole tree; RM objects belong to the file they were allocated through,
-//! so when a process no longer pins any NVIDIA file (no fd, no mapping) the driver has released everything it
-//! allocated. This is what issue C's release signal reads: [`ContainerLedger::holds_gpu_objects`].
-use std::collections::{BTreeMap, HashMap};
+//! Driver semantics it follows (nvidia-driver.md, and the H200 recordings under
+//! /work/shared/gpu/580.159.04/): a successful RM_FREE frees the object and its subtree, and freeing a client
+//! frees the client's whole tree; a client lives on the open file it was allocated through, and the file's
+//! final release frees every client still on it ([`ContainerLedger::release_file`]). A container holds GPU
+//! state while one of its live objects is of a class that is more than a handle
+//! (`baton_nvidia::class::is_handle_only`): memory, an address space, a channel, a context.
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use baton_nvidia::{class, decode::Op, status};
+
+use crate::files::FileId;
 
 /// An RM object the ledger believes is live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,6 +23,17 @@ pub struct RmObject {
     /// Bytes of memory it holds (memory classes), else 0.
     pub bytes: u64,
     /// The process that allocated it.
+    pub owner: u32,
+}
+
+/// An RM client the ledger believes is live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Client {
+    /// The open file it was allocated through, whose final release frees it; `None` when the records never
+    /// showed its allocation (its process was followed only later): then it goes when its owner holds no
+    /// NVIDIA file any more.
+    pub file: Option<FileId>,
+    /// The process that allocated it (or first used it).
     pub owner: u32,
 }
 
@@ -40,6 +55,10 @@ pub struct UvmState {
 pub struct ContainerLedger {
     /// Live objects by (client, handle); a client itself is keyed (client, client).
     objects: HashMap<(u32, u32), RmObject>,
+    /// Live clients by handle.
+    clients: HashMap<u32, Client>,
+    /// Live objects of classes that hold GPU state (not handles only).
+    state_objects: usize,
     /// UVM state.
     pub uvm: UvmState,
     /// Whether objects may be missing because the container's processes allocated them before tracing started.
@@ -66,8 +85,9 @@ fn saturate(bytes: u128) -> u64 {
 }
 
 impl ContainerLedger {
-    /// Applies one decoded call made by `pid`. Calls the driver refused change nothing.
-    pub fn apply(&mut self, pid: u32, op: &Op, rm_status: Option<u32>) {
+    /// Applies one decoded call made by `pid` through open file `file` (`None`: a file the mirror does not
+    /// know). Calls the driver refused change nothing.
+    pub fn apply(&mut self, pid: u32, file: Option<FileId>, op: &Op, rm_status: Option<u32>) {
         if rm_status.is_some_and(|s| s != status::NV_OK) {
             return;
         }
@@ -81,7 +101,11 @@ impl ContainerLedger {
             } => {
                 if class::is_root(class) {
                     // A new client: the driver returns its handle in hObjectNew and files it as
-                    // NV01_ROOT_CLIENT whichever root class was asked for.
+                    // NV01_ROOT_CLIENT whichever root class was asked for. It lives on the file it came through.
+                    if self.clients.contains_key(&object) {
+                        self.free_clients(&[object]);
+                    }
+                    self.clients.insert(object, Client { file, owner: pid });
                     self.insert(object, object, class::NV01_ROOT_CLIENT, object, 0, pid);
                 } else {
                     self.insert(client, object, class, parent, size.unwrap_or(0), pid);
@@ -129,6 +153,12 @@ impl ContainerLedger {
         bytes: u64,
         owner: u32,
     ) {
+        // An object of a client whose allocation the records never showed: the client is known from now on,
+        // on no known file.
+        self.clients.entry(client).or_insert(Client {
+            file: None,
+            owner,
+        });
         let obj = RmObject {
             class,
             parent,
@@ -136,35 +166,48 @@ impl ContainerLedger {
             owner,
         };
         if let Some(old) = self.objects.insert((client, handle), obj) {
-            self.vram -= vram_of(&old);
+            self.forget(&old);
         }
         self.vram += vram_of(&obj);
+        if !class::is_handle_only(class) {
+            self.state_objects += 1;
+        }
         self.peak_vram = self.peak_vram.max(self.vram);
     }
 
-    /// Removes the objects `doomed` selects, keeping the video-memory total right.
+    /// Takes object `o`, just removed from `objects`, off the totals.
+    fn forget(&mut self, o: &RmObject) {
+        self.vram -= vram_of(o);
+        if !class::is_handle_only(o.class) {
+            self.state_objects -= 1;
+        }
+    }
+
+    /// Removes the objects `doomed` selects, keeping the totals right.
     fn remove_where(&mut self, mut doomed: impl FnMut(&(u32, u32), &RmObject) -> bool) {
-        let mut freed = 0;
+        let mut gone = Vec::new();
         self.objects.retain(|k, o| {
-            let gone = doomed(k, o);
-            if gone {
-                freed += vram_of(o);
+            let g = doomed(k, o);
+            if g {
+                gone.push(*o);
             }
-            !gone
+            !g
         });
-        self.vram -= freed;
+        for o in &gone {
+            self.forget(o);
+        }
     }
 
     /// Frees `object` of `client` and its subtree; freeing the client frees everything under it.
     pub fn free(&mut self, client: u32, object: u32) {
         if object == client {
-            self.remove_where(|(c, _), _| *c == client);
+            self.free_clients(&[client]);
             return;
         }
         let mut doomed = vec![object];
         while let Some(h) = doomed.pop() {
             if let Some(o) = self.objects.remove(&(client, h)) {
-                self.vram -= vram_of(&o);
+                self.forget(&o);
                 doomed.extend(
                     self.objects
                         .iter()
@@ -175,12 +218,64 @@ impl ContainerLedger {
         }
     }
 
-    /// The driver released every file of `pid`: its objects are gone, and so is its UVM state.
-    pub fn release_process(&mut self, pid: u32) {
-        self.remove_where(|_, o| o.owner == pid);
+    /// Frees `clients` and everything under them.
+    fn free_clients(&mut self, clients: &[u32]) {
+        if clients.is_empty() {
+            return;
+        }
+        for c in clients {
+            self.clients.remove(c);
+        }
+        self.remove_where(|(c, _), _| clients.contains(c));
+    }
+
+    /// After a release: with no object left, the container's UVM state went with its files.
+    fn reset_uvm_if_empty(&mut self) {
         if self.objects.is_empty() {
             self.uvm = UvmState::default();
         }
+    }
+
+    /// The driver released open file `file` (its last fd and mapping went): every client still on it is
+    /// freed. Returns how many.
+    pub fn release_file(&mut self, file: FileId) -> usize {
+        let doomed: Vec<u32> = self
+            .clients
+            .iter()
+            .filter(|(_, c)| c.file == Some(file))
+            .map(|(h, _)| *h)
+            .collect();
+        self.free_clients(&doomed);
+        self.reset_uvm_if_empty();
+        doomed.len()
+    }
+
+    /// Process `pid` holds no NVIDIA file any more: the clients it allocated on files the records never
+    /// showed (it was followed only later) are gone with their files.
+    pub fn release_process(&mut self, pid: u32) {
+        let doomed: Vec<u32> = self
+            .clients
+            .iter()
+            .filter(|(_, c)| c.file.is_none() && c.owner == pid)
+            .map(|(h, _)| *h)
+            .collect();
+        self.free_clients(&doomed);
+        self.reset_uvm_if_empty();
+    }
+
+    /// The processes that allocated the clients holding GPU state now (a forked child that only inherited
+    /// the files owns none).
+    pub fn state_owners(&self) -> BTreeSet<u32> {
+        self.objects
+            .iter()
+            .filter(|(_, o)| !class::is_handle_only(o.class))
+            .filter_map(|((c, _), _)| self.clients.get(c).map(|cl| cl.owner))
+            .collect()
+    }
+
+    /// Live clients by handle.
+    pub fn clients(&self) -> impl Iterator<Item = (u32, &Client)> {
+        self.clients.iter().map(|(h, c)| (*h, c))
     }
 
     /// Live objects by class.
@@ -216,9 +311,14 @@ impl ContainerLedger {
             .fold(0u64, u64::saturating_add)
     }
 
-    /// Whether any RM object is live: the GPU still holds this container's state.
-    pub fn holds_gpu_objects(&self) -> bool {
-        !self.objects.is_empty()
+    /// Live objects of classes that hold GPU state (memory, address spaces, channels, contexts: not handles).
+    pub fn state_objects(&self) -> usize {
+        self.state_objects
+    }
+
+    /// Whether the GPU still holds this container's state: a live object that is more than a handle.
+    pub fn holds_gpu_state(&self) -> bool {
+        self.state_objects > 0
     }
 
     /// The live object `(client, handle)`.
@@ -244,6 +344,15 @@ impl Ledger {
         self.containers.get(&cgroup_id)
     }
 
+    /// Open file `file` was released: the clients on it are freed, in whichever ledger they are. Returns
+    /// how many.
+    pub fn release_file(&mut self, file: FileId) -> usize {
+        self.containers
+            .values_mut()
+            .map(|l| l.release_file(file))
+            .sum()
+    }
+
     /// Every container seen.
     pub fn iter(&self) -> impl Iterator<Item = (u64, &ContainerLedger)> {
         self.containers.iter().map(|(k, v)| (*k, v))
@@ -265,6 +374,7 @@ mod tests {
     ) {
         l.apply(
             1,
+            None,
             &Op::Alloc {
                 client,
                 parent,
@@ -303,6 +413,7 @@ mod tests {
         alloc(&mut l, 0xc1, 0xc1, 0xd0, NV01_DEVICE_0, None);
         l.apply(
             1,
+            None,
             &Op::Free {
                 client: 0xc1,
                 parent: 0,
@@ -310,7 +421,54 @@ mod tests {
             },
             Some(status::NV_OK),
         );
-        assert!(!l.holds_gpu_objects());
+        assert!(!l.holds_gpu_state());
+        assert_eq!(l.live_objects(), 0);
+    }
+
+    /// A client holding only handles (a device, a subdevice: what NVML and CUDA's checkpoint queries make)
+    /// holds no GPU state; one with memory or an address space does.
+    #[test]
+    fn only_objects_that_are_more_than_handles_hold_gpu_state() {
+        let mut l = ContainerLedger::default();
+        alloc(&mut l, 0, 0, 0xc1, NV01_ROOT_CLIENT, None);
+        alloc(&mut l, 0xc1, 0xc1, 0xd0, NV01_DEVICE_0, None);
+        alloc(&mut l, 0xc1, 0xd0, 0xd1, NV20_SUBDEVICE_0, None);
+        assert!(!l.holds_gpu_state());
+        alloc(&mut l, 0xc1, 0xd0, 0xd2, FERMI_VASPACE_A, None);
+        assert!(l.holds_gpu_state());
+        assert_eq!(l.state_owners(), [1].into());
+        l.free(0xc1, 0xd2);
+        assert!(!l.holds_gpu_state());
+        assert_eq!(l.state_objects(), 0);
+    }
+
+    /// A client lives on the file it was allocated through: that file's release frees it, another's not.
+    #[test]
+    fn a_files_release_frees_the_clients_on_it() {
+        let mut l = ContainerLedger::default();
+        let (f1, f2) = (FileId(1), FileId(2));
+        for (client, file) in [(0xc1, f1), (0xc2, f2)] {
+            l.apply(
+                7,
+                Some(file),
+                &Op::Alloc {
+                    client: 0,
+                    parent: 0,
+                    object: client,
+                    class: NV01_ROOT_CLIENT,
+                    size: None,
+                },
+                Some(status::NV_OK),
+            );
+            alloc(&mut l, client, client, client + 0x100, NV01_MEMORY_LOCAL_USER, Some(4096));
+        }
+        assert_eq!(l.release_file(f1), 1);
+        assert_eq!(l.vram_bytes(), 4096);
+        assert!(l.object(0xc2, 0xc2).is_some());
+        l.release_process(7);
+        assert!(l.holds_gpu_state(), "a client on a known file goes with the file, not the process");
+        assert_eq!(l.release_file(f2), 1);
+        assert!(!l.holds_gpu_state());
     }
 
     /// Sizes come from params a process wrote: two huge ones must not overflow the totals.
@@ -334,6 +492,7 @@ mod tests {
         let mut l = ContainerLedger::default();
         l.apply(
             1,
+            None,
             &Op::Alloc {
                 client: 1,
                 parent: 1,
@@ -347,6 +506,7 @@ mod tests {
         alloc(&mut l, 0, 0, 1, NV01_ROOT_CLIENT, None);
         l.apply(
             2,
+            None,
             &Op::Alloc {
                 client: 5,
                 parent: 0,

@@ -3,7 +3,8 @@
 //! [`Tracer`] loads the eBPF object that build.rs built from `ebpf/probes` and embedded here, attaches it,
 //! seeds its fd maps from /proc, and turns the ring-buffer records into decoded [`event::Event`]s while it
 //! keeps, per container (cgroup v2 id), a [`ledger::ContainerLedger`] of live RM objects, GPU memory and UVM
-//! state, and a [`fdtable::FdTable`] of the NVIDIA fds and mappings of every traced process.
+//! state, and a [`fdtable::FdTable`] of the NVIDIA fds and mappings of every traced process and the open
+//! files they refer to ([`files`]).
 //!
 //! Uprobes on the libcuda files of traced processes count each container's CUDA launches
 //! ([`Tracer::launches`], [`launch`]).
@@ -13,6 +14,7 @@
 pub use baton_cgroups as cgroups;
 pub mod event;
 pub mod fdtable;
+pub mod files;
 pub mod launch;
 pub mod ledger;
 pub mod probes;

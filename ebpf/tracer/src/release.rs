@@ -52,6 +52,10 @@ pub mod syscalls {
     pub const CLOSE_RANGE: &[i64] = &[libc::SYS_close_range];
     /// munmap.
     pub const MUNMAP: &[i64] = &[libc::SYS_munmap];
+    /// mmap(MAP_FIXED) over a mapping.
+    pub const MMAP: &[i64] = &[libc::SYS_mmap];
+    /// mremap.
+    pub const MREMAP: &[i64] = &[libc::SYS_mremap];
     /// execve, execveat.
     pub const EXEC: &[i64] = &[libc::SYS_execve, libc::SYS_execveat];
     #[cfg(target_arch = "x86_64")]

@@ -21,7 +21,8 @@ pub struct TraceEvent<'a> {
     pub pid: u32,
     /// Thread id.
     pub tid: u32,
-    /// `ioctl`, `open`, `close`, `dup`, `mmap`, `munmap`, `exec`, `exit`, `fork`.
+    /// `ioctl`, `open`, `close`, `dup`, `mmap`, `munmap`, `map_fixed`, `mremap`, `madvise`, `exec`, `exit`,
+    /// `fork`.
     pub event: &'static str,
     /// The fd, when the event has one.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -68,6 +69,15 @@ pub struct TraceEvent<'a> {
     /// Child pid (fork).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub child: Option<u32>,
+    /// Where a remapped range is now (mremap; `addr`/`len` are where it was).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub new_addr: Option<u64>,
+    /// Its length now (mremap).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub new_len: Option<u64>,
+    /// mremap flags, or the madvise advice (`dontfork`, `dofork`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub flags: Option<String>,
     /// The captured parameter bytes, hex (ioctl; only with `--raw`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub params: Option<String>,
@@ -112,6 +122,9 @@ impl<'a> TraceEvent<'a> {
             addr: None,
             len: None,
             child: None,
+            new_addr: None,
+            new_len: None,
+            flags: None,
             params: None,
             nested: None,
         };
@@ -167,6 +180,35 @@ impl<'a> TraceEvent<'a> {
                 t.event = "munmap";
                 t.addr = Some(*addr);
                 t.len = Some(*len);
+            }
+            Body::MapFixed { addr, len } => {
+                t.event = "map_fixed";
+                t.addr = Some(*addr);
+                t.len = Some(*len);
+            }
+            Body::Mremap {
+                old_addr,
+                old_len,
+                new_addr,
+                new_len,
+                flags,
+            } => {
+                t.event = "mremap";
+                t.addr = Some(*old_addr);
+                t.len = Some(*old_len);
+                t.new_addr = Some(*new_addr);
+                t.new_len = Some(*new_len);
+                t.flags = Some(format!("0x{flags:x}"));
+            }
+            Body::Madvise {
+                addr,
+                len,
+                dont_fork,
+            } => {
+                t.event = "madvise";
+                t.addr = Some(*addr);
+                t.len = Some(*len);
+                t.flags = Some(if *dont_fork { "dontfork" } else { "dofork" }.to_owned());
             }
             Body::CloseRange { first, last, .. } => {
                 t.event = "close_range";

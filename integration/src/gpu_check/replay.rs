@@ -58,7 +58,7 @@ pub fn replay(text: &str, version: &str) -> Result<Replay> {
         out.ioctls += 1;
         if io.ret == 0 {
             let l = ledger.container_mut(event.cgroup_id);
-            l.apply(event.pid, &io.decoded.op, io.decoded.status);
+            l.apply(event.pid, None, &io.decoded.op, io.decoded.status);
             out.peak_vram_bytes = out.peak_vram_bytes.max(l.peak_vram_bytes());
         }
         let container = recorded["container"].as_str().unwrap_or_default();

@@ -209,7 +209,7 @@ async fn preemptible(ctx: &Ctx<'_>, target: &Target) -> Result<Resolved, String>
     }
     if a.pids.is_empty() {
         return Err(format!(
-            "container {} holds no GPU (none of its processes has an NVIDIA file open): nothing to preempt",
+            "container {} holds no GPU (none of its processes owns GPU state: memory, a context): nothing to preempt",
             a.container.id
         ));
     }

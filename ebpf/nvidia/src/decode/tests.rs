@@ -524,7 +524,8 @@ fn memory_escapes() {
             client: CLIENT,
             device: DEVICE,
             memory: MEMORY,
-            length: 4096
+            length: 4096,
+            fd: Some(0),
         }
     );
     assert_eq!(d.status, Some(status::NV_ERR_INVALID_ARGUMENT));

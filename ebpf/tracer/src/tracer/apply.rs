@@ -1,9 +1,10 @@
 //! Applying the probes' records to the fd mirror, the kernel maps, the ledgers and the release tracker.
+use baton_nvidia::{decode::Op, fdkind::FdKind};
 use baton_probe_common::{FdInfo, FdKey};
 
 use super::{Tracer, TracerError};
 use crate::{
-    event::{Body, Event},
+    event::{Body, Event, Ioctl},
     fdtable::NvFd,
     release::syscalls,
     seed,
@@ -13,7 +14,9 @@ impl Tracer {
     pub(super) fn apply_all(&mut self, events: Vec<Event>) -> Result<Vec<Event>, TracerError> {
         let mut kept = Vec::with_capacity(events.len());
         for e in events {
-            if self.apply(&e)? {
+            let keep = self.apply(&e)?;
+            self.settle_released_files();
+            if keep {
                 kept.push(e);
             }
         }
@@ -25,30 +28,21 @@ impl Tracer {
     fn apply(&mut self, e: &Event) -> Result<bool, TracerError> {
         let (pid, cg) = (e.pid, e.cgroup_id);
         match &e.body {
-            Body::Ioctl(io) => {
-                if io.ret == 0 {
-                    self.ledger
-                        .container_mut(cg)
-                        .apply(pid, &io.decoded.op, io.decoded.status);
-                }
-            }
+            Body::Ioctl(io) => self.apply_ioctl(pid, cg, io),
             Body::Open {
                 fd, kind, minor, ..
-            }
-            | Body::Dup {
-                fd, kind, minor, ..
             } => {
-                let nv = NvFd {
-                    kind: *kind,
-                    minor: *minor,
-                };
-                // The probe made the kernel entry; made again in case handling an earlier close_range or
-                // exec of this process removed it after the fd number was reused.
-                self.kernel_track(pid, *fd, nv)?;
-                self.fds.add_fd(pid, cg, *fd, nv);
-                if !self.launch_libs.looked_at(pid) {
-                    self.probe_launches_of(pid);
-                }
+                self.fds.open(pid, cg, *fd, *kind, *minor);
+                self.opened(pid, *fd, *kind, *minor)?;
+            }
+            Body::Dup {
+                fd,
+                old_fd,
+                kind,
+                minor,
+            } => {
+                self.fds.dup(pid, cg, *fd, *old_fd, *kind, *minor);
+                self.opened(pid, *fd, *kind, *minor)?;
             }
             Body::Close { fd } => {
                 if self.fds.remove_fd(pid, *fd).is_none() {
@@ -69,16 +63,52 @@ impl Tracer {
             Body::Mmap { fd, addr, len } => {
                 // After an exec the probes may still take a reused fd number for the NVIDIA fd it replaced
                 // until the exec is handled here: the mirror, which has handled it, has the last word.
-                if !self.fds.get(pid).is_some_and(|p| p.fds.contains_key(fd)) {
+                if !self.fds.map_fd(pid, cg, *fd, *addr, *len) {
                     return Ok(false);
                 }
-                self.fds.add_map(pid, cg, *addr, *len);
             }
             Body::Munmap { addr, len } => {
                 if self.fds.unmap(pid, *addr, *len) == 0 {
                     return Ok(false);
                 }
                 self.removed(e, syscalls::MUNMAP);
+            }
+            Body::MapFixed { addr, len } => {
+                if self.fds.unmap(pid, *addr, *len) == 0 {
+                    return Ok(false);
+                }
+                self.removed(e, syscalls::MMAP);
+            }
+            Body::Mremap {
+                old_addr,
+                old_len,
+                new_addr,
+                new_len,
+                flags,
+            } => {
+                let held = self.fds.get(pid).is_some_and(|p| !p.maps.is_empty());
+                let gone = self.fds.mremap(
+                    pid,
+                    cg,
+                    (*old_addr, *old_len),
+                    (*new_addr, *new_len),
+                    *flags,
+                );
+                if gone > 0 {
+                    self.removed(e, syscalls::MREMAP);
+                } else if !held {
+                    return Ok(false);
+                }
+            }
+            Body::Madvise {
+                addr,
+                len,
+                dont_fork,
+            } => {
+                if !self.fds.get(pid).is_some_and(|p| !p.maps.is_empty()) {
+                    return Ok(false);
+                }
+                self.fds.set_dont_fork(pid, *addr, *len, *dont_fork);
             }
             Body::Fork { child } => self.fork(pid, *child)?,
             Body::Exec => {
@@ -120,8 +150,75 @@ impl Tracer {
         Ok(true)
     }
 
+    /// An ioctl that succeeded: the ledger follows it, attributed to the open file it came through; a device
+    /// file registered with a ctl file (REGISTER_FD) and a file that client memory is mapped through
+    /// (RM_MAP_MEMORY's fd) keep that file alive; UVM registrations are counted on their file.
+    fn apply_ioctl(&mut self, pid: u32, cg: u64, io: &Ioctl) {
+        if io.ret != 0 {
+            return;
+        }
+        let file = self.fds.file_of(pid, io.fd);
+        let op = &io.decoded.op;
+        self.ledger
+            .container_mut(cg)
+            .apply(pid, file, op, io.decoded.status);
+        if io.decoded.status.is_some_and(|s| s != baton_nvidia::status::NV_OK) {
+            return;
+        }
+        let Some(file) = file else {
+            return;
+        };
+        match *op {
+            Op::RegisterFd { ctl_fd } => {
+                if let Some(ctl) = self.fds.file_of(pid, ctl_fd) {
+                    self.fds.keep(file, ctl);
+                }
+            }
+            Op::MapMemory {
+                client,
+                fd: Some(map_fd),
+                ..
+            } => {
+                let client_file = self
+                    .ledger
+                    .container(cg)
+                    .and_then(|l| l.clients().find(|(h, _)| *h == client))
+                    .and_then(|(_, c)| c.file);
+                if let (Some(through), Some(kept)) = (self.fds.file_of(pid, map_fd), client_file) {
+                    self.fds.keep(through, kept);
+                }
+            }
+            Op::UvmRegisterGpu => self.fds.add_uvm_gpus(file, 1),
+            Op::UvmUnregisterGpu => self.fds.add_uvm_gpus(file, -1),
+            _ => {}
+        }
+    }
+
+    /// `pid` has NVIDIA fd `fd` now (an open or a dup): the kernel map has it, the launch probes look at it.
+    fn opened(&mut self, pid: u32, fd: i32, kind: FdKind, minor: u8) -> Result<(), TracerError> {
+        // The probe made the kernel entry; made again in case handling an earlier close_range or exec of
+        // this process removed it after the fd number was reused.
+        self.kernel_track(pid, fd, kind, minor)?;
+        if !self.launch_libs.looked_at(pid) {
+            self.probe_launches_of(pid);
+        }
+        Ok(())
+    }
+
+    /// The files whose last reference went: the driver freed the clients on them (in its final release,
+    /// which the release tracker confirms), and their UVM registrations.
+    pub(super) fn settle_released_files(&mut self) {
+        for (file, info) in self.fds.take_released() {
+            self.ledger.release_file(file);
+            if info.uvm_gpus > 0 {
+                let l = self.ledger.container_mut(info.cgroup_id);
+                l.uvm.gpus_registered = (l.uvm.gpus_registered - info.uvm_gpus).max(0);
+            }
+        }
+    }
+
     /// `e`'s thread removed NVIDIA state: it awaits confirmation; a process left with nothing has had its
-    /// driver state released (the ledger says so) and stops being reported once its threads are confirmed.
+    /// driver state released and stops being reported once its threads are confirmed.
     fn removed(&mut self, e: &Event, syscalls: &'static [i64]) {
         self.releases
             .removed(e.tid, e.pid, e.cgroup_id, e.ts_ns, false, syscalls);

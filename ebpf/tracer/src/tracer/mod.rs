@@ -17,12 +17,12 @@ use tokio::io::unix::AsyncFd;
 
 use crate::{
     cgroups::{self, CgroupError, CgroupIndex},
-    fdtable::{FdTable, NvFd},
+    fdtable::FdTable,
     launch::{self, LaunchLibraries, LaunchLibrary},
     ledger::Ledger,
     probes::{ProbeConfig, ProbeError, Probes},
     release::{Confirmation, Releases},
-    seed::{self, Found},
+    seed,
 };
 
 /// Settings of a tracer.
@@ -80,30 +80,41 @@ pub enum TracerError {
 /// What a container holds in the driver right now, for release detection.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GpuState {
-    /// Live RM objects.
+    /// Live RM objects (clients and handles included).
     pub live_objects: usize,
+    /// Live RM objects that hold GPU state (memory, address spaces, channels, contexts: not handles).
+    pub state_objects: usize,
     /// Bytes of live video memory.
     pub vram_bytes: u64,
     /// Open NVIDIA fds across the container's processes.
     pub open_fds: usize,
-    /// NVIDIA device mappings across the container's processes.
+    /// NVIDIA device mapping ranges across the container's processes.
     pub mappings: usize,
+    /// Open files of the container whose identity and contents the records never showed (read from /proc):
+    /// each may carry GPU state.
+    pub opaque_files: usize,
+    /// GPUs registered with UVM through the container's open UVM files.
+    pub uvm_gpus: i64,
     /// Threads of the container whose removal of NVIDIA state the kernel has not finished (see
     /// `crate::release`).
     pub unconfirmed: usize,
 }
 
 impl GpuState {
-    /// Whether anything of the container is still on, or pinned in, the driver.
-    pub fn holds_gpu(&self) -> bool {
-        self.live_objects > 0 || self.pins_files()
+    /// Whether the GPU holds state of the container: a live object that is more than a handle, a GPU
+    /// registered with UVM, or an open file whose contents are unknown. Open files that carry none of these
+    /// (a forked worker's inherited fds, the reservations a park leaves) do not count. Kernel facts only:
+    /// the objects are those the driver answered NV_OK for, freed by an RM_FREE it answered NV_OK for or by
+    /// the final release of the file they live on; nothing a process writes into its parameters afterwards
+    /// changes them.
+    pub fn holds_state(&self) -> bool {
+        self.state_objects > 0 || self.uvm_gpus > 0 || self.opaque_files > 0
     }
 
-    /// Whether a process of the container holds an NVIDIA file (fd or mapping), or the kernel has not
-    /// finished releasing one it dropped. Kernel facts only: nothing a process writes into its call
-    /// parameters changes it.
-    pub fn pins_files(&self) -> bool {
-        self.has_files() || self.unconfirmed > 0
+    /// Whether anything of the container is left in the driver: GPU state, a live object (a handle
+    /// included), an open NVIDIA fd or mapping, or a removal the kernel has not finished.
+    pub fn holds_anything(&self) -> bool {
+        self.holds_state() || self.live_objects > 0 || self.has_files() || self.unconfirmed > 0
     }
 
     /// Whether a process of the container has an NVIDIA fd or mapping open now.
@@ -244,36 +255,26 @@ impl Tracer {
         self.probes.forget_launches(id);
     }
 
-    /// Seeds one process's fds and mappings from /proc into the kernel map and the mirror.
+    /// Seeds one process's fds and mappings from /proc into the kernel map and the mirror (as opaque files:
+    /// the records never showed what they carry).
     fn seed_pid(&mut self, pid: i32) -> Result<(), TracerError> {
-        let found = seed::scan_process(pid, self.probes.prefixes());
-        if found.is_empty() {
-            return Ok(());
-        }
-        let tgid = pid as u32;
-        let cg = cgroups::cgroup_id_of_pid(self.cgroups.root(), pid).unwrap_or(0);
-        for f in found {
-            match f {
-                Found::Fd { fd, nv, .. } => {
-                    self.kernel_track(tgid, fd, nv)?;
-                    self.fds.add_fd(tgid, cg, fd, nv);
-                }
-                Found::Map { addr, len } => self.fds.add_map(tgid, cg, addr, len),
-            }
-        }
-        self.ledger.container_mut(cg).partial = true;
-        self.probe_launches_of(tgid);
-        Ok(())
+        self.reseed_pid(pid as u32).map(drop)
     }
 
-    fn kernel_track(&mut self, tgid: u32, fd: i32, nv: NvFd) -> Result<(), TracerError> {
+    fn kernel_track(
+        &mut self,
+        tgid: u32,
+        fd: i32,
+        kind: baton_nvidia::fdkind::FdKind,
+        minor: u8,
+    ) -> Result<(), TracerError> {
         let key = FdKey {
             tgid,
             fd: fd as u32,
         };
         let info = FdInfo {
-            kind: nv.kind as u8,
-            minor: nv.minor,
+            kind: kind as u8,
+            minor,
             _pad: [0; 2],
         };
         let err = |map| {
@@ -371,12 +372,20 @@ impl Tracer {
             open_fds += p.fds.len();
             mappings += p.maps.len();
         }
+        let (mut opaque_files, mut uvm_gpus) = (0, 0);
+        for (_, f) in self.fds.files().iter().filter(|(_, f)| f.cgroup_id == cgroup_id) {
+            opaque_files += usize::from(f.opaque);
+            uvm_gpus += f.uvm_gpus;
+        }
         let l = self.ledger.container(cgroup_id);
         GpuState {
             live_objects: l.map_or(0, |l| l.live_objects()),
+            state_objects: l.map_or(0, |l| l.state_objects()),
             vram_bytes: l.map_or(0, |l| l.vram_bytes()),
             open_fds,
             mappings,
+            opaque_files,
+            uvm_gpus,
             unconfirmed: self.releases.unconfirmed(cgroup_id),
         }
     }

@@ -5,8 +5,8 @@ use std::collections::BTreeSet;
 use super::{Tracer, TracerError, wait::now_monotonic_ns};
 use crate::{
     event::{Body, Event},
-    fdtable::ProcFds,
-    seed::{self, Found},
+    fdtable::{Corrections, Seen},
+    seed,
 };
 
 impl Tracer {
@@ -67,45 +67,64 @@ impl Tracer {
     /// taking its NVIDIA files (an fd passed over a unix socket or taken with pidfd_getfd), found by the
     /// agent's /proc check before a release. Its later calls, closes, mappings and exit are traced.
     pub fn adopt(&mut self, pid: u32) -> Result<(), TracerError> {
-        self.reseed_pid(pid)
+        self.reseed_pid(pid).map(drop)
     }
 
-    /// Replaces the mirror's and the kernel map's view of `pid` with what /proc shows.
-    fn reseed_pid(&mut self, pid: u32) -> Result<(), TracerError> {
-        let found = seed::scan_process(pid as i32, self.probes.prefixes());
-        let old = self.fds.get(pid).cloned();
-        let cgroup_id = crate::cgroups::cgroup_id_of_pid(self.cgroups.root(), pid as i32)
-            .or(old.as_ref().map(|p| p.cgroup_id))
-            .unwrap_or(0);
-        let mut now = ProcFds {
-            cgroup_id,
-            ..Default::default()
+    /// Makes the mirror agree with /proc for the processes `pids` (the processes of a container's cgroup
+    /// tree, and those the mirror has in it): what the mirror had and /proc does not show goes (as if closed
+    /// or unmapped now), what /proc shows and the mirror lacked is followed as opaque files. Apply the records
+    /// still in the ring first ([`Tracer::drain_now`]), so that /proc is compared with everything the probes
+    /// saw. Returns what was corrected, per process.
+    pub fn reconcile(
+        &mut self,
+        pids: impl IntoIterator<Item = u32>,
+    ) -> Result<Vec<(u32, Corrections)>, TracerError> {
+        let mut out = Vec::new();
+        for pid in pids {
+            let c = self.reseed_pid(pid)?;
+            if !c.is_empty() {
+                out.push((pid, c));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Replaces the mirror's and the kernel map's view of `pid` with what /proc shows (keeping what both show
+    /// as the mirror knows it). Returns what changed.
+    pub(super) fn reseed_pid(&mut self, pid: u32) -> Result<Corrections, TracerError> {
+        let alive = seed::alive(pid);
+        let seen = if alive {
+            seed::scan_process(pid as i32, self.probes.prefixes())
+        } else {
+            Vec::new()
         };
-        for f in found {
-            match f {
-                Found::Fd { fd, nv, .. } => {
-                    now.fds.insert(fd, nv);
-                }
-                Found::Map { addr, len } => {
-                    now.maps.insert(addr, len);
-                }
+        let known = self.fds.get(pid).map(|p| p.cgroup_id);
+        if known.is_none() && seen.is_empty() {
+            return Ok(Corrections::default());
+        }
+        let cgroup_id = crate::cgroups::cgroup_id_of_pid(self.cgroups.root(), pid as i32)
+            .or(known)
+            .unwrap_or(0);
+        let c = self.fds.reconcile(pid, cgroup_id, alive, &seen);
+        for fd in &c.stale_fds {
+            self.kernel_forget(pid, *fd);
+        }
+        for s in &seen {
+            if let Seen::Fd { fd, kind, minor } = *s {
+                self.kernel_track(pid, fd, kind, minor)?;
             }
         }
-        if let Some(old) = &old {
-            for fd in old.fds.keys().filter(|fd| !now.fds.contains_key(fd)) {
-                self.kernel_forget(pid, *fd);
-            }
-        }
-        for (fd, nv) in &now.fds {
-            self.kernel_track(pid, *fd, *nv)?;
-        }
-        if old.is_some() || now.pins_driver() {
+        if !c.new_fds.is_empty() || !c.new_maps.is_empty() {
             self.ledger.container_mut(cgroup_id).partial = true;
+            self.probe_launches_of(pid);
         }
-        if old.is_some() && !now.pins_driver() {
+        if self.fds.get(pid).is_none() {
             self.ledger.container_mut(cgroup_id).release_process(pid);
+            if !self.releases.pid_awaits(pid) {
+                let _ = self.probes.nv_procs.remove(&pid);
+            }
         }
-        self.fds.replace(pid, now);
-        Ok(())
+        self.settle_released_files();
+        Ok(c)
     }
 }

@@ -20,6 +20,7 @@ impl Core {
             self.gap_fill_resume();
             self.idle_park_check();
             let launches_due = self.launch_due();
+            let reconcile_due = self.reconcile_due();
             let gap_fill_due = [self.gapfill.next_due(), self.idle.next_due()]
                 .into_iter()
                 .flatten()
@@ -38,6 +39,7 @@ impl Core {
                 }
                 () = sleep_until_opt(launches_due) => self.trace_launches(),
                 () = sleep_until_opt(self.recheck_due) => self.recheck(),
+                () = sleep_until_opt(reconcile_due) => self.reconcile_held(),
                 done = self.gapfill.next_done() => self.on_gap_fill_done(done),
                 () = sleep_until_opt(gap_fill_due) => {
                     self.gapfill.expire();
@@ -77,6 +79,16 @@ impl Core {
             }
             What::Note(note) => {
                 self.note(&note);
+                // A checkpoint call returned: the kernel's view of the container is checked at once.
+                if matches!(
+                    note.kind,
+                    super::NoteKind::Preemption {
+                        phase: baton_agent_api::Phase::Checkpointed,
+                        ..
+                    }
+                ) {
+                    self.reconcile(std::slice::from_ref(&note.container));
+                }
                 acknowledged()
             }
             What::Metrics(answer) => {

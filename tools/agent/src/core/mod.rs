@@ -9,6 +9,7 @@ mod event_loop;
 mod messages;
 mod probes;
 mod recheck;
+mod reconcile;
 mod requests;
 mod traces;
 
@@ -68,6 +69,8 @@ pub struct Core {
     pub(crate) recheck_due: Option<tokio::time::Instant>,
     /// The delay before the next such look (grows while nothing changes).
     pub(crate) recheck_every: std::time::Duration,
+    /// When the held containers' mirror is next checked against /proc (see `reconcile`).
+    pub(crate) reconcile_at: Option<tokio::time::Instant>,
 }
 
 impl Core {
@@ -95,6 +98,7 @@ impl Core {
             exempt,
             recheck_due: None,
             recheck_every: recheck::RECHECK_FIRST,
+            reconcile_at: None,
             gapfill: GapFill::default(),
             idle: Default::default(),
         }

@@ -11,7 +11,7 @@ use crate::{
     core::Core,
     gapfill,
     holders::{Holding, node_gpu_holders},
-    registry::watched::Watched,
+    registry::watched::{Watched, accounted},
 };
 
 impl Core {
@@ -42,7 +42,10 @@ impl Core {
         self.check_gates();
     }
 
-    /// The other containers holding a file of a device in `devices` (any GPU device when empty).
+    /// The other watched containers that hold the GPU (GPU state, or a release not confirmed yet: see
+    /// [`Watched`]) on a device in `devices` (any GPU device when empty). Which device a container's state is
+    /// on is told by its open device files; one that holds state with none open (its state kept alive by a
+    /// mapping, or by a ctl file alone) counts as holding every device.
     pub(crate) fn holders(
         &self,
         me: &ContainerRef,
@@ -53,42 +56,36 @@ impl Core {
         };
         self.watched
             .iter()
-            .filter(|(c, _)| *c != me)
+            .filter(|(c, w)| *c != me && w.is_held())
             .filter(|(_, w)| {
                 let held = devices_held(tracer, w.cgroup_id);
-                if devices.is_empty() {
-                    !held.is_empty()
-                } else {
-                    held.iter()
+                held.is_empty()
+                    || devices.is_empty()
+                    || held
+                        .iter()
                         .any(|d| devices.iter().any(|w| w.same_device(d)))
-                }
             })
             .map(|(_, w)| w)
             .collect()
     }
 
-    /// The other watched containers whose last close or munmap of an NVIDIA file is not confirmed yet.
-    fn releasing(&self, me: &ContainerRef) -> Vec<String> {
+    /// Whether what /proc shows in `h` is a file the probes follow in a watched container: the registry
+    /// decides whether that container holds the GPU, not the file's being open.
+    fn followed(&self, h: &Holding) -> bool {
         let Some(tracer) = self.tracer.as_ref() else {
-            return Vec::new();
+            return false;
         };
-        self.watched
-            .iter()
-            .filter(|(c, w)| *c != me && tracer.gpu_state(w.cgroup_id).unconfirmed > 0)
-            .map(|(c, _)| {
-                format!(
-                    "container {} (namespace {}; its release is not confirmed yet)",
-                    c.id, c.namespace
-                )
-            })
-            .collect()
+        let table = tracer.fd_table();
+        table
+            .get(h.pid)
+            .is_some_and(|p| self.by_cgroup.contains_key(&p.cgroup_id))
+            && accounted(table, h)
     }
 
-    /// Who keeps waiter `w` from starting: the other watched containers the probes see holding one of its
-    /// devices, then those whose last close or munmap the driver has not finished (the release not confirmed)
-    /// and, once those are gone, every process /proc shows holding one (in any container, watched or not: a
-    /// file passed over a socket, a mapping kept after its fd was closed, a container Baton does not watch).
-    /// Both empty when its GPU is free.
+    /// Who keeps waiter `w` from starting: the other watched containers that hold the GPU on one of its
+    /// devices (their release not published yet) and, once those are gone, every process /proc shows holding
+    /// one of its device files that the probes do not follow in a watched container (in any container: a
+    /// file passed over a socket, a container Baton does not watch). Both empty when its GPU is free.
     fn gate_holders(&self, w: &Waiter) -> (Vec<String>, Vec<Holding>) {
         let server = self.watched.get(&w.container);
         let watched: Vec<String> = self
@@ -110,18 +107,16 @@ impl Core {
         if !watched.is_empty() {
             return (watched, Vec::new());
         }
-        // A close or munmap whose teardown in the driver has not returned yet (the release not confirmed)
-        // holds the GPU still; which device it was, the fds no longer say: any.
-        let releasing = self.releasing(&w.container);
-        if !releasing.is_empty() {
-            return (releasing, Vec::new());
-        }
         // A container whose GPU devices could not be resolved (its root not set up yet, under a hook) waits
         // for the watched holders only: "any GPU on the node" would make it wait for every other GPU.
         if w.devices.is_empty() {
             return (watched, Vec::new());
         }
-        let hidden = node_gpu_holders(&self.classifier, &self.exempt, &w.devices, Some(&w.cgroup));
+        let hidden: Vec<Holding> =
+            node_gpu_holders(&self.classifier, &self.exempt, &w.devices, Some(&w.cgroup))
+                .into_iter()
+                .filter(|h| !self.followed(h))
+                .collect();
         (watched, hidden)
     }
 

@@ -69,6 +69,7 @@ pub struct EventMetrics {
     freeze_latency: Histograms<FreezeOp>,
     preemptions: Family<PreemptionLabels, Counter>,
     phases: Histograms<PhaseLabels>,
+    mirror_corrections: Counter,
 }
 
 static EVENTS: LazyLock<EventMetrics> = LazyLock::new(EventMetrics::new);
@@ -90,6 +91,7 @@ impl EventMetrics {
             freeze_latency: Family::new_with_constructor(fast),
             preemptions: Family::default(),
             phases: Family::new_with_constructor(slow),
+            mirror_corrections: Counter::default(),
         }
     }
 
@@ -106,6 +108,12 @@ impl EventMetrics {
         self.release_signal
             .get_or_create(&labels)
             .observe(seconds(signal));
+    }
+
+    /// /proc showed a held container free that the probes' mirror still held (it was released, confirmed by
+    /// proc): a probe bug to report.
+    pub fn mirror_corrected(&self) {
+        self.mirror_corrections.inc();
     }
 
     /// A shim confirmed a freeze (`freeze`) or a thaw after `latency_ns`.
@@ -173,6 +181,12 @@ impl EventMetrics {
             "preemptions",
             "Preemption operations (preempt, resume, start, handoff) run through the agent, by outcome",
             self.preemptions.clone(),
+        );
+        r.register(
+            "mirror_corrections",
+            "Releases that /proc showed and the probes' records did not (the agent's mirror of a held \
+             container was wrong; a non-zero count is a probe bug to report, with the agent's log)",
+            self.mirror_corrections.clone(),
         );
         r.register_with_unit(
             "preemption_phase",

@@ -201,22 +201,36 @@ impl Core {
         }
     }
 
-    /// The processes of cgroup `cgroup_id` that hold NVIDIA files (its CUDA processes), sorted; none
-    /// without probes.
+    /// The processes of cgroup `cgroup_id` that own CUDA state (its CUDA processes), sorted; none without
+    /// probes: those that allocated the clients holding GPU state (the ledger's), and those holding files
+    /// whose contents the records never showed (followed only from /proc). A process that only inherited
+    /// NVIDIA files (a forked DataLoader worker) owns none: it is frozen with the cgroup, never checkpointed
+    /// (the driver answers CUDA_ERROR_NOT_INITIALIZED for it: /work/shared/gpu/580.159.04/README.md, point 5).
     fn cuda_pids(&self, cgroup_id: u64) -> Vec<u32> {
-        let mut pids: Vec<u32> = self
-            .tracer
-            .as_ref()
-            .map(|t| {
-                t.fd_table()
-                    .iter()
-                    .filter(|(_, p)| p.cgroup_id == cgroup_id && p.pins_driver())
-                    .map(|(pid, _)| pid)
-                    .collect()
-            })
-            .unwrap_or_default();
-        pids.sort_unstable();
-        pids
+        let Some(t) = self.tracer.as_ref() else {
+            return Vec::new();
+        };
+        let table = t.fd_table();
+        let mut pids: std::collections::BTreeSet<u32> = t
+            .ledger()
+            .container(cgroup_id)
+            .map(|l| l.state_owners())
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|pid| table.get(*pid).is_some_and(|p| p.cgroup_id == cgroup_id))
+            .collect();
+        for (pid, p) in table.iter().filter(|(_, p)| p.cgroup_id == cgroup_id) {
+            let opaque = p
+                .fds
+                .values()
+                .map(|nv| nv.file)
+                .chain(p.maps.values().map(|m| m.file))
+                .any(|f| table.files().get(f).is_some_and(|f| f.opaque));
+            if opaque {
+                pids.insert(pid);
+            }
+        }
+        pids.into_iter().collect()
     }
 
     /// The shim that registered a container pushes its preemption state (it owns it): kept as it says.

@@ -1,18 +1,24 @@
 //! One watched container in the agent: its registration, its GPU hold state and the transitions the
-//! probes' records cause (acquired: the first NVIDIA file opened while it held none; released: none of its
-//! processes holds an NVIDIA file or mapping any more, and the kernel has run the release of each, see
-//! `baton_tracer::release`).
+//! probes' records cause. Acquired: the GPU holds state of it (an RM object that is more than a handle:
+//! memory, an address space, a channel, a context; a GPU registered with UVM; or a file /proc showed whose
+//! contents are unknown) where it held none. Released: none of that is left (every client freed, explicitly
+//! or with the final release of its file), the kernel has run the releases its processes started (see
+//! `baton_tracer::release`), and /proc shows no NVIDIA file in its cgroup that the probes do not account for.
+//! Open files that carry no state (a forked worker's inherited fds, the reservations a park leaves) do not
+//! hold the GPU.
 use std::collections::BTreeSet;
 
 use baton_agent_api::{
     Acquired, ContainerStatus, EventBody, GpuHold, ProcessStatus, Registration, Released,
 };
+use baton_nvidia::{class, decode::Op};
 use baton_tracer::{
     GpuState, Tracer,
     event::{Body, Event as Record},
+    fdtable::FdTable,
 };
 
-use crate::holders::{Classifier, Holding, pids_of_cgroup_tree};
+use crate::holders::{Classifier, Holding, Via, pids_of_cgroup_tree};
 use baton_tracer::now_monotonic_ns;
 
 /// A watched container.
@@ -94,7 +100,7 @@ impl Watched {
             held_vram: 0,
             hidden: BTreeSet::new(),
         };
-        if tracer.gpu_state(cgroup_id).pins_files() {
+        if tracer.gpu_state(cgroup_id).holds_state() {
             w.gpu = GpuHold::Held;
             w.partial = true;
             w.note_holders(tracer);
@@ -103,25 +109,38 @@ impl Watched {
     }
 
     /// Applies a batch of records (or a resync or /proc confirmation); returns the transitions it caused:
-    /// acquired, released, or both when a process opened and dropped its files within the batch. A release
-    /// is published only once /proc agrees that no process of its cgroup holds an NVIDIA file or mapping
-    /// (see [`Watched::hidden_holders`]).
+    /// acquired, released, or both when a process created and dropped its state within the batch. A release
+    /// is published only once the kernel has finished what its processes removed and /proc shows no NVIDIA
+    /// file in its cgroup that the mirror does not account for (see [`Watched::unaccounted_holders`]).
+    /// `confirmed_by_proc`: the mirror was just corrected from /proc (a release now is /proc's).
     pub fn update(
         &mut self,
         tracer: &mut Tracer,
         records: &[Record],
         classifier: &Classifier,
     ) -> Vec<EventBody> {
+        self.update_as(tracer, records, classifier, false)
+    }
+
+    /// [`Watched::update`], saying whether the mirror was corrected from /proc just before.
+    pub fn update_as(
+        &mut self,
+        tracer: &mut Tracer,
+        records: &[Record],
+        classifier: &Classifier,
+        confirmed_by_proc: bool,
+    ) -> Vec<EventBody> {
         let mine = || records.iter().filter(|r| r.cgroup_id == self.cgroup_id);
         let state = tracer.gpu_state(self.cgroup_id);
-        let has_files = state.has_files();
-        let opened = mine().find(|r| matches!(r.body, Body::Open { .. }));
+        let created = mine().find(|r| creates_state(r));
         let mut out = Vec::new();
-        if self.gpu != GpuHold::Held && (has_files || opened.is_some()) {
-            let (pid, t) = opened.map_or((0, now_monotonic_ns()), |r| (r.pid, r.ts_ns));
+        if self.gpu != GpuHold::Held && (state.holds_state() || created.is_some()) {
+            let (pid, t) = created.map_or((0, now_monotonic_ns()), |r| (r.pid, r.ts_ns));
             self.holders.clear();
             self.gpu = GpuHold::Held;
             self.since_ns = t;
+            self.held_objects = 0;
+            self.held_vram = 0;
             out.push(EventBody::Acquired(Acquired {
                 pid,
                 t_acquired_ns: t,
@@ -130,13 +149,22 @@ impl Watched {
         for r in mine().filter(|r| !matches!(r.body, Body::Confirm { .. })) {
             self.holders.insert(r.pid);
         }
-        if has_files {
+        if self.gpu != GpuHold::Held {
+            return out;
+        }
+        if state.holds_state() {
             self.note_holders(tracer);
-        } else if self.gpu == GpuHold::Held && !state.pins_files() {
-            let hidden = self.hidden_holders(tracer, classifier);
+        } else if state.unconfirmed == 0 {
+            let hidden = self.unaccounted_holders(tracer, classifier);
             if hidden.is_empty() {
                 self.hidden.clear();
-                out.push(EventBody::Released(self.released(tracer, &state)));
+                let freed_at = mine().filter(|r| frees_state(r)).map(|r| r.ts_ns).max();
+                let how = match (confirmed_by_proc, freed_at) {
+                    (true, _) => Ended::Proc,
+                    (false, Some(t)) => Ended::Freed(t),
+                    (false, None) => Ended::Removed,
+                };
+                out.push(EventBody::Released(self.released(tracer, &state, how)));
             } else {
                 self.follow_hidden(tracer, &hidden);
             }
@@ -149,13 +177,20 @@ impl Watched {
         !self.hidden.is_empty()
     }
 
-    /// What the processes of its cgroup (and the cgroups below) hold, read from /proc: the kernel's word,
-    /// whatever the records said.
-    fn hidden_holders(&self, tracer: &mut Tracer, classifier: &Classifier) -> Vec<Holding> {
+    /// What the processes of its cgroup (and the cgroups below) hold, read from /proc (the kernel's word,
+    /// whatever the records said), less what the mirror accounts for: an fd it has under that number, of that
+    /// kind, or a mapping range it has at that address. What is left came to its holder in a way the probes
+    /// do not see (SCM_RIGHTS, pidfd_getfd, a shared fd table, io_uring, a device node of another name).
+    fn unaccounted_holders(&self, tracer: &mut Tracer, classifier: &Classifier) -> Vec<Holding> {
         let Some(dir) = tracer.cgroup_dir(self.cgroup_id) else {
             return Vec::new();
         };
-        classifier.holdings_of_all(pids_of_cgroup_tree(&dir))
+        let table = tracer.fd_table();
+        classifier
+            .holdings_of_all(pids_of_cgroup_tree(&dir))
+            .into_iter()
+            .filter(|h| !accounted(table, h))
+            .collect()
     }
 
     /// Keeps the container held by `hidden`, and has the probes follow each holder from now on (its calls,
@@ -179,16 +214,21 @@ impl Watched {
         self.hidden = pids;
     }
 
-    /// The container's files are gone and the kernel has released them: the `released` event.
-    fn released(&mut self, tracer: &Tracer, state: &GpuState) -> Released {
+    /// The container's GPU state is gone and the kernel has released it: the `released` event, timed by
+    /// `how` it ended.
+    fn released(&mut self, tracer: &Tracer, state: &GpuState, how: Ended) -> Released {
         let now = now_monotonic_ns();
         let (last_removal, confirmation) = tracer.release_times(self.cgroup_id);
-        let t_last = last_removal.unwrap_or(now);
-        let (t_released, confirmed_by) = match confirmation {
-            Some(c) if c.t_ns >= t_last => (c.t_ns, c.kind.label().to_owned()),
+        let (t_last, t_released, confirmed_by) = match (how, last_removal, confirmation) {
+            (Ended::Proc, last, _) => (last.unwrap_or(now), now, "proc"),
+            // The last state went in an RM_FREE after the last removal: the driver freed it inside the
+            // call, whose return the record is.
+            (Ended::Freed(t), last, _) if last.is_none_or(|l| l <= t) => (t, t, "ioctl"),
+            (_, Some(last), Some(c)) if c.t_ns >= last => (last, c.t_ns, c.kind.label()),
             // Released without a removal awaiting confirmation (a resync found the files gone).
-            _ => (now, "resync".to_owned()),
+            (_, last, _) => (last.unwrap_or(now), now, "resync"),
         };
+        let confirmed_by = confirmed_by.to_owned();
         self.gpu = GpuHold::Released;
         self.since_ns = t_released;
         Released {
@@ -208,11 +248,10 @@ impl Watched {
                 self.holders.insert(pid);
             }
         }
-        // What a release would free: the ledger now (objects freed while files stay open are not the
-        // release's).
+        // What a release frees: the most the ledger held while the container held the GPU.
         let state = tracer.gpu_state(self.cgroup_id);
-        self.held_objects = state.live_objects;
-        self.held_vram = state.vram_bytes;
+        self.held_objects = self.held_objects.max(state.live_objects);
+        self.held_vram = self.held_vram.max(state.vram_bytes);
     }
 
     /// What `status` shows of it.
@@ -251,6 +290,11 @@ impl Watched {
         }
     }
 
+    /// Whether it holds the GPU now (its last transition was `acquired`).
+    pub fn is_held(&self) -> bool {
+        self.gpu == GpuHold::Held
+    }
+
     /// The event that ends its watch.
     pub fn unregistered(&self, tracer: &Tracer) -> EventBody {
         let state = tracer.gpu_state(self.cgroup_id);
@@ -262,5 +306,59 @@ impl Watched {
                 .container(self.cgroup_id)
                 .map_or(0, |l| l.peak_vram_bytes()),
         }
+    }
+}
+
+/// How a container's GPU state ended, for its `released` event.
+#[derive(Clone, Copy, Debug)]
+enum Ended {
+    /// A removal (close, munmap, exit, ...) that the kernel confirmed.
+    Removed,
+    /// An RM_FREE that returned at this time.
+    Freed(u64),
+    /// /proc showed the mirror wrong (it was corrected).
+    Proc,
+}
+
+/// Whether record `r` freed RM objects (an RM_FREE or a video-heap free the driver answered NV_OK for).
+fn frees_state(r: &Record) -> bool {
+    let Body::Ioctl(io) = &r.body else {
+        return false;
+    };
+    io.ret == 0
+        && io.decoded.status.is_none_or(|s| s == baton_nvidia::status::NV_OK)
+        && matches!(io.decoded.op, Op::Free { .. } | Op::VidHeapFree { .. } | Op::UvmUnregisterGpu)
+}
+
+/// Whether record `r` created GPU state: an allocation the driver answered NV_OK for of a class that is more
+/// than a handle, or a GPU registered with UVM.
+fn creates_state(r: &Record) -> bool {
+    let Body::Ioctl(io) = &r.body else {
+        return false;
+    };
+    if io.ret != 0 || io.decoded.status.is_some_and(|s| s != baton_nvidia::status::NV_OK) {
+        return false;
+    }
+    match io.decoded.op {
+        Op::Alloc { class, .. } | Op::AllocMemory { class, .. } => !class::is_handle_only(class),
+        Op::VidHeapAlloc { .. } | Op::UvmRegisterGpu => true,
+        _ => false,
+    }
+}
+
+/// Whether the mirror accounts for what /proc shows in `h`: the same fd number of the same kind in the
+/// same process, or a mapping range of that process at that address.
+pub fn accounted(table: &FdTable, h: &Holding) -> bool {
+    let Some(p) = table.get(h.pid) else {
+        return false;
+    };
+    match h.via {
+        Via::Fd(fd) => p.fds.get(&fd).is_some_and(|nv| nv.kind == h.kind),
+        Via::Map(addr) => p
+            .maps
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(start, m)| start.saturating_add(m.len) > addr),
+        Via::Ring(_) => false,
     }
 }

@@ -97,6 +97,30 @@ pub fn line(e: &Event, container: &str, t0_ns: u64) -> String {
         Body::Dup { fd, old_fd, .. } => format!("{head} dup({old_fd}) = {fd}"),
         Body::Mmap { fd, addr, len } => format!("{head} mmap(fd={fd}, len={len}) = 0x{addr:x}"),
         Body::Munmap { addr, len } => format!("{head} munmap(0x{addr:x}, {len})"),
+        Body::MapFixed { addr, len } => {
+            format!("{head} mmap(0x{addr:x}, {len}, MAP_FIXED) over a device mapping")
+        }
+        Body::Mremap {
+            old_addr,
+            old_len,
+            new_addr,
+            new_len,
+            flags,
+        } => format!(
+            "{head} mremap(0x{old_addr:x}, {old_len}, {new_len}, 0x{flags:x}) = 0x{new_addr:x}"
+        ),
+        Body::Madvise {
+            addr,
+            len,
+            dont_fork,
+        } => {
+            let advice = if *dont_fork {
+                "MADV_DONTFORK"
+            } else {
+                "MADV_DOFORK"
+            };
+            format!("{head} madvise(0x{addr:x}, {len}, {advice})")
+        }
         Body::CloseRange { first, last, flags } => {
             format!("{head} close_range({first}, {last}, 0x{flags:x})")
         }
