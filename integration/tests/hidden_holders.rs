@@ -75,6 +75,7 @@ fn a_file_passed_over_scm_rights_keeps_the_container_held_until_the_receiver_clo
     // The receiver is forked before the open: it never inherits the file, it is sent it.
     let child = h.num("fork-receiver").unwrap();
     let fd = h.num("open nvidiactl").unwrap();
+    h.cmd(&format!("alloc {fd}")).unwrap();
     expect_transition(&mut w, "scm", "acquired");
     let opener = fd_holders(&rig, "scm");
     assert_eq!(opener.len(), 1, "{}", rig.status("scm"));
@@ -95,7 +96,7 @@ fn a_file_taken_with_pidfd_getfd_keeps_the_container_held_until_the_taker_closes
     let mut h = rig.holder("pidfd");
     let mut w = rig.watch("pidfd");
     let child = h.num("fork-receiver").unwrap();
-    let cfd = h.num(&format!("child-open {child} nvidiactl")).unwrap();
+    let cfd = h.num(&format!("child-open-state {child} nvidiactl")).unwrap();
     expect_transition(&mut w, "pidfd", "acquired");
     let opener = fd_holders(&rig, "pidfd");
     assert_eq!(opener.len(), 1, "{}", rig.status("pidfd"));
@@ -116,7 +117,7 @@ fn a_file_table_shared_with_clone_files_keeps_the_container_held_after_the_opene
     let mut w = rig.watch("sharer");
     // A child that shares the holder's fd table: what it opens, the holder has too, unseen by the probes.
     let child = h.num("clone-files").unwrap();
-    let fd = h.num(&format!("child-open {child} nvidiactl")).unwrap();
+    let fd = h.num(&format!("child-open-state {child} nvidiactl")).unwrap();
     expect_transition(&mut w, "sharer", "acquired");
     let opener = fd_holders(&rig, "sharer");
     assert_eq!(opener.len(), 1, "{}", rig.status("sharer"));
@@ -136,6 +137,7 @@ fn a_file_registered_in_io_uring_keeps_the_container_held_until_the_ring_goes() 
     let mut h = rig.holder("ring");
     let mut w = rig.watch("ring");
     let fd = h.num("open nvidiactl").unwrap();
+    h.cmd(&format!("alloc {fd}")).unwrap();
     expect_transition(&mut w, "ring", "acquired");
     let ring = h.num(&format!("ring-file {fd}")).unwrap();
     h.num(&format!("close {fd}")).unwrap();
@@ -188,6 +190,7 @@ fn a_mapping_kept_after_its_fd_was_closed_keeps_the_gate_shut_until_the_munmap()
     };
     let mut a = rig.holder("mapper");
     let fd = a.num("open nvidia0").unwrap();
+    a.cmd(&format!("alloc {fd}")).unwrap();
     let addr = a.num(&format!("mmap {fd}")).unwrap();
     a.num(&format!("close {fd}")).unwrap();
     assert!(wait_until(WITHIN, || rig.status("mapper")["nvidia_fds"] == json!(0)));
@@ -237,6 +240,7 @@ fn when_a_tenant_breaks_the_probes_the_gate_fails_closed_and_stays_shut_while_it
     let mut flooder = rig.holder("flooder");
     let mut w = rig.watch("flooder");
     let fd = flooder.num("open nvidia0").unwrap();
+    flooder.cmd(&format!("alloc {fd}")).unwrap();
     expect_transition(&mut w, "flooder", "acquired");
     // About 900 fds of the device per process (the container's RLIMIT_NOFILE is 1024) ...
     for _ in 0..900 {
@@ -310,6 +314,7 @@ fn the_gate_opens_on_the_confirmed_release_not_when_the_close_begins() {
     let mut holder = rig.holder("slow-close");
     let mut w = rig.watch("slow-close");
     let fd = holder.num("open nvidia0").unwrap();
+    holder.cmd(&format!("alloc {fd}")).unwrap();
     expect_transition(&mut w, "slow-close", "acquired");
     std::thread::scope(|s| {
         let start = s.spawn(|| start_behind_gate(&rig, "server"));

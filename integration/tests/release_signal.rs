@@ -65,27 +65,33 @@ fn each_way_a_file_goes_releases_once_nothing_holds_one() {
 
     // close
     let fd = h.num("open nvidiactl").unwrap();
-    expect_acquire(&mut w, "ways");
+    // An open alone holds no GPU state: no transition until a client with memory is allocated.
+    let client_only = h.cmd(&format!("alloc-client {fd}")).unwrap();
+    assert_eq!(client_only[1], "0", "{client_only:?}");
     let alloc = h.cmd(&format!("alloc {fd}")).unwrap();
-    assert_eq!(alloc[1], "0", "the root client was allocated: {alloc:?}");
+    assert_eq!(alloc[1], "0", "the client, its device and memory were allocated: {alloc:?}");
+    expect_acquire(&mut w, "ways");
     let before = h.num("stamp").unwrap();
     let t = h.num(&format!("close {fd}")).unwrap();
     let e = expect_release(&mut w, "ways", before, t, &["syscall_return", "proc"]);
     assert_eq!(
         e["objects_freed"],
-        json!(1),
-        "the client went with the file: {e}"
+        json!(4),
+        "both clients, the device and the memory went with the file: {e}"
     );
+    assert_eq!(e["bytes_freed"], json!(1 << 20), "{e}");
 
     // openat2 is followed too
     let fd = h.num("openat2 nvidiactl").unwrap();
+    h.cmd(&format!("alloc {fd}")).unwrap();
     expect_acquire(&mut w, "ways");
     let before = h.num("stamp").unwrap();
     let t = h.num(&format!("close {fd}")).unwrap();
     expect_release(&mut w, "ways", before, t, &["syscall_return", "proc"]);
 
     // re-acquire, then close_range over two fds
-    h.num("open nvidiactl").unwrap();
+    let ctl = h.num("open nvidiactl").unwrap();
+    h.cmd(&format!("alloc {ctl}")).unwrap();
     expect_acquire(&mut w, "ways");
     h.num("open nvidia0").unwrap();
     let before = h.num("stamp").unwrap();
@@ -94,6 +100,7 @@ fn each_way_a_file_goes_releases_once_nothing_holds_one() {
 
     // dup2 of another file over the only NVIDIA fd
     let fd = h.num("open nvidiactl").unwrap();
+    h.cmd(&format!("alloc {fd}")).unwrap();
     expect_acquire(&mut w, "ways");
     let before = h.num("stamp").unwrap();
     let t = h.num(&format!("dup2 1 {fd}")).unwrap();
@@ -101,6 +108,7 @@ fn each_way_a_file_goes_releases_once_nothing_holds_one() {
 
     // the mapping outlives its fd: the close releases nothing, the munmap does
     let fd = h.num("open nvidia0").unwrap();
+    h.cmd(&format!("alloc {fd}")).unwrap();
     expect_acquire(&mut w, "ways");
     let addr = h.num(&format!("mmap {fd}")).unwrap();
     let closed = h.num(&format!("close {fd}")).unwrap();
@@ -110,7 +118,8 @@ fn each_way_a_file_goes_releases_once_nothing_holds_one() {
     assert!(e["t_last_close_ns"].as_u64().unwrap() > closed, "{e}");
 
     // exec: the close-on-exec fd goes, the inherited one stays until closed
-    h.num("open nvidiactl").unwrap();
+    let ctl = h.num("open nvidiactl").unwrap();
+    h.cmd(&format!("alloc {ctl}")).unwrap();
     expect_acquire(&mut w, "ways");
     let before = h.num("stamp").unwrap();
     h.send("exec").unwrap();
@@ -119,6 +128,7 @@ fn each_way_a_file_goes_releases_once_nothing_holds_one() {
 
     // a thread closes the last fd and never makes another syscall: /proc confirms it
     let fd = h.num("open nvidiactl").unwrap();
+    h.cmd(&format!("alloc {fd}")).unwrap();
     expect_acquire(&mut w, "ways");
     let before = h.num("stamp").unwrap();
     let t = h.num(&format!("thread-close {fd}")).unwrap();
@@ -142,6 +152,7 @@ fn the_last_of_several_processes_and_threads_releases() {
 
     // A forked child keeps the inherited fd: the parent's close releases nothing, the child's exit does.
     let fd = h.num("open-inherit nvidiactl").unwrap();
+    h.cmd(&format!("alloc {fd}")).unwrap();
     expect_acquire(&mut w, "last");
     let child = h.num("fork").unwrap();
     h.num(&format!("close {fd}")).unwrap();
@@ -158,7 +169,8 @@ fn the_last_of_several_processes_and_threads_releases() {
     );
 
     // A process with several threads exits holding its fds: released once every thread is dead.
-    h.num("open nvidiactl").unwrap();
+    let ctl = h.num("open nvidiactl").unwrap();
+    h.cmd(&format!("alloc {ctl}")).unwrap();
     expect_acquire(&mut w, "last");
     h.cmd("threads 4").unwrap();
     let before = h.num("stamp").unwrap();
@@ -181,14 +193,14 @@ fn a_forged_release_in_the_params_releases_nothing() {
     let mut h = rig.holder("forger");
     let mut w = rig.watch("forger");
     let fd = h.num("open nvidiactl").unwrap();
-    expect_acquire(&mut w, "forger");
     h.cmd(&format!("alloc {fd}")).unwrap();
+    expect_acquire(&mut w, "forger");
     h.cmd(&format!("forge {fd}")).unwrap();
     let status = rig.status("forger");
     assert_eq!(status["gpu"], json!("held"), "{status}");
     assert_eq!(
         status["live_objects"],
-        json!(1),
+        json!(3),
         "the fake free freed nothing: {status}"
     );
     // The next transition is the real close's release, not one at the forgery.
@@ -210,8 +222,10 @@ fn two_containers_release_independently_and_one_that_never_opens_has_no_transiti
     let mut wb = rig.watch("b");
     let mut wi = rig.watch("idle");
     let fa = a.num("open nvidiactl").unwrap();
+    a.cmd(&format!("alloc {fa}")).unwrap();
     expect_acquire(&mut wa, "a");
     let fb = b.num("open nvidiactl").unwrap();
+    b.cmd(&format!("alloc {fb}")).unwrap();
     expect_acquire(&mut wb, "b");
     let before = a.num("stamp").unwrap();
     let t = a.num(&format!("close {fa}")).unwrap();
@@ -244,6 +258,7 @@ fn threads_that_come_and_go_and_a_reused_fd_after_exec_leave_no_phantom_holder()
     let mut w = rig.watch("phantoms");
     // Short-lived threads of a holder are not new processes: they inherit no fd of their own.
     let fd = h.num("open nvidiactl").unwrap();
+    h.cmd(&format!("alloc {fd}")).unwrap();
     expect_acquire(&mut w, "phantoms");
     h.cmd("flash-threads 50").unwrap();
     let before = h.num("stamp").unwrap();
@@ -253,6 +268,7 @@ fn threads_that_come_and_go_and_a_reused_fd_after_exec_leave_no_phantom_holder()
     // The re-executed program maps /dev/zero through the fd number its close-on-exec NVIDIA fd had: that
     // is no NVIDIA mapping, and the exec releases.
     let fd = h.num("open nvidiactl").unwrap();
+    h.cmd(&format!("alloc {fd}")).unwrap();
     expect_acquire(&mut w, "phantoms");
     let before = h.num("stamp").unwrap();
     // The agent is stopped meanwhile, so that the mmap comes before the exec is handled, while the probes
@@ -283,6 +299,7 @@ fn records_lost_while_the_agent_stalls_are_made_up_for_from_proc() {
     let mut h = rig.holder("flooder");
     let mut w = rig.watch("flooder");
     let fd = h.num("open nvidiactl").unwrap();
+    h.cmd(&format!("alloc {fd}")).unwrap();
     expect_acquire(&mut w, "flooder");
     let agent = nix::unistd::Pid::from_raw(rig.env.containerd().agent_pid().unwrap());
     nix::sys::signal::kill(agent, nix::sys::signal::Signal::SIGSTOP).unwrap();
@@ -319,7 +336,8 @@ fn a_second_containers_device_folder_is_followed_too() {
     };
     let mut first = rig.holder("first");
     let mut w1 = rig.watch("first");
-    first.num("open nvidiactl").unwrap();
+    let ctl = first.num("open nvidiactl").unwrap();
+    first.cmd(&format!("alloc {ctl}")).unwrap();
     expect_acquire(&mut w1, "first");
     // The device folder is the node's to say (its options TOML), not an annotation's.
     let node = rig
@@ -331,6 +349,7 @@ fn a_second_containers_device_folder_is_followed_too() {
             .unwrap();
     let mut w2 = rig.watch("second");
     let fd = second.num("open nvidiactl").unwrap();
+    second.cmd(&format!("alloc {fd}")).unwrap();
     expect_acquire(&mut w2, "second");
     let before = second.num("stamp").unwrap();
     let t = second.num(&format!("close {fd}")).unwrap();

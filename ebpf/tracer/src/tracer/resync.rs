@@ -58,7 +58,14 @@ impl Tracer {
             }
         }
         for pid in pids {
-            self.reseed_pid(pid)?;
+            let cgroup = self.fds.get(pid).map(|p| p.cgroup_id);
+            let c = self.reseed_pid(pid)?;
+            // Records were lost: calls made meanwhile (allocations among them) are missing from the ledger of
+            // every container whose processes the resync looked at.
+            let cgroup = self.fds.get(pid).map(|p| p.cgroup_id).or(cgroup);
+            if let Some(cg) = cgroup.filter(|_| !c.is_empty() || self.fds.get(pid).is_some()) {
+                self.ledger.container_mut(cg).partial = true;
+            }
         }
         Ok(())
     }

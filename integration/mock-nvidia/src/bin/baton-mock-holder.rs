@@ -3,7 +3,11 @@
 //! CLOCK_MONOTONIC ns taken right after the call returned to user space.
 //!
 //! Commands: `open NAME` (close-on-exec, as CUDA opens) and `open-inherit NAME` -> `ok FD`; `alloc FD`
-//! (an RM root client on nvidiactl) -> `ok HANDLE STATUS`; `mmap FD` -> `ok ADDR`; `munmap ADDR`,
+//! (an RM root client on nvidiactl with a device and 1 MiB of video memory: GPU state) and `alloc-client FD`
+//! (a client alone: handles only) -> `ok HANDLE STATUS`; `free-client FD HANDLE` -> `ok STATUS T`; `mmap FD`
+//! and `map FD PAGES` -> `ok ADDR`; `over-anon ADDR PAGES` (an anonymous PROT_NONE MAP_FIXED over it, as
+//! the real driver's checkpoint does) and `over-memfd ADDR PAGES` -> `ok T`; `unmap ADDR PAGES` -> `ok T`;
+//! `mremap ADDR OLD NEW [move]` -> `ok NEWADDR T`; `dontfork ADDR PAGES` -> `ok`; `munmap ADDR`,
 //! `close FD`, `close-range FIRST LAST`, `dup2 OLD NEW` -> `ok T`; `dup FD` -> `ok NEWFD`; `fork` (a child
 //! that keeps every inherited fd and waits) -> `ok PID`; `child-exit PID` -> `ok`; `thread-close FD` (a new
 //! thread closes FD, then spins in user space with no syscall until `stop-spin`) -> `ok T`; `threads N`
@@ -13,7 +17,8 @@
 //! `ok FD`; `flash-threads N` (N threads that exit at once, one after the other) -> `ok`; `flood FD N` (N
 //! ioctls), `flood-dup FD N` (N dups of FD, each closed) -> `ok`; `fork-receiver` (a child forked before
 //! any open, driven over a socket pair: `workload::receiver`) -> `ok PID`; `send-fd PID FD` (FD passed to it
-//! with SCM_RIGHTS) -> `ok N`; `child-open PID NAME` -> `ok FD` (of the child); `child-close PID` (the child
+//! with SCM_RIGHTS) -> `ok N`; `child-open PID NAME` and `child-open-state PID NAME` (GPU state allocated through it, as
+//! `alloc` does) -> `ok FD` (of the child); `child-close PID` (the child
 //! closes all it holds) -> `ok T`; `grab-fd PID FD` (pidfd_getfd of the child's FD) -> `ok NEWFD`; `ring-file FD`
 //! (FD registered as a fixed file of a new io_uring) -> `ok RINGFD`; `clone-files` (a receiver child that
 //! shares this process's fd table) -> `ok PID`; `child-exit-now PID` (the child exits, reaped) -> `ok T`; `exec-map PATH` (re-executes; the new program maps PATH before anything else) ->
@@ -152,7 +157,30 @@ impl Holder {
                 String::new()
             }
             "alloc" => self.alloc(num(1)? as RawFd)?,
+            "alloc-client" => self.alloc_client(num(1)? as RawFd)?,
+            "free-client" => self.free_client(num(1)? as RawFd, num(2)? as u32)?,
             "mmap" => format!("0x{:x}", map(num(1)? as RawFd)?),
+            "map" => format!("0x{:x}", map_pages(num(1)? as RawFd, num(2)? as usize)?),
+            "over-anon" => {
+                over_anon(num(1)? as usize, num(2)? as usize)?;
+                now_ns().to_string()
+            }
+            "over-memfd" => {
+                over_memfd(num(1)? as usize, num(2)? as usize)?;
+                now_ns().to_string()
+            }
+            "unmap" => {
+                unmap_pages(num(1)? as usize, num(2)? as usize)?;
+                now_ns().to_string()
+            }
+            "mremap" => {
+                let to = remap(num(1)? as usize, num(2)? as usize, num(3)? as usize, words.get(4) == Some(&"move"))?;
+                format!("0x{to:x} {}", now_ns())
+            }
+            "dontfork" => {
+                dont_fork(num(1)? as usize, num(2)? as usize)?;
+                String::new()
+            }
             "munmap" => {
                 unmap(num(1)? as usize)?;
                 now_ns().to_string()
@@ -207,6 +235,9 @@ impl Holder {
             }
             "send-fd" => self.receiver(num(1)?)?.send_fd(num(2)? as RawFd)?,
             "child-open" => self.receiver(num(1)?)?.ask(&format!("open {}", arg(2)?))?,
+            "child-open-state" => self
+                .receiver(num(1)?)?
+                .ask(&format!("open-state {}", arg(2)?))?,
             "child-close" => self.receiver(num(1)?)?.ask("close")?,
             "grab-fd" => receiver::grab_fd(num(1)? as i32, num(2)? as RawFd)?.to_string(),
             "ring-file" => receiver::ring_with_file(num(1)? as RawFd)?.to_string(),
@@ -292,8 +323,15 @@ impl Holder {
         Ok(fd.into_raw_fd())
     }
 
-    /// An RM root client on `fd` (nvidiactl): a live object in the ledger.
+    /// An RM root client on `fd` (nvidiactl), with a device and 1 MiB of video memory under it: GPU state in
+    /// the ledger. Answers the client's handle and the first status that is not NV_OK (else 0).
     fn alloc(&self, fd: RawFd) -> anyhow::Result<String> {
+        let (handle, status) = receiver::alloc_gpu_state(fd, &self.dev_dir)?;
+        Ok(format!("0x{handle:x} {status}"))
+    }
+
+    /// An RM root client alone on `fd` (a handle: no GPU state).
+    fn alloc_client(&self, fd: RawFd) -> anyhow::Result<String> {
         let file = self.borrow_file(fd);
         let layout = Layout::DEFAULT;
         let r = calls::rm_alloc(
@@ -307,6 +345,15 @@ impl Holder {
         let _ = file.into_fd().into_raw_fd();
         let a = r?;
         Ok(format!("0x{:x} {}", a.handle, a.status))
+    }
+
+    /// RM_FREE of client `client` (and everything under it) through `fd`: answers the status and the time.
+    fn free_client(&self, fd: RawFd, client: u32) -> anyhow::Result<String> {
+        let file = self.borrow_file(fd);
+        let r = calls::rm_free(&file, client, 0, client);
+        let t = now_ns();
+        let _ = file.into_fd().into_raw_fd();
+        Ok(format!("{} {t}", r?))
     }
 
     /// Pretends to free everything while keeping the files: an RM_FREE of client 0xc1d00001 whose params say
@@ -409,6 +456,112 @@ fn map(fd: RawFd) -> anyhow::Result<usize> {
     }
     .context("mmap")?;
     Ok(addr.as_ptr() as usize)
+}
+
+/// A shared mapping of `pages` pages of the device file `fd` where the kernel picks.
+fn map_pages(fd: RawFd, pages: usize) -> anyhow::Result<usize> {
+    // SAFETY: a fresh shared mapping of the device file at an address the kernel picks; nothing aliases it.
+    let addr = unsafe {
+        mman::mmap(
+            None,
+            std::num::NonZeroUsize::new(pages * MAP_LEN).context("length")?,
+            mman::ProtFlags::PROT_READ | mman::ProtFlags::PROT_WRITE,
+            mman::MapFlags::MAP_SHARED,
+            std::os::fd::BorrowedFd::borrow_raw(fd),
+            0,
+        )
+    }
+    .context("mmap")?;
+    Ok(addr.as_ptr() as usize)
+}
+
+/// What the real driver's checkpoint does to a device mapping (recording:
+/// /work/shared/gpu/580.159.04/maps-parked.txt): an anonymous PROT_NONE reservation MAP_FIXED over it.
+fn over_anon(addr: usize, pages: usize) -> anyhow::Result<()> {
+    let at = std::num::NonZeroUsize::new(addr).context("address 0")?;
+    // SAFETY: the script replaces a range it mapped itself; no Rust object lives in those pages.
+    unsafe {
+        mman::mmap_anonymous(
+            Some(at),
+            std::num::NonZeroUsize::new(pages * MAP_LEN).context("length")?,
+            mman::ProtFlags::PROT_NONE,
+            mman::MapFlags::MAP_PRIVATE | mman::MapFlags::MAP_FIXED,
+        )
+    }
+    .context("mmap MAP_FIXED anonymous")?;
+    Ok(())
+}
+
+/// A memfd's pages mapped MAP_FIXED over `[addr, addr + pages)`.
+fn over_memfd(addr: usize, pages: usize) -> anyhow::Result<()> {
+    let len = pages * MAP_LEN;
+    let memfd = nix::sys::memfd::memfd_create(c"holder", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+        .context("memfd_create")?;
+    nix::unistd::ftruncate(&memfd, len as i64).context("ftruncate")?;
+    // SAFETY: the script replaces a range it mapped itself; no Rust object lives in those pages.
+    unsafe {
+        mman::mmap(
+            Some(std::num::NonZeroUsize::new(addr).context("address 0")?),
+            std::num::NonZeroUsize::new(len).context("length")?,
+            mman::ProtFlags::PROT_READ,
+            mman::MapFlags::MAP_SHARED | mman::MapFlags::MAP_FIXED,
+            &memfd,
+            0,
+        )
+    }
+    .context("mmap MAP_FIXED of a memfd")?;
+    Ok(())
+}
+
+/// munmap of `pages` pages at `addr`.
+fn unmap_pages(addr: usize, pages: usize) -> anyhow::Result<()> {
+    let ptr = std::ptr::NonNull::new(addr as *mut libc::c_void).context("address 0")?;
+    // SAFETY: the script unmaps what it mapped; no Rust object lives in those pages.
+    unsafe { mman::munmap(ptr, pages * MAP_LEN) }.context("munmap")?;
+    Ok(())
+}
+
+/// mremap of `[addr, addr + old)` pages to `new` pages: in place, or (`moving`) to a fresh address reserved
+/// first, where it goes with MREMAP_FIXED. Returns where it is now.
+fn remap(addr: usize, old: usize, new: usize, moving: bool) -> anyhow::Result<usize> {
+    let (old_len, new_len) = (old * MAP_LEN, new * MAP_LEN);
+    let ptr = std::ptr::NonNull::new(addr as *mut libc::c_void).context("address 0")?;
+    let to = if moving {
+        // SAFETY: a fresh anonymous reservation nothing refers to, replaced by the move below.
+        let target = unsafe {
+            mman::mmap_anonymous(
+                None,
+                std::num::NonZeroUsize::new(new_len).context("length")?,
+                mman::ProtFlags::PROT_NONE,
+                mman::MapFlags::MAP_PRIVATE,
+            )
+        }
+        .context("reserving the target")?;
+        // SAFETY: moves a range the script mapped onto the reservation it just made.
+        unsafe {
+            mman::mremap(
+                ptr,
+                old_len,
+                new_len,
+                mman::MRemapFlags::MREMAP_MAYMOVE | mman::MRemapFlags::MREMAP_FIXED,
+                Some(target),
+            )
+        }
+    } else {
+        // SAFETY: resizes in place a range the script mapped.
+        unsafe { mman::mremap(ptr, old_len, new_len, mman::MRemapFlags::empty(), None) }
+    }
+    .context("mremap")?;
+    Ok(to.as_ptr() as usize)
+}
+
+/// MADV_DONTFORK over `pages` pages at `addr`: a forked child does not get them.
+fn dont_fork(addr: usize, pages: usize) -> anyhow::Result<()> {
+    let ptr = std::ptr::NonNull::new(addr as *mut libc::c_void).context("address 0")?;
+    // SAFETY: advice on a range the script mapped; it changes no memory.
+    unsafe { mman::madvise(ptr, pages * MAP_LEN, mman::MmapAdvise::MADV_DONTFORK) }
+        .context("madvise")?;
+    Ok(())
 }
 
 fn unmap(addr: usize) -> anyhow::Result<()> {

@@ -11,7 +11,7 @@
 //! shares the fd table instead (what it opens, its parent holds too).
 use std::{
     io::{IoSlice, IoSliceMut},
-    os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
+    os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd},
     path::Path,
 };
 
@@ -194,6 +194,18 @@ fn run(command: &str, held: &mut Vec<OwnedFd>, dev_dir: &Path) -> anyhow::Result
             held.push(fd);
             Ok(raw.to_string())
         }
+        ["open-state", name] => {
+            let path = dev_dir.join(name);
+            let fd = open(&path, OFlag::O_RDWR | OFlag::O_CLOEXEC, Mode::empty())
+                .with_context(|| format!("open {}", path.display()))?;
+            let raw = fd.as_raw_fd();
+            let (_, status) = alloc_gpu_state(fd.as_raw_fd(), dev_dir)?;
+            held.push(fd);
+            if status != 0 {
+                bail!("allocating GPU state on {name}: RM status {status:#x}");
+            }
+            Ok(raw.to_string())
+        }
         ["close"] => {
             held.clear();
             Ok(now_ns().to_string())
@@ -204,6 +216,41 @@ fn run(command: &str, held: &mut Vec<OwnedFd>, dev_dir: &Path) -> anyhow::Result
         }
         _ => Err(anyhow!("unknown command {command:?}")),
     }
+}
+
+/// Allocates GPU state through NVIDIA fd `fd` (of this process, left open): an RM root client with a device
+/// and 1 MiB of video memory under it. Returns the client's handle and the first status that is not NV_OK
+/// (else 0).
+pub fn alloc_gpu_state(fd: RawFd, dev_dir: &Path) -> anyhow::Result<(u32, u32)> {
+    use baton_nvidia::{class, layout::Layout};
+    // SAFETY: `fd` is open and the caller's; `into_fd` below hands it back unclosed.
+    let file = super::nvfile::NvFile::from_fd(unsafe { OwnedFd::from_raw_fd(fd) }, dev_dir);
+    let layout = Layout::DEFAULT;
+    let form = super::calls::AllocForm::Nvos21;
+    let built = (|| {
+        let client = super::calls::rm_alloc(&file, &layout, form, [0; 3], class::NV01_ROOT_CLIENT, None)?;
+        if client.status != 0 {
+            return Ok((client.handle, client.status));
+        }
+        let c = client.handle;
+        let device =
+            super::calls::rm_alloc(&file, &layout, form, [c, c, 0x4855_0001], class::NV01_DEVICE_0, None)?;
+        if device.status != 0 {
+            return Ok((c, device.status));
+        }
+        let mut params = super::calls::memory_alloc_params(&layout, 1 << 20);
+        let memory = super::calls::rm_alloc(
+            &file,
+            &layout,
+            form,
+            [c, device.handle, 0x4855_0002],
+            class::NV01_MEMORY_LOCAL_USER,
+            Some(&mut params),
+        )?;
+        Ok::<_, super::WorkloadError>((c, memory.status))
+    })();
+    let _ = file.into_fd().into_raw_fd();
+    Ok(built?)
 }
 
 /// Registers `fd` as a fixed file of a new io_uring instance (no submission queue is ever used); the
