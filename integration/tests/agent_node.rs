@@ -40,7 +40,8 @@ fn twenty_gpu_pods_share_one_probe_set_which_goes_with_the_last() {
     let mut pods: Vec<HolderContainer> = Vec::new();
     let mut first = rig.holder("pod-0");
     let mut w = rig.watch("pod-0");
-    first.num("open nvidiactl").unwrap();
+    let fd = first.num("open nvidiactl").unwrap();
+    first.cmd(&format!("alloc {fd}")).unwrap();
     expect(&mut w, "pod-0", "acquired");
     let agent = rig.env.containerd().agent_pid().unwrap();
     let with_one = rig.node_status()["programs_attached"].as_u64().unwrap();
@@ -54,7 +55,8 @@ fn twenty_gpu_pods_share_one_probe_set_which_goes_with_the_last() {
         let id = format!("pod-{i}");
         let mut h = rig.holder(&id);
         let mut w = rig.watch(&id);
-        h.num("open nvidiactl").unwrap();
+        let fd = h.num("open nvidiactl").unwrap();
+        h.cmd(&format!("alloc {fd}")).unwrap();
         expect(&mut w, &id, "acquired");
         pods.push(h);
     }
@@ -107,7 +109,8 @@ fn an_idle_agent_and_its_shims_do_not_wake_up_periodically() {
     };
     let mut h = rig.holder("sleeper");
     let mut w = rig.watch("sleeper");
-    h.num("open nvidiactl").unwrap();
+    let fd = h.num("open nvidiactl").unwrap();
+    h.cmd(&format!("alloc {fd}")).unwrap();
     expect(&mut w, "sleeper", "acquired");
     let agent = rig.env.containerd().agent_pid().unwrap();
     let shims: Vec<i32> = rig.env.shims().iter().map(|s| s.pid).collect();
@@ -138,6 +141,7 @@ fn the_agent_killed_mid_run_is_started_again_and_rebuilds_from_proc() {
     let mut h = rig.holder("survivor");
     let mut w = rig.watch("survivor");
     let fd = h.num("open nvidiactl").unwrap();
+    h.cmd(&format!("alloc {fd}")).unwrap();
     expect(&mut w, "survivor", "acquired");
     let old = rig.env.containerd().agent_pid().unwrap();
     rig.env.containerd().kill_agent();
@@ -203,8 +207,8 @@ fn baton_trace_uses_the_agents_probe_set_when_an_agent_runs() {
     let trace =
         baton_integration::trace_env::BatonTrace::start(cmd, Duration::from_secs(30)).unwrap();
     let fd = h.num("open nvidiactl").unwrap();
-    expect(&mut w, "traced", "acquired");
     h.cmd(&format!("alloc {fd}")).unwrap();
+    expect(&mut w, "traced", "acquired");
     h.num(&format!("close {fd}")).unwrap();
     expect(&mut w, "traced", "released");
     // One probe set on the node: the agent's, unchanged; the trace loaded none.

@@ -69,21 +69,21 @@ fn runc_hooks_register_at_create_the_agent_traces_the_work_and_they_unregister_a
 
     // The agent traces its mock GPU work: the file, the RM client it allocates, the release.
     let fd = h.num("open nvidiactl").unwrap();
+    let alloc = h.cmd(&format!("alloc {fd}")).unwrap();
+    assert_eq!(alloc[1], "0", "the root client, a device and memory were allocated: {alloc:?}");
     let acquired = watch.next_transition("worker", WITHIN).unwrap();
     assert_eq!(acquired["kind"], json!("acquired"), "{acquired}");
-    let alloc = h.cmd(&format!("alloc {fd}")).unwrap();
-    assert_eq!(alloc[1], "0", "the root client was allocated: {alloc:?}");
     assert!(
         wait_until(WITHIN, || rig
             .status("worker")
-            .is_some_and(|s| s["live_objects"] == json!(1))),
+            .is_some_and(|s| s["live_objects"] == json!(3))),
         "the agent saw the allocation: {:?}",
         rig.status("worker")
     );
     h.num(&format!("close {fd}")).unwrap();
     let released = watch.next_transition("worker", WITHIN).unwrap();
     assert_eq!(released["kind"], json!("released"), "{released}");
-    assert_eq!(released["objects_freed"], json!(1), "{released}");
+    assert_eq!(released["objects_freed"], json!(3), "{released}");
 
     // It stops: runc deletes it and the poststop hook unregisters it.
     h.finish().unwrap();
@@ -135,6 +135,7 @@ fn the_wait_gpu_free_hook_holds_the_start_until_the_release_and_fails_past_its_t
     let mut watch = rig.watch();
     let mut holder = rig.run_holder("holder", &HookUse::lifecycle()).unwrap();
     let fd = holder.num("open nvidia0").unwrap();
+    holder.cmd(&format!("alloc {fd}")).unwrap();
     assert_eq!(
         watch.next_transition("holder", WITHIN).unwrap()["kind"],
         json!("acquired")
@@ -171,7 +172,8 @@ fn the_wait_gpu_free_hook_holds_the_start_until_the_release_and_fails_past_its_t
 
     // Past its timeout the gate fails the start, naming the container that holds the GPU; runc removes the
     // container (its poststop hook unregisters it).
-    holder.num("open nvidia0").unwrap();
+    let fd = holder.num("open nvidia0").unwrap();
+    holder.cmd(&format!("alloc {fd}")).unwrap();
     assert_eq!(
         watch.next_transition("holder", WITHIN).unwrap()["kind"],
         json!("acquired")
@@ -332,6 +334,7 @@ fn podman_with_the_example_hooks_d_registers_and_unregisters_its_container() {
         rig.hook_lines()
     );
     let fd = h.num("open nvidiactl").unwrap();
+    h.cmd(&format!("alloc {fd}")).unwrap();
     assert_eq!(
         watch.next_transition(&id, WITHIN).unwrap()["kind"],
         json!("acquired")

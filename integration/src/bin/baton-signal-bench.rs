@@ -73,6 +73,7 @@ fn main() -> Result<()> {
     // `ctr events` subscribes some time after it starts: warm-up cycles until it has seen one.
     loop {
         let fd = h.num("open nvidiactl")?;
+        h.cmd(&format!("alloc {fd}"))?;
         next_kind(&watch, "acquired")?;
         h.num(&format!("close {fd}"))?;
         next_kind(&watch, "released")?;
@@ -84,7 +85,9 @@ fn main() -> Result<()> {
     let mut jitter = Jitter(0x9e37_79b9_7f4a_7c15);
     eprintln!("baton-signal-bench: {cycles} release cycles ...");
     for i in 0..cycles {
+        // An open alone holds no GPU state: a client with memory does (and goes with the file).
         let fd = h.num("open nvidiactl")?;
+        h.cmd(&format!("alloc {fd}"))?;
         next_kind(&watch, "acquired")?;
         // A random pause, so that releases do not fall in step with the pollers' period.
         std::thread::sleep(jitter.below(Duration::from_millis(100)));
