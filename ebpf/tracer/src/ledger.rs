@@ -103,7 +103,7 @@ impl ContainerLedger {
                     // A new client: the driver returns its handle in hObjectNew and files it as
                     // NV01_ROOT_CLIENT whichever root class was asked for. It lives on the file it came through.
                     if self.clients.contains_key(&object) {
-                        self.free_clients(&[object]);
+                        let _ = self.free_clients(&[object]);
                     }
                     self.clients.insert(object, Client { file, owner: pid });
                     self.insert(object, object, class::NV01_ROOT_CLIENT, object, 0, pid);
@@ -183,8 +183,8 @@ impl ContainerLedger {
         }
     }
 
-    /// Removes the objects `doomed` selects, keeping the totals right.
-    fn remove_where(&mut self, mut doomed: impl FnMut(&(u32, u32), &RmObject) -> bool) {
+    /// Removes the objects `doomed` selects, keeping the totals right. Returns how many held GPU state.
+    fn remove_where(&mut self, mut doomed: impl FnMut(&(u32, u32), &RmObject) -> bool) -> usize {
         let mut gone = Vec::new();
         self.objects.retain(|k, o| {
             let g = doomed(k, o);
@@ -196,12 +196,15 @@ impl ContainerLedger {
         for o in &gone {
             self.forget(o);
         }
+        gone.iter()
+            .filter(|o| !class::is_handle_only(o.class))
+            .count()
     }
 
     /// Frees `object` of `client` and its subtree; freeing the client frees everything under it.
     pub fn free(&mut self, client: u32, object: u32) {
         if object == client {
-            self.free_clients(&[client]);
+            let _ = self.free_clients(&[client]);
             return;
         }
         let mut doomed = vec![object];
@@ -218,15 +221,15 @@ impl ContainerLedger {
         }
     }
 
-    /// Frees `clients` and everything under them.
-    fn free_clients(&mut self, clients: &[u32]) {
+    /// Frees `clients` and everything under them. Returns how many of the objects freed held GPU state.
+    fn free_clients(&mut self, clients: &[u32]) -> usize {
         if clients.is_empty() {
-            return;
+            return 0;
         }
         for c in clients {
             self.clients.remove(c);
         }
-        self.remove_where(|(c, _), _| clients.contains(c));
+        self.remove_where(|(c, _), _| clients.contains(c))
     }
 
     /// After a release: with no object left, the container's UVM state went with its files.
@@ -237,7 +240,7 @@ impl ContainerLedger {
     }
 
     /// The driver released open file `file` (its last fd and mapping went): every client still on it is
-    /// freed. Returns how many.
+    /// freed. Returns how many of the objects freed held GPU state.
     pub fn release_file(&mut self, file: FileId) -> usize {
         let doomed: Vec<u32> = self
             .clients
@@ -245,9 +248,9 @@ impl ContainerLedger {
             .filter(|(_, c)| c.file == Some(file))
             .map(|(h, _)| *h)
             .collect();
-        self.free_clients(&doomed);
+        let freed = self.free_clients(&doomed);
         self.reset_uvm_if_empty();
-        doomed.len()
+        freed
     }
 
     /// Process `pid` holds no NVIDIA file any more: the clients it allocated on files the records never
@@ -259,7 +262,7 @@ impl ContainerLedger {
             .filter(|(_, c)| c.file.is_none() && c.owner == pid)
             .map(|(h, _)| *h)
             .collect();
-        self.free_clients(&doomed);
+        let _ = self.free_clients(&doomed);
         self.reset_uvm_if_empty();
     }
 
@@ -345,7 +348,7 @@ impl Ledger {
     }
 
     /// Open file `file` was released: the clients on it are freed, in whichever ledger they are. Returns
-    /// how many.
+    /// how many of the objects freed held GPU state.
     pub fn release_file(&mut self, file: FileId) -> usize {
         self.containers
             .values_mut()
@@ -462,12 +465,13 @@ mod tests {
             );
             alloc(&mut l, client, client, client + 0x100, NV01_MEMORY_LOCAL_USER, Some(4096));
         }
-        assert_eq!(l.release_file(f1), 1);
+        assert_eq!(l.release_file(f1), 1, "its memory held state");
         assert_eq!(l.vram_bytes(), 4096);
         assert!(l.object(0xc2, 0xc2).is_some());
         l.release_process(7);
         assert!(l.holds_gpu_state(), "a client on a known file goes with the file, not the process");
         assert_eq!(l.release_file(f2), 1);
+        assert_eq!(l.release_file(f2), 0, "nothing left on it");
         assert!(!l.holds_gpu_state());
     }
 

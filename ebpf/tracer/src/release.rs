@@ -10,7 +10,8 @@
 //!   whose record was lost): the thread is gone or a zombie, it is outside any syscall or inside another one
 //!   than the removal's, or it ran in user space since. The first check comes 0.1 ms after the removal.
 //!
-//! A container is released when its processes hold no NVIDIA fd or mapping *and* none of its threads awaits.
+//! A container is released when the GPU holds no state of it *and* none of the removals that released its
+//! state awaits confirmation (removals of files that carried none do not hold it back).
 use std::collections::{HashMap, hash_map::Entry};
 
 /// How a removal was confirmed complete.
@@ -86,6 +87,9 @@ struct Awaiting {
     step_ns: u64,
     /// User time of the thread at the first /proc check.
     utime: Option<u64>,
+    /// Its removals released GPU state (a file that carried clients with state, a UVM registration or
+    /// unknown contents): only those keep a container from being released.
+    frees_state: bool,
 }
 
 impl Awaiting {
@@ -123,8 +127,9 @@ pub struct Releases {
 }
 
 impl Releases {
-    /// Thread `tid` of `pid` in cgroup `cgroup_id` removed NVIDIA state at `ts_ns`, by one of `syscalls`
-    /// (empty for an exit, or when unknown).
+    /// Thread `tid` of `pid` in cgroup `cgroup_id` removed NVIDIA files at `ts_ns`, by one of `syscalls`
+    /// (empty for an exit, or when unknown). Whether that released GPU state is said after the mirror has
+    /// applied it ([`Releases::freed_state`]).
     pub fn removed(
         &mut self,
         tid: u32,
@@ -134,7 +139,6 @@ impl Releases {
         exiting: bool,
         syscalls: &'static [i64],
     ) {
-        self.last_removal.insert(cgroup_id, ts_ns);
         match self.awaiting.entry(tid) {
             Entry::Vacant(v) => {
                 v.insert(Awaiting {
@@ -146,9 +150,25 @@ impl Releases {
                     next_check_ns: ts_ns + FIRST_CHECK_NS,
                     step_ns: FIRST_CHECK_NS,
                     utime: None,
+                    frees_state: false,
                 });
             }
             Entry::Occupied(mut o) => o.get_mut().removed_again(ts_ns, exiting, syscalls),
+        }
+    }
+
+    /// The removal process `pid` made at `ts_ns` released GPU state: its threads marked until then keep its
+    /// container from being released until they are confirmed (an exit's release runs in whichever of its
+    /// threads drops the fd table last, which need not be the one whose record said so), and that is its last
+    /// removal.
+    pub fn freed_state(&mut self, pid: u32, cgroup_id: u64, ts_ns: u64) {
+        self.last_removal.insert(cgroup_id, ts_ns);
+        for a in self
+            .awaiting
+            .values_mut()
+            .filter(|a| a.pid == pid && a.marked_ns <= ts_ns)
+        {
+            a.frees_state = true;
         }
     }
 
@@ -189,11 +209,11 @@ impl Releases {
         Some((a.pid, a.cgroup_id))
     }
 
-    /// Threads of container `cgroup_id` whose removals are not confirmed yet.
+    /// Threads of container `cgroup_id` whose removals released GPU state and are not confirmed yet.
     pub fn unconfirmed(&self, cgroup_id: u64) -> usize {
         self.awaiting
             .values()
-            .filter(|a| a.cgroup_id == cgroup_id)
+            .filter(|a| a.cgroup_id == cgroup_id && a.frees_state)
             .count()
     }
 
@@ -202,7 +222,7 @@ impl Releases {
         self.awaiting.values().any(|a| a.pid == pid)
     }
 
-    /// When container `cgroup_id` last removed NVIDIA state (record time).
+    /// When a removal last released GPU state of container `cgroup_id` (record time).
     pub fn last_removal_ns(&self, cgroup_id: u64) -> Option<u64> {
         self.last_removal.get(&cgroup_id).copied()
     }
@@ -331,7 +351,10 @@ mod tests {
     fn a_removal_is_pending_until_its_thread_is_confirmed() {
         let mut r = Releases::default();
         r.removed(11, 10, 5, 1_000, false, &[3]);
+        assert_eq!(r.unconfirmed(5), 0, "a removal that released no GPU state holds nothing back");
+        r.freed_state(10, 5, 1_000);
         r.removed(12, 10, 5, 2_000, true, &[]);
+        r.freed_state(10, 5, 2_000);
         assert_eq!(r.unconfirmed(5), 2);
         assert_eq!(r.last_removal_ns(5), Some(2_000));
         assert_eq!(r.confirmed(99, ConfirmKind::Returned, 3_000), None);
@@ -360,6 +383,7 @@ mod tests {
         // exiting is claimed for it.
         let me = std::process::id();
         r.removed(me, me, 8, 0, true, &[]);
+        r.freed_state(me, 8, 0);
         assert_eq!(r.check_proc(FIRST_CHECK_NS - 1), vec![]);
         let past = r.check_proc(FIRST_CHECK_NS);
         assert_eq!(past.len(), 1);
@@ -423,6 +447,7 @@ mod tests {
         // that syscall's release may still be running, so /proc seeing it there confirms neither.
         r.removed(tid, me, 9, 1_000, false, syscalls::MUNMAP);
         r.removed(tid, me, 9, 5_000, false, &[libc::SYS_read]);
+        r.freed_state(me, 9, 5_000);
         assert_eq!(
             r.check_proc(5_000 + FIRST_CHECK_NS),
             vec![],

@@ -15,7 +15,10 @@ impl Tracer {
         let mut kept = Vec::with_capacity(events.len());
         for e in events {
             let keep = self.apply(&e)?;
-            self.settle_released_files();
+            if self.settle_released_files() {
+                // What the event removed released GPU state: its confirmation is what a release waits for.
+                self.releases.freed_state(e.pid, e.cgroup_id, e.ts_ns);
+            }
             if keep {
                 kept.push(e);
             }
@@ -206,15 +209,18 @@ impl Tracer {
     }
 
     /// The files whose last reference went: the driver freed the clients on them (in its final release,
-    /// which the release tracker confirms), and their UVM registrations.
-    pub(super) fn settle_released_files(&mut self) {
+    /// which the release tracker confirms), and their UVM registrations. Returns whether that released GPU
+    /// state (objects that were more than handles, a UVM registration, a file of unknown contents).
+    pub(super) fn settle_released_files(&mut self) -> bool {
+        let mut freed = false;
         for (file, info) in self.fds.take_released() {
-            self.ledger.release_file(file);
+            freed |= self.ledger.release_file(file) > 0 || info.opaque || info.uvm_gpus > 0;
             if info.uvm_gpus > 0 {
                 let l = self.ledger.container_mut(info.cgroup_id);
                 l.uvm.gpus_registered = (l.uvm.gpus_registered - info.uvm_gpus).max(0);
             }
         }
+        freed
     }
 
     /// `e`'s thread removed NVIDIA state: it awaits confirmation; a process left with nothing has had its

@@ -131,7 +131,7 @@ impl Tracer {
                 let _ = self.probes.nv_procs.remove(&pid);
             }
         }
-        self.settle_released_files();
+        let _ = self.settle_released_files();
         Ok(c)
     }
 }
