@@ -68,3 +68,45 @@ fn torch_with_cuda(python: &str, bounds: &Bounds) -> Result<String, String> {
         "PyTorch {version} (CUDA {cuda}), {count} device(s)"
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt as _;
+
+    use super::*;
+
+    /// A stand-in `python3` printing `line` (or failing with `error`) for the PyTorch question.
+    fn python_printing(dir: &std::path::Path, body: &str) -> String {
+        let path = dir.join("python3");
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path.display().to_string()
+    }
+
+    #[test]
+    fn pytorch_without_cuda_missing_or_broken_makes_the_programs_unavailable() {
+        let dir = tempfile::tempdir().unwrap();
+        let bounds = Bounds::new(true, None);
+        let with_gpu = python_printing(dir.path(), "echo 2.11.0 13.0 1 1");
+        assert_eq!(
+            torch_with_cuda(&with_gpu, &bounds).unwrap(),
+            "PyTorch 2.11.0 (CUDA 13.0), 1 device(s)"
+        );
+        let no_gpu = python_printing(dir.path(), "echo 2.11.0 13.0 0 0");
+        assert_eq!(
+            torch_with_cuda(&no_gpu, &bounds).unwrap_err(),
+            format!("PyTorch 2.11.0 in `{no_gpu}` sees no CUDA device (built for CUDA 13.0)")
+        );
+        let no_torch = python_printing(
+            dir.path(),
+            "echo \"ModuleNotFoundError: No module named 'torch'\" >&2; exit 1",
+        );
+        let why = torch_with_cuda(&no_torch, &bounds).unwrap_err();
+        assert!(
+            why.ends_with(": ModuleNotFoundError: No module named 'torch'"),
+            "{why}"
+        );
+        let why = torch_with_cuda("/nonexistent/python3", &bounds).unwrap_err();
+        assert!(why.starts_with("cannot run /nonexistent/python3"), "{why}");
+    }
+}
