@@ -178,6 +178,9 @@ pub fn run(rig: &Rig, save: &mut dyn FnMut(&CheckpointResult)) -> CheckpointResu
             .collect();
         return result;
     }
+    if rig.bounds.expired() {
+        return CheckpointResult::not_run(rig, "--time-limit reached before it");
+    }
     let socket = rig.work.path().join("agent-checkpoint.sock");
     let started =
         AgentProcess::start_program(&rig.baton, &socket, &rig.out.join("agent-checkpoint.log"))
