@@ -35,14 +35,31 @@ pub struct Poller {
 
 impl Poller {
     /// Starts polling every millisecond, following no process until [`Poller::follow`]; `Err` says why NVML
-    /// is unavailable.
-    pub fn start() -> Result<Self, String> {
-        let nvml = Nvml::init().map_err(|e| format!("NVML unavailable: {e}"))?;
+    /// is unavailable (a library that does not initialise within `within` included: its thread is left to
+    /// end on its own).
+    pub fn start(within: Duration) -> Result<Self, String> {
         let pid = Arc::new(AtomicU32::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let samples = Arc::new(Mutex::new(Vec::new()));
         let (p, s, out) = (pid.clone(), stop.clone(), samples.clone());
-        let thread = std::thread::spawn(move || poll(&nvml, &p, &s, &out));
+        let (ready, initialised) = std::sync::mpsc::channel();
+        let thread = std::thread::spawn(move || match Nvml::init() {
+            Ok(nvml) => {
+                let _ = ready.send(Ok(()));
+                poll(&nvml, &p, &s, &out);
+            }
+            Err(e) => {
+                let _ = ready.send(Err(format!("NVML unavailable: {e}")));
+            }
+        });
+        match initialised.recv_timeout(within) {
+            Ok(Ok(())) => {}
+            Ok(Err(why)) => return Err(why),
+            Err(_) => {
+                stop.store(true, Ordering::Relaxed);
+                return Err(format!("NVML did not initialise within {within:?}"));
+            }
+        }
         Ok(Self {
             pid,
             stop,
@@ -64,12 +81,11 @@ impl Poller {
             .clone()
     }
 
-    /// Stops and returns the samples.
+    /// Stops and returns the samples (a poll stuck in NVML is not waited for past a second).
     pub fn stop(self) -> Vec<Sample> {
         self.stop.store(true, Ordering::Relaxed);
-        let samples = self.samples.clone();
-        let _ = self.thread.join();
-        std::mem::take(&mut *samples.lock().unwrap_or_else(PoisonError::into_inner))
+        crate::agent::wait_until(Duration::from_secs(1), || self.thread.is_finished());
+        std::mem::take(&mut *self.samples.lock().unwrap_or_else(PoisonError::into_inner))
     }
 }
 

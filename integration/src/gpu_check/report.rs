@@ -1,137 +1,158 @@
-//! The kit's findings: `report.json` in the output folder and the table printed on stdout.
-use std::{fmt::Write as _, path::Path};
+//! The kit's findings: `report.json` in the output folder, written again after each part so that a run cut
+//! short (a failure, a device session's end) leaves what it measured, and the table printed at the end (also
+//! kept as `table.md`). Every part says whether it passed, failed (and what was seen), was unavailable on
+//! this machine (and why), or was not run.
+use std::path::Path;
 
 use anyhow::Result;
 use serde::Serialize;
 
-use super::{checkpoint::CheckpointResult, trace_run::TraceResult};
+use super::{checkpoint::CheckpointResult, machine::Machine, table, trace_run::TraceResult};
+
+/// How a part ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    /// Everything it checks held.
+    Passed,
+    /// Something it checks did not hold, or a step failed: `problems` says what, with what was seen.
+    Failed,
+    /// This machine lacks what it needs (a program, a library): `problems` says what.
+    Unavailable,
+    /// Not reached: `problems` says why.
+    NotRun,
+}
+
+/// One part of the run and what it found (as far as it got).
+#[derive(Clone, Debug, Serialize)]
+pub struct Part<T> {
+    /// How it ended.
+    pub status: Status,
+    /// What failed, or why it was unavailable or not run; empty when it passed.
+    pub problems: Vec<String>,
+    /// What it measured, also when it failed part of the way.
+    #[serde(flatten)]
+    pub found: Option<T>,
+}
+
+impl<T> Part<T> {
+    /// A part not reached.
+    pub fn not_run(why: impl Into<String>) -> Self {
+        Self {
+            status: Status::NotRun,
+            problems: vec![why.into()],
+            found: None,
+        }
+    }
+
+    /// A part this machine cannot run.
+    pub fn unavailable(why: impl Into<String>) -> Self {
+        Self {
+            status: Status::Unavailable,
+            problems: vec![why.into()],
+            found: None,
+        }
+    }
+
+    /// A part that ran: passed when nothing went wrong.
+    pub fn ran(found: Option<T>, problems: Vec<String>) -> Self {
+        Self {
+            status: if problems.is_empty() {
+                Status::Passed
+            } else {
+                Status::Failed
+            },
+            problems,
+            found,
+        }
+    }
+}
+
+/// The run as a whole.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Overall {
+    /// Every part ran and passed.
+    Passed,
+    /// A part failed.
+    Failed,
+    /// None failed, but some could not run here.
+    Partial,
+}
+
+impl Overall {
+    /// The kit's exit status: 0 passed, 1 failed, 3 partial.
+    pub fn exit_code(self) -> i32 {
+        match self {
+            Overall::Passed => 0,
+            Overall::Failed => 1,
+            Overall::Partial => 3,
+        }
+    }
+}
 
 /// Everything one run found.
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
     /// Run on the FUSE mock, not a GPU.
     pub mock: bool,
+    /// `--quick`: smaller sizes, one park/resume per way.
+    pub quick: bool,
     /// The driver version the trace was decoded with.
     pub driver_version: String,
+    /// The GPUs (`nvidia-smi`) and PyTorch; none on the mock.
+    pub machine: Option<Machine>,
     /// The trace part.
-    pub trace: TraceResult,
-    /// The checkpoint part.
+    pub trace: Part<TraceResult>,
+    /// The checkpoint part, with the seeds' loop in each park.
     pub checkpoint: CheckpointResult,
+    /// The run as a whole.
+    pub overall: Overall,
+    /// `part: problem` for each failed part.
+    pub failed: Vec<String>,
+    /// `part: why` for each part unavailable or not run.
+    pub not_measured: Vec<String>,
 }
 
 impl Report {
-    /// Writes `report.json` into `out`.
-    pub fn write(&self, out: &Path) -> Result<()> {
+    /// Works out the overall result from the parts, then writes `report.json` and `table.md` into `out`.
+    pub fn write(&mut self, out: &Path) -> Result<()> {
+        self.judge();
         std::fs::write(
             out.join("report.json"),
             serde_json::to_string_pretty(self)? + "\n",
         )?;
+        std::fs::write(out.join("table.md"), self.table())?;
         Ok(())
     }
 
     /// The table: one row per figure.
     pub fn table(&self) -> String {
-        let t = &self.trace;
-        let c = &t.counts;
-        let nvml_why = t.nvml_unavailable.as_deref().unwrap_or("unavailable");
-        let mut rows: Vec<(String, String)> = vec![
-            ("driver".into(), self.driver_version.clone()),
-            ("golden trace".into(), t.golden.display().to_string()),
-            (
-                "events / ioctls".into(),
-                format!("{} / {}", c.events, c.ioctls),
-            ),
-            ("unknown escapes".into(), listed(&c.unknown_escapes)),
-            ("unknown classes".into(), listed(&c.unknown_classes)),
-            (
-                "unknown control commands".into(),
-                listed(&c.unknown_controls),
-            ),
-            ("unknown statuses".into(), listed(&c.unknown_statuses)),
-            ("ledger peak GPU memory".into(), mib(t.ledger_peak_bytes)),
-            (
-                "NVML peak for the process".into(),
-                t.nvml_peak_bytes.map_or_else(|| nvml_why.to_owned(), mib),
-            ),
-            (
-                "last close -> release confirmed (agent)".into(),
-                ms(t.close_to_released_ns),
-            ),
-            (
-                "last close -> `released` at a subscriber".into(),
-                ms(t.close_to_event_ns),
-            ),
-            (
-                "last close -> gone from NVML (1 ms poll)".into(),
-                t.close_to_nvml_gone_ns
-                    .map_or_else(|| nvml_why.to_owned(), ms),
-            ),
-        ];
-        let gib = self.checkpoint.gib as f64;
+        table::render(self)
+    }
+
+    fn judge(&mut self) {
+        let mut parts = vec![("trace".to_owned(), self.trace.status, &self.trace.problems)];
         for w in &self.checkpoint.ways {
-            let name = &w.way;
-            if let Some(why) = &w.unavailable {
-                rows.push((
-                    format!("checkpoint via {name}"),
-                    format!("not measured: {why}"),
-                ));
-                continue;
-            }
-            rows.push((
-                format!("park / resume {gib} GiB via {name}"),
-                format!(
-                    "{:.3} s / {:.3} s ({:.3} / {:.3} s per GiB)",
-                    w.park_s,
-                    w.resume_s,
-                    w.park_s / gib,
-                    w.resume_s / gib
-                ),
-            ));
-            rows.push((
-                format!("park request -> released (agent), via {name}"),
-                format!("{:.3} s", w.request_to_released_s),
-            ));
-            rows.push((
-                format!("park request -> NVML memory free, via {name}"),
-                w.request_to_nvml_free_s.map_or_else(
-                    || {
-                        self.checkpoint
-                            .nvml_unavailable
-                            .clone()
-                            .unwrap_or_else(|| "not seen".into())
-                    },
-                    |s| format!("{s:.3} s"),
-                ),
-            ));
-            rows.push((
-                format!("weights intact after resume, via {name}"),
-                if w.intact { "yes" } else { "NO" }.into(),
-            ));
+            let name = w.found.as_ref().map_or("?", |f| f.way.as_str());
+            parts.push((format!("checkpoint via {name}"), w.status, &w.problems));
         }
-        let mut out = format!(
-            "\n| baton gpu-check{} | |\n|---|---|\n",
-            if self.mock { " (mock driver)" } else { "" }
-        );
-        for (k, v) in rows {
-            let _ = writeln!(out, "| {k} | {v} |");
+        self.failed.clear();
+        self.not_measured.clear();
+        for (name, status, problems) in parts {
+            let target = match status {
+                Status::Passed => continue,
+                Status::Failed => &mut self.failed,
+                Status::Unavailable | Status::NotRun => &mut self.not_measured,
+            };
+            target.extend(problems.iter().map(|p| format!("{name}: {p}")));
         }
-        out
+        self.overall = if !self.failed.is_empty() {
+            Overall::Failed
+        } else if !self.not_measured.is_empty() {
+            Overall::Partial
+        } else {
+            Overall::Passed
+        };
     }
-}
-
-fn listed(m: &std::collections::BTreeMap<String, u64>) -> String {
-    if m.is_empty() {
-        return "0".into();
-    }
-    let total: u64 = m.values().sum();
-    let each: Vec<String> = m.iter().map(|(k, n)| format!("{k} x{n}")).collect();
-    format!("{total}: {}", each.join(", "))
-}
-
-fn mib(bytes: u64) -> String {
-    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
-}
-
-fn ms(ns: u64) -> String {
-    format!("{:.3} ms", ns as f64 / 1e6)
 }

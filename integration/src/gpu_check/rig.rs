@@ -1,19 +1,31 @@
 //! What the kit runs on: the node's driver (`/dev`, PyTorch programs, the node's `libcuda.so.1` and
 //! `cuda-checkpoint`) or, with `--mock`, the FUSE mock driver mounted in a folder of its own with the mock
-//! CUDA workload, the fake libcuda and the stand-in `cuda-checkpoint`.
-use std::path::PathBuf;
+//! CUDA workload, the fake libcuda and the stand-in `cuda-checkpoint`; and the sizes and bounds of the run
+//! (`--quick` or not).
+use std::{path::PathBuf, process::Command};
 
 use anyhow::{Context, Result, bail};
 use baton_mock_nvidia::driver::{DEFAULT_DRIVER_VERSION, MockDriver, MountOptions, MountedDriver};
 use tempfile::TempDir;
 
-use super::Options;
+use super::{Options, bounded, bounds::Bounds};
 use crate::skip::which;
 
 /// The program the trace follows: CUDA init, 1 GiB allocated, a matmul, freed, exit.
 const TRACED_PY: &str = include_str!("traced_program.py");
 /// The program that holds GPU memory while it is parked and resumed; prints checksums of its weights.
 const HOLDER_PY: &str = include_str!("holder_program.py");
+/// The seeds' loop's server: starts once the agent's gate opens, takes some GPU memory, says `serving`.
+const SERVER_PY: &str = include_str!("server_program.py");
+
+/// The mock workload's option to fork a worker after its set-up that keeps the inherited NVIDIA fds and
+/// mappings (issue 28, item 4, being added by another change). The kit passes it once
+/// `baton-mock-cuda --help` lists it; until then the mock holder is parked without a worker and the report
+/// says so. Should the option get another name, change it here.
+pub const MOCK_FORK_FLAG: &str = "--fork-worker";
+
+/// The server's GPU memory, MiB.
+const SERVER_MIB: u64 = 256;
 
 /// A program and its arguments.
 #[derive(Clone, Debug)]
@@ -44,9 +56,21 @@ pub struct Rig {
     pub out: PathBuf,
     /// GiB the checkpointed process holds.
     pub gib: u64,
+    /// Park/resume cycles per way.
+    pub cycles: u32,
+    /// `--quick`.
+    pub quick: bool,
+    /// How long each wait may take.
+    pub bounds: Bounds,
+    /// `Ok`: the holder forks a worker after CUDA init; `Err`: why it does not.
+    pub worker: Result<(), String>,
+    /// `Ok`: the traced program, the holder and the server can run here; `Err`: why not (no PyTorch with
+    /// CUDA), and the parts that need them are unavailable.
+    pub cuda_programs: Result<(), String>,
+    /// The Python interpreter with PyTorch.
+    pub python: String,
     /// A scratch folder (the agent's socket, the scripts, logs).
     pub work: TempDir,
-    python: String,
     mock_cuda: Option<PathBuf>,
     _mock: Option<MountedDriver>,
 }
@@ -72,6 +96,12 @@ impl Rig {
             .prefix("baton-gpu-check")
             .tempdir()?;
         let (baton, shim) = (bin("baton")?, bin("containerd-shim-baton-v1")?);
+        let bounds = Bounds::new(options.quick, options.time_limit);
+        let cycles = options
+            .cycles
+            .unwrap_or(if options.quick { 1 } else { 3 })
+            .max(1);
+        let no_worker = || Err("--no-worker: parked without a forked worker".to_owned());
         if options.mock {
             let dev_dir = work.path().join("dev");
             std::fs::create_dir(&dev_dir)?;
@@ -79,6 +109,12 @@ impl Rig {
                 .context("mounting the mock driver (FUSE)")?;
             let libcuda = work.path().join("libcuda.so.1");
             std::fs::copy(bin("libbaton_fake_libcuda.so")?, &libcuda)?;
+            let mock_cuda = bin("baton-mock-cuda")?;
+            let worker = if options.no_worker {
+                no_worker()
+            } else {
+                mock_forks(&mock_cuda, &bounds)
+            };
             return Ok(Self {
                 mock: true,
                 dev_dir,
@@ -91,9 +127,14 @@ impl Rig {
                     None => bin("baton-mock-cuda-checkpoint")?,
                 }),
                 out: options.out.clone(),
-                gib: options.gib,
+                gib: options.gib.unwrap_or(1),
+                cycles,
+                quick: options.quick,
+                bounds,
+                worker,
+                cuda_programs: Ok(()),
                 python: options.python.clone(),
-                mock_cuda: Some(bin("baton-mock-cuda")?),
+                mock_cuda: Some(mock_cuda),
                 work,
                 _mock: Some(mount),
             });
@@ -106,6 +147,7 @@ impl Rig {
         };
         std::fs::write(work.path().join("traced_program.py"), TRACED_PY)?;
         std::fs::write(work.path().join("holder_program.py"), HOLDER_PY)?;
+        std::fs::write(work.path().join("server_program.py"), SERVER_PY)?;
         Ok(Self {
             mock: false,
             dev_dir: "/dev".into(),
@@ -121,7 +163,16 @@ impl Rig {
                 .clone()
                 .or_else(|| which("cuda-checkpoint")),
             out: options.out.clone(),
-            gib: options.gib,
+            gib: options.gib.unwrap_or(if options.quick { 1 } else { 8 }),
+            cycles,
+            quick: options.quick,
+            bounds,
+            worker: if options.no_worker {
+                no_worker()
+            } else {
+                Ok(())
+            },
+            cuda_programs: Ok(()),
             python: options.python.clone(),
             mock_cuda: None,
             work,
@@ -144,27 +195,77 @@ impl Rig {
         }
     }
 
-    /// The checkpointed program: holds `gib` GiB until its stdin closes; the PyTorch one prints
-    /// `checksum N` of its weights for each line it reads.
+    /// The checkpointed program: holds `gib` GiB (and forks a worker, see [`Rig::worker`]) until its stdin
+    /// closes; the PyTorch one prints `checksum N` of its weights for each line it reads.
     pub fn holder_program(&self) -> Program {
+        let fork = self.worker.is_ok();
         match &self.mock_cuda {
             Some(mock) => {
                 let mib = (self.gib * 1024).to_string();
+                let mut extra = vec!["--steps", "1", "--vram-mib", &mib, "--hold"];
+                if fork {
+                    extra.push(MOCK_FORK_FLAG);
+                }
                 Program {
                     path: mock.clone(),
-                    args: self.mock_args(&["--steps", "1", "--vram-mib", &mib, "--hold"]),
+                    args: self.mock_args(&extra),
                 }
             }
+            None => {
+                let mut args = vec![self.script("holder_program.py"), self.gib.to_string()];
+                if fork {
+                    args.push("--fork-worker".to_owned());
+                }
+                Program {
+                    path: self.python.clone().into(),
+                    args,
+                }
+            }
+        }
+    }
+
+    /// The seeds' loop's server: takes [`SERVER_MIB`] MiB and says so (`serving`; the mock's `phase
+    /// holding`), then holds it until its stdin closes.
+    pub fn server_program(&self) -> Program {
+        let mib = SERVER_MIB.to_string();
+        match &self.mock_cuda {
+            Some(mock) => Program {
+                path: mock.clone(),
+                args: self.mock_args(&["--steps", "1", "--vram-mib", &mib, "--hold"]),
+            },
             None => Program {
                 path: self.python.clone().into(),
-                args: vec![self.script("holder_program.py"), self.gib.to_string()],
+                args: vec![self.script("server_program.py"), mib],
             },
         }
     }
 
-    /// The device file the agent counts a holder by.
-    pub fn control_device(&self) -> PathBuf {
-        self.dev_dir.join("nvidiactl")
+    /// The line a server prints once its GPU memory is taken.
+    pub fn serving_line(&self) -> &'static str {
+        if self.mock {
+            "phase holding"
+        } else {
+            "serving"
+        }
+    }
+
+    /// The NVIDIA device files a container with this machine's GPUs sees (`nvidia0`, `nvidiactl`,
+    /// `nvidia-uvm`, ...): what the kit registers its processes with, and what the gate compares.
+    pub fn device_files(&self) -> Vec<PathBuf> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&self.dev_dir)
+            .map(|dir| {
+                dir.filter_map(Result::ok)
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("nvidia"))
+                    .filter(|e| e.file_type().is_ok_and(|t| !t.is_dir()))
+                    .map(|e| e.path())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if files.is_empty() {
+            files.push(self.dev_dir.join("nvidiactl"));
+        }
+        files.sort();
+        files
     }
 
     /// The prefix of the device files the probes follow.
@@ -181,4 +282,16 @@ impl Rig {
     fn script(&self, name: &str) -> String {
         self.work.path().join(name).display().to_string()
     }
+}
+
+/// Whether the mock workload can fork a worker ([`MOCK_FORK_FLAG`] in its `--help`); `Err` says why not.
+fn mock_forks(mock_cuda: &std::path::Path, bounds: &Bounds) -> Result<(), String> {
+    let help = bounded::run(Command::new(mock_cuda).arg("--help"), bounds.command)
+        .and_then(|f| f.succeeded("baton-mock-cuda --help"))?;
+    if help.stdout.contains(MOCK_FORK_FLAG) {
+        return Ok(());
+    }
+    Err(format!(
+        "the mock workload has no {MOCK_FORK_FLAG} option yet: parked without a forked worker"
+    ))
 }
