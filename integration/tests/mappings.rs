@@ -151,6 +151,37 @@ fn a_forked_child_gets_the_mappings_but_not_the_dontfork_ones() {
     h.finish().unwrap();
 }
 
+/// The probes do not follow `shmat(SHM_REMAP)`: the device mapping it replaces stays in the agent's mirror,
+/// and the agent's periodic check of a held container against /proc releases it (`confirmed_by: proc`),
+/// saying in its log that the mirror was wrong.
+#[test]
+fn a_mapping_that_goes_unseen_by_the_probes_is_released_by_the_check_against_proc() {
+    let Some(rig) = Rig::start("maps-unseen") else {
+        return;
+    };
+    let mut h = rig.holder("unseen");
+    let mut w = rig.watch("unseen");
+    let addr = mapped_state(&mut h, "nvidia0", 1);
+    expect_acquire(&mut w, "unseen");
+    let replaced = h.num(&format!("shm-over 0x{addr:x} 1")).unwrap();
+    let e = w.next_transition("unseen", WITHIN).unwrap();
+    assert_eq!(e["kind"], json!("released"), "{e}");
+    assert_eq!(e["confirmed_by"], json!("proc"), "{e}");
+    assert!(e["t_released_ns"].as_u64().unwrap() >= replaced, "{e}");
+    let log = std::fs::read_to_string(
+        rig.env
+            .containerd()
+            .agent_socket()
+            .with_file_name("agent.log"),
+    )
+    .unwrap();
+    assert!(
+        log.contains("while the probes' mirror held it") && log.contains("probe bug"),
+        "the agent says the mirror was wrong: {log}"
+    );
+    h.finish().unwrap();
+}
+
 /// Starts holder container `id` behind the gate.
 fn start_behind_gate(rig: &Rig, id: &str) -> anyhow::Result<HolderContainer> {
     HolderContainer::start(

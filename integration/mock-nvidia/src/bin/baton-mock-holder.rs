@@ -7,7 +7,8 @@
 //! (a client alone: handles only) -> `ok HANDLE STATUS`; `free-client FD HANDLE` -> `ok STATUS T`; `mmap FD`
 //! and `map FD PAGES` -> `ok ADDR`; `over-anon ADDR PAGES` (an anonymous PROT_NONE MAP_FIXED over it, as
 //! the real driver's checkpoint does) and `over-memfd ADDR PAGES` -> `ok T`; `unmap ADDR PAGES` -> `ok T`;
-//! `mremap ADDR OLD NEW [move]` -> `ok NEWADDR T`; `dontfork ADDR PAGES` -> `ok`; `munmap ADDR`,
+//! `mremap ADDR OLD NEW [move]` -> `ok NEWADDR T`; `shm-over ADDR PAGES` (a SysV segment attached with
+//! SHM_REMAP over it, which the probes do not see) -> `ok T`; `dontfork ADDR PAGES` -> `ok`; `munmap ADDR`,
 //! `close FD`, `close-range FIRST LAST`, `dup2 OLD NEW` -> `ok T`; `dup FD` -> `ok NEWFD`; `fork` (a child
 //! that keeps every inherited fd and waits) -> `ok PID`; `child-exit PID` -> `ok`; `thread-close FD` (a new
 //! thread closes FD, then spins in user space with no syscall until `stop-spin`) -> `ok T`; `threads N`
@@ -171,6 +172,10 @@ impl Holder {
             }
             "unmap" => {
                 unmap_pages(num(1)? as usize, num(2)? as usize)?;
+                now_ns().to_string()
+            }
+            "shm-over" => {
+                shm_over(num(1)? as usize, num(2)? as usize)?;
                 now_ns().to_string()
             }
             "mremap" => {
@@ -510,6 +515,27 @@ fn over_memfd(addr: usize, pages: usize) -> anyhow::Result<()> {
         )
     }
     .context("mmap MAP_FIXED of a memfd")?;
+    Ok(())
+}
+
+/// A System V shared memory segment attached with SHM_REMAP over `[addr, addr + pages)`: it replaces what
+/// was mapped there through a syscall the probes do not follow (only the agent's /proc check sees it go).
+fn shm_over(addr: usize, pages: usize) -> anyhow::Result<()> {
+    let len = pages * MAP_LEN;
+    // SAFETY: shmget creates a private segment of `len` bytes; it takes no pointer.
+    let id = unsafe { libc::shmget(libc::IPC_PRIVATE, len, libc::IPC_CREAT | 0o600) };
+    if id < 0 {
+        bail!("shmget: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: attaches the segment over a range the script mapped itself; no Rust object lives there.
+    let at = unsafe { libc::shmat(id, addr as *const libc::c_void, libc::SHM_REMAP) };
+    let failed = at as isize == -1;
+    let error = std::io::Error::last_os_error();
+    // SAFETY: marks the segment for removal once detached; takes no pointer that outlives the call.
+    unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) };
+    if failed {
+        bail!("shmat(SHM_REMAP): {error}");
+    }
     Ok(())
 }
 
