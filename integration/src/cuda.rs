@@ -45,6 +45,10 @@ pub struct Trainer {
     pub steps: u64,
     /// Milliseconds per step.
     pub step_ms: u64,
+    /// Each workload process forks a worker once set up (`--fork-worker`), as a DataLoader does: it keeps
+    /// the inherited NVIDIA fds and mappings, has no CUDA state (cuda-checkpoint and the driver API answer
+    /// `CUDA_ERROR_NOT_INITIALIZED` for it), and dies with its parent.
+    pub fork_worker: bool,
 }
 
 impl Default for Trainer {
@@ -56,6 +60,7 @@ impl Default for Trainer {
             processes: 1,
             steps: 0,
             step_ms: 5,
+            fork_worker: false,
         }
     }
 }
@@ -77,12 +82,13 @@ impl CudaRig {
     /// The workload's command line for `t`.
     pub fn command(&self, t: &Trainer) -> Vec<String> {
         let one = format!(
-            "{} --dev-dir /dev --steps {} --step-ms {} --vram-mib {} --copy-mib-per-s {} {}",
+            "{} --dev-dir /dev --steps {} --step-ms {} --vram-mib {} --copy-mib-per-s {}{} {}",
             self.workload,
             t.steps,
             t.step_ms,
             t.vram_mib,
             t.copy_mib_per_s,
+            if t.fork_worker { " --fork-worker" } else { "" },
             t.extra.join(" ")
         );
         let script = match t.processes {

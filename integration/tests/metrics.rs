@@ -168,10 +168,14 @@ fn the_metrics_follow_a_known_workload_with_its_pods_labels() {
     assert_eq!(Rig::mine(&held, "baton_container_gpu_held"), 1.0);
     assert_eq!(
         Rig::mine(&held, "baton_container_nvidia_fds"),
-        4.0,
-        "nvidiactl, nvidia0 and two nvidia-uvm fds"
+        6.0,
+        "nvidiactl, nvidia0, two nvidia-uvm fds, and the OS-event nvidia0 fd and its dup"
     );
-    assert_eq!(Rig::mine(&held, "baton_container_nvidia_mappings"), 1.0);
+    assert_eq!(
+        Rig::mine(&held, "baton_container_nvidia_mappings"),
+        2.0,
+        "video memory through nvidia0 and system memory through nvidiactl"
+    );
     assert_eq!(Rig::mine(&held, "baton_container_ledger_partial"), 0.0);
     let live = objects(&held);
 

@@ -89,10 +89,13 @@ async fn decoded_events_and_ledger_follow_the_workload_through_each_phase() {
     let held = tracer.gpu_state(cg);
     assert!(held.holds_anything());
     assert_eq!(
-        held.open_fds, 4,
-        "nvidiactl, nvidia0 and two nvidia-uvm fds"
+        held.open_fds, 6,
+        "nvidiactl, nvidia0, two nvidia-uvm fds, and the OS-event nvidia0 fd and its dup"
     );
-    assert_eq!(held.mappings, 1, "one mapping of the device file");
+    assert_eq!(
+        held.mappings, 2,
+        "video memory through nvidia0 and system memory through nvidiactl"
+    );
     let live = tracer.ledger().container(cg).unwrap().live_by_class();
     for c in [
         class::NV01_ROOT_CLIENT,
@@ -194,8 +197,8 @@ async fn two_workloads_in_two_cgroups_are_attributed_to_their_own_container() {
             e.pid
         );
     }
-    assert_eq!(tracer.gpu_state(a).open_fds, 4);
-    assert_eq!(tracer.gpu_state(b).open_fds, 4);
+    assert_eq!(tracer.gpu_state(a).open_fds, 6);
+    assert_eq!(tracer.gpu_state(b).open_fds, 6);
     env.workload(wa).finish().unwrap();
     collect_until(&mut tracer, WAIT, |t, _| !t.gpu_state(a).holds_anything())
         .await
@@ -224,7 +227,7 @@ async fn a_process_that_opened_devices_before_tracing_is_tracked_from_proc() {
     let seeded = tracer.gpu_state(cg);
     assert_eq!(
         (seeded.open_fds, seeded.mappings),
-        (4, 1),
+        (6, 2),
         "fds and mapping found in /proc"
     );
     assert!(
@@ -240,7 +243,7 @@ async fn a_process_that_opened_devices_before_tracing_is_tracked_from_proc() {
         .iter()
         .filter(|e| e.pid == pid && matches!(e.body, Body::Close { .. }))
         .count();
-    assert_eq!(closes, 4, "the seeded fds' closes are traced");
+    assert_eq!(closes, 6, "the seeded fds' closes are traced");
     assert!(
         calls_by_name(&events, pid)
             .get("NV_ESC_RM_FREE")

@@ -1,13 +1,17 @@
 //! The checkpoint calls of the CUDA driver API (`cuCheckpointProcess*`, CUDA 12.8+) as a real `libcuda.so.1`
 //! exports them, driving `baton-mock-cuda`'s restore thread over its control socket as the `cuda-checkpoint`
 //! stand-in does. Like the real library, every call fails with `CUDA_ERROR_NOT_INITIALIZED` until this process
-//! has called `cuInit`; `cuGetErrorString` and `cuGetErrorName` say what a code means.
+//! has called `cuInit`, and for a target with no CUDA state of its own (a worker forked after CUDA init: the
+//! H200 answered so, /work/shared/gpu/580.159.04/README.md, "Forked children"); a checkpoint whose target
+//! dies on it (the kernel's OOM kill when the host copy does not fit its memory cgroup) or finds no host
+//! memory for the copy returns `CUDA_ERROR_OPERATING_SYSTEM`, as the H200's did (README there, "Memory
+//! cgroups"). `cuGetErrorString` and `cuGetErrorName` say what a code means.
 use std::{
     ffi::{c_char, c_int, c_uint},
     sync::atomic::{AtomicBool, Ordering},
 };
 
-use baton_mock_nvidia::workload::control::{self, Action, Reply, Request};
+use baton_mock_nvidia::workload::control::{self, Action, ControlError, Reply, Request};
 use baton_nvidia::cuda_checkpoint::driver_api::{
     self as api, CUDA_ERROR_ILLEGAL_STATE, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED,
     CUDA_ERROR_TIMEOUT, CUDA_ERROR_UNKNOWN, CUDA_SUCCESS, CuResult, LockArgs, ReservedArgs,
@@ -15,6 +19,10 @@ use baton_nvidia::cuda_checkpoint::driver_api::{
 };
 
 static INITIALIZED: AtomicBool = AtomicBool::new(false);
+
+/// `CUDA_ERROR_OPERATING_SYSTEM`: an OS call failed (what the H200's checkpoint returned when the kernel
+/// OOM-killed its target for the host copy).
+pub const CUDA_ERROR_OPERATING_SYSTEM: CuResult = 304;
 
 /// `CUresult cuInit(unsigned int Flags)`: flags must be 0.
 #[unsafe(no_mangle)]
@@ -35,6 +43,10 @@ fn drive(pid: c_int, request: Request) -> Result<c_uint, CuResult> {
     match control::send(pid, request) {
         Ok(Reply::Ok(state)) => Ok(api::state_value(state)),
         Ok(Reply::Err(message)) => Err(code_of(&message)),
+        // The target died during its checkpoint.
+        Err(ControlError::Exited { .. }) if request == Request::Other(Action::Checkpoint) => {
+            Err(CUDA_ERROR_OPERATING_SYSTEM)
+        }
         // Not a (mock) CUDA process, or one that went away.
         Err(_) => Err(CUDA_ERROR_INVALID_VALUE),
     }
@@ -47,7 +59,11 @@ fn code_of(message: &str) -> CuResult {
         eprintln!("fake libcuda: {message}: aborting");
         std::process::abort();
     }
-    if message.contains("timed out") {
+    if message.starts_with(control::NOT_INITIALIZED) {
+        CUDA_ERROR_NOT_INITIALIZED
+    } else if message.starts_with(control::OPERATING_SYSTEM) {
+        CUDA_ERROR_OPERATING_SYSTEM
+    } else if message.contains("timed out") {
         CUDA_ERROR_TIMEOUT
     } else if message.contains("; state is ") {
         CUDA_ERROR_ILLEGAL_STATE
@@ -121,7 +137,7 @@ pub unsafe extern "C" fn cuCheckpointProcessGetState(pid: c_int, state: *mut c_u
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGetErrorName(error: CuResult, p_str: *mut *const c_char) -> CuResult {
     // SAFETY: as this function's contract says.
-    unsafe { write_static(p_str, api::error_text(error).0) }
+    unsafe { write_static(p_str, error_text(error).0) }
 }
 
 /// `CUresult cuGetErrorString(CUresult error, const char **pStr)`.
@@ -131,7 +147,18 @@ pub unsafe extern "C" fn cuGetErrorName(error: CuResult, p_str: *mut *const c_ch
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGetErrorString(error: CuResult, p_str: *mut *const c_char) -> CuResult {
     // SAFETY: as this function's contract says.
-    unsafe { write_static(p_str, api::error_text(error).1) }
+    unsafe { write_static(p_str, error_text(error).1) }
+}
+
+/// The name and the string of `code`: `baton-nvidia`'s, and this library's own code 304.
+fn error_text(code: CuResult) -> (&'static std::ffi::CStr, &'static std::ffi::CStr) {
+    match code {
+        CUDA_ERROR_OPERATING_SYSTEM => (
+            c"CUDA_ERROR_OPERATING_SYSTEM",
+            c"OS call failed or operation not supported on this OS",
+        ),
+        other => api::error_text(other),
+    }
 }
 
 /// # Safety
@@ -169,7 +196,9 @@ mod tests {
     }
 
     /// Before `cuInit` every checkpoint call fails as the real library's do, naming the code; after it, a pid
-    /// that is no CUDA process is an invalid value, not a crash.
+    /// that is no CUDA process is an invalid value, not a crash, and a process with no CUDA state of its own
+    /// (a worker forked after CUDA init, whose control socket its parent serves) is not initialized. One test:
+    /// `cuInit` is the library's, process-wide.
     #[test]
     fn calls_before_cu_init_fail_and_a_pid_that_is_no_cuda_process_is_invalid() {
         let me = std::process::id() as c_int;
@@ -192,5 +221,43 @@ mod tests {
             code_of("checkpoint needs a locked process; state is running"),
             CUDA_ERROR_ILLEGAL_STATE
         );
+        assert_eq!(
+            code_of(&format!(
+                "{} (initialization error): ...",
+                control::NOT_INITIALIZED
+            )),
+            CUDA_ERROR_NOT_INITIALIZED
+        );
+        assert_eq!(
+            code_of(&format!(
+                "{}: cannot allocate ...",
+                control::OPERATING_SYSTEM
+            )),
+            CUDA_ERROR_OPERATING_SYSTEM
+        );
+        assert_eq!(
+            error_name(CUDA_ERROR_OPERATING_SYSTEM),
+            "CUDA_ERROR_OPERATING_SYSTEM"
+        );
+
+        // A worker: a live process whose control socket answers as the mock answers for forked workers.
+        let mut worker = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .expect("run sleep");
+        let mut socket = baton_mock_nvidia::workload::restore::ControlSocket::bind_for(worker.id())
+            .expect("bind the worker's control socket");
+        socket.serve_without_cuda().expect("serve it");
+        let pid = worker.id() as c_int;
+        assert_eq!(get_state(pid), CUDA_ERROR_NOT_INITIALIZED);
+        // SAFETY: a NULL args pointer is allowed.
+        let locked = unsafe { cuCheckpointProcessLock(pid, std::ptr::null()) };
+        assert_eq!(locked, CUDA_ERROR_NOT_INITIALIZED);
+        assert_eq!(
+            cuCheckpointProcessCheckpoint(pid, std::ptr::null()),
+            CUDA_ERROR_NOT_INITIALIZED
+        );
+        let _ = worker.kill();
+        let _ = worker.wait();
     }
 }

@@ -6,97 +6,19 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
+use std::process::Command;
 
-use baton_mock_nvidia::workload::weights::{DEFAULT_SEED, Weights};
+use baton_mock_nvidia::workload::park::QUERY_CONTROLS;
 use baton_mock_nvidia::workload::{WorkloadProcess, process};
+use common::trainer::{
+    MIB, VERSION, action, checkpoint_binary, children, device_fds, fails, restored_line,
+    start_trainer, state, stop, succeeds, trainer_options,
+};
 use common::{Mock, TIMEOUT, cuda_binary, skip};
-use nix::sys::signal::Signal;
 
-const VERSION: &str = "595.45.04";
-const MIB: u64 = 1024 * 1024;
-
-fn checkpoint_binary() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_baton-mock-cuda-checkpoint"))
-}
-
-/// Starts a trainer that steps until stopped, with `extra` flags, and waits until it is set up.
-fn start_trainer(mock: &Mock, extra: &[&str]) -> WorkloadProcess {
-    let options = baton_mock_nvidia::workload::WorkloadOptions {
-        steps: 0,
-        step_ms: 5,
-        ..mock.workload(VERSION)
-    };
-    let mut command = Command::new(cuda_binary());
-    command.args(process::args(&options, false)).args(extra);
-    let mut trainer = WorkloadProcess::start_command(&mut command, &cuda_binary())
-        .expect("start baton-mock-cuda");
-    trainer
-        .wait_for_line("phase setup-done", TIMEOUT)
-        .expect("trainer set up");
-    trainer
-}
-
-fn cuda_checkpoint(pid: u32, args: &[&str]) -> Output {
-    Command::new(checkpoint_binary())
-        .args(args)
-        .args(["--pid", &pid.to_string()])
-        .output()
-        .expect("run baton-mock-cuda-checkpoint")
-}
-
-/// Runs the stand-in and asserts that it succeeded quietly.
-fn succeeds(pid: u32, args: &[&str]) {
-    let output = cuda_checkpoint(pid, args);
-    assert!(output.status.success(), "{args:?}: {output:?}");
-    assert!(
-        output.stdout.is_empty() && output.stderr.is_empty(),
-        "{output:?}"
-    );
-}
-
-/// Runs the stand-in, asserts that it failed with one line on stderr, and returns that line.
-fn fails(pid: u32, args: &[&str]) -> String {
-    let output = cuda_checkpoint(pid, args);
-    assert!(!output.status.success(), "{args:?} should fail: {output:?}");
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    assert_eq!(stderr.lines().count(), 1, "{stderr:?}");
-    stderr.trim_end().to_owned()
-}
-
-fn state(pid: u32) -> String {
-    let output = cuda_checkpoint(pid, &["--get-state"]);
-    assert!(output.status.success(), "{output:?}");
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-fn action(pid: u32, name: &str) {
-    succeeds(pid, &["--action", name]);
-}
-
-/// The process's fds that point into the mock's device folder.
-fn device_fds(pid: u32, dev_dir: &Path) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .expect("read the fd table")
-        .filter_map(|entry| std::fs::read_link(entry.ok()?.path()).ok())
-        .filter(|target| target.starts_with(dev_dir))
-        .count()
-}
-
-fn restored_line() -> String {
-    format!(
-        "restored checksum {:#010x} intact",
-        Weights::new(DEFAULT_SEED).checksum()
-    )
-}
-
-fn stop(trainer: WorkloadProcess) -> baton_mock_nvidia::workload::Finished {
-    trainer
-        .signal(Signal::SIGTERM)
-        .expect("SIGTERM the trainer");
-    trainer.finish(TIMEOUT).expect("trainer exits")
-}
+/// NVIDIA fds a set-up trainer holds: nvidiactl, nvidia0, two nvidia-uvm, the OS-event fd and its dup.
+const NVIDIA_FDS: usize = 6;
 
 #[test]
 fn full_cycle_releases_the_gpu_and_restores_the_weights() {
@@ -107,11 +29,7 @@ fn full_cycle_releases_the_gpu_and_restores_the_weights() {
     let mut trainer = start_trainer(&mock, &[]);
     let pid = trainer.pid();
     assert_eq!(state(pid), "running\n");
-    assert_eq!(
-        device_fds(pid, mock.dir()),
-        4,
-        "nvidiactl, nvidia0, two nvidia-uvm"
-    );
+    assert_eq!(device_fds(pid, mock.dir()), NVIDIA_FDS);
 
     action(pid, "lock");
     trainer.wait_for_line("locked", TIMEOUT).unwrap();
@@ -127,8 +45,9 @@ fn full_cycle_releases_the_gpu_and_restores_the_weights() {
     assert!(released.files.is_empty(), "{:#?}", released.files);
     assert_eq!(released.vram_used_bytes, 0);
     assert_eq!(
-        released.totals.controls, controls_at_lock,
-        "no step while locked"
+        released.totals.controls,
+        controls_at_lock + QUERY_CONTROLS,
+        "no step while locked: only the park's own driver queries"
     );
 
     action(pid, "restore");
@@ -136,7 +55,7 @@ fn full_cycle_releases_the_gpu_and_restores_the_weights() {
     assert_eq!(state(pid), "locked\n");
     assert_eq!(
         device_fds(pid, mock.dir()),
-        4,
+        NVIDIA_FDS,
         "the device files are open again"
     );
     let restored = mock.state();
@@ -174,8 +93,8 @@ fn the_gpu_is_released_at_the_end_of_the_copy() {
         .unwrap();
     assert_eq!(
         device_fds(pid, mock.dir()),
-        4,
-        "still on the GPU halfway through the copy"
+        NVIDIA_FDS - 2,
+        "still on the GPU halfway through the copy: only the OS-event fds, closed first, are gone"
     );
     assert_eq!(mock.state().vram_used_bytes, 512 * MIB);
     assert!(checkpoint.wait().unwrap().success());
@@ -219,7 +138,7 @@ fn actions_in_the_wrong_state_are_refused() {
         )
     );
     assert_eq!(state(pid), "locked\n");
-    assert_eq!(device_fds(pid, mock.dir()), 4);
+    assert_eq!(device_fds(pid, mock.dir()), NVIDIA_FDS);
     action(pid, "unlock");
     assert!(stop(trainer).status.success());
 }
@@ -318,7 +237,7 @@ fn toggle_checkpoints_and_restores() {
     trainer.wait_for_line(&restored_line(), TIMEOUT).unwrap();
     trainer.wait_for_line("unlocked", TIMEOUT).unwrap();
     assert_eq!(state(pid), "running\n");
-    assert_eq!(device_fds(pid, mock.dir()), 4);
+    assert_eq!(device_fds(pid, mock.dir()), NVIDIA_FDS);
     action(pid, "lock");
     assert_eq!(
         fails(pid, &["--toggle"]),
@@ -355,13 +274,10 @@ fn pids_that_are_not_mock_cuda_processes_are_refused() {
 
 /// The host pid of the one child of `parent` (unshare's forked child).
 fn only_child(parent: u32) -> u32 {
-    let children = std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
-        .expect("read the children of unshare");
-    children
-        .split_whitespace()
-        .next()
-        .and_then(|pid| pid.parse().ok())
-        .unwrap_or_else(|| panic!("unshare {parent} has no child: {children:?}"))
+    children(parent)
+        .first()
+        .copied()
+        .unwrap_or_else(|| panic!("unshare {parent} has no child"))
 }
 
 fn ns_pid(pid: u32) -> String {
@@ -380,11 +296,7 @@ fn a_process_in_its_own_pid_and_mount_namespace_is_reached_through_proc_root() {
         return;
     }
     let mock = Mock::mount(VERSION, 4096);
-    let options = baton_mock_nvidia::workload::WorkloadOptions {
-        steps: 0,
-        step_ms: 5,
-        ..mock.workload(VERSION)
-    };
+    let options = trainer_options(&mock);
     // Like a container: its own pid namespace, and a socket folder only its mount namespace sees.
     let mut command = Command::new("unshare");
     command
@@ -423,5 +335,5 @@ fn a_process_in_its_own_pid_and_mount_namespace_is_reached_through_proc_root() {
     trainer.wait_for_line(&restored_line(), TIMEOUT).unwrap();
     action(pid, "unlock");
     assert_eq!(state(pid), "running\n");
-    assert_eq!(device_fds(pid, mock.dir()), 4);
+    assert_eq!(device_fds(pid, mock.dir()), NVIDIA_FDS);
 }

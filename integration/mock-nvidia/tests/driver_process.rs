@@ -63,8 +63,8 @@ fn binary_serves_until_sigterm_and_unmounts() {
     assert_eq!(state.gpus, 2);
     assert_eq!(
         state.files.len(),
-        4,
-        "ctl, nvidia0, two uvm: {:#?}",
+        7,
+        "ctl, nvidia0, two uvm, the OS-event nvidia0, and the two files the mappings hold: {:#?}",
         state.files
     );
     let finished = workload.finish(TIMEOUT).unwrap();

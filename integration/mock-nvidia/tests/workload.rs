@@ -50,7 +50,7 @@ fn full_run_succeeds_and_leaves_nothing_behind() {
     assert_eq!(summary.allocs_of(class::NV01_ROOT_CLIENT), 1);
     assert_eq!(summary.allocs_of(class::HOPPER_COMPUTE_A), 1);
     assert_eq!(summary.vram_bytes_allocated, 512 * MIB);
-    assert_eq!(summary.mmaps, 1);
+    assert_eq!(summary.mmaps, 2, "video memory and system memory");
     assert_eq!(summary.fds_opened.get("nvidia-uvm"), Some(&2));
     let state = mock.idle_state();
     assert_nothing_held(&state);
@@ -82,7 +82,7 @@ fn holding_workload_shows_its_object_tree() {
         .next()
         .expect("nvidiactl open");
     assert_eq!(ctl.clients.len(), 1);
-    assert_eq!(ctl.mappings.len(), 1);
+    assert_eq!(ctl.mappings.len(), 2, "video memory and system memory");
     assert_eq!(ctl.attached_gpus.len(), 1);
     let client = &ctl.clients[0];
     let by_class = |class_id| {
@@ -104,9 +104,21 @@ fn holding_workload_shows_its_object_tree() {
     // The memory size was read from the workload's NV_MEMORY_ALLOCATION_PARAMS behind pAllocParms.
     let memory = by_class(class::NV01_MEMORY_LOCAL_USER);
     assert_eq!((memory.bytes, memory.size_known), (512 * MIB, true));
-    assert_eq!(state.vram_used_bytes, 512 * MIB);
-    let gpu = state.files_named("nvidia0").next().expect("nvidia0 open");
-    assert!(gpu.registered_ctl_fd.is_some(), "REGISTER_FD recorded");
+    assert_eq!(by_class(class::NV01_MEMORY_SYSTEM).parent, device.handle);
+    assert_eq!(state.vram_used_bytes, 512 * MIB, "system memory is no VRAM");
+    // nvidia0: the device fd and the OS-event fd (both with REGISTER_FD), and the file the video memory
+    // mapping holds (its fd was closed once mapped, as libcuda does); nvidiactl: the ctl fd and the system
+    // memory mapping's file.
+    let gpus: Vec<_> = state.files_named("nvidia0").collect();
+    assert_eq!(gpus.len(), 3, "{gpus:#?}");
+    assert_eq!(
+        gpus.iter()
+            .filter(|f| f.registered_ctl_fd.is_some())
+            .count(),
+        2,
+        "REGISTER_FD recorded"
+    );
+    assert_eq!(state.files_named("nvidiactl").count(), 2);
     assert_eq!(state.files_named("nvidia-uvm").count(), 2);
     let uvm_commands: u64 = state
         .files_named("nvidia-uvm")
@@ -138,7 +150,11 @@ fn release_and_reacquire_through_signals() {
     workload.wait_for_line("released", TIMEOUT).unwrap();
     let released = mock.idle_state();
     assert_nothing_held(&released);
-    assert_eq!(released.totals.releases, 4, "every NVIDIA fd was closed");
+    assert_eq!(
+        released.totals.releases, 7,
+        "every NVIDIA file was released: nvidiactl, nvidia0, two nvidia-uvm, the OS-event file, and the \
+         two files the mappings held"
+    );
 
     workload.signal(Signal::SIGUSR2).unwrap();
     workload.wait_for_line("reacquired", TIMEOUT).unwrap();

@@ -1,9 +1,14 @@
 //! `baton-mock-cuda-checkpoint`: a stand-in for NVIDIA's `cuda-checkpoint` with its command line, driving
 //! `baton-mock-cuda`'s restore thread over its control socket (reached through `/proc/PID/root`, so PID is
 //! a host pid even when the workload runs in a container). Quiet and exit 0 on success; one line on
-//! stderr and a non-zero exit on failure.
+//! stderr and a non-zero exit on failure: like NVIDIA's program, the CUDA error code where the driver
+//! answered one the stand-in models (3, `CUDA_ERROR_NOT_INITIALIZED`, for a process with no CUDA state of
+//! its own, such as a worker forked after CUDA init), 1 otherwise.
 
-use baton_mock_nvidia::workload::control::{self, Action, CudaState, Reply, Request};
+use baton_mock_nvidia::workload::control::{
+    self, Action, CudaState, NOT_INITIALIZED, Reply, Request,
+};
+use baton_nvidia::cuda_checkpoint::driver_api::CUDA_ERROR_NOT_INITIALIZED;
 use clap::{ArgGroup, Parser, ValueEnum};
 
 /// Checkpoint and restore the CUDA state of a (mock) CUDA process.
@@ -52,7 +57,13 @@ fn main() {
     let args = Args::parse();
     if let Err(message) = run(&args) {
         eprintln!("cuda-checkpoint: {message}");
-        std::process::exit(1);
+        // NVIDIA's program exits with the CUDA error code of a failed call (criu's CUDA plugin reads it).
+        let code = if message.contains(NOT_INITIALIZED) {
+            CUDA_ERROR_NOT_INITIALIZED as i32
+        } else {
+            1
+        };
+        std::process::exit(code);
     }
 }
 

@@ -8,7 +8,9 @@
 //! cuLaunchKernelEx M and cuGraphLaunch K times (printing `phase launches-done`), for the launch-telemetry
 //! tests; `--launch-when-exists FILE` first waits until the test creates FILE (once the tracer reported its
 //! uprobes attached). `--progress-every N` prints `progress STEPS T_NS` every N steps, for the gap-fill
-//! benchmark's step counts.
+//! benchmark's step counts. `--fork-worker` forks a worker once set up, as a DataLoader does (printing
+//! `phase worker-forked PID` before `phase setup-done`): it keeps the inherited NVIDIA fds and mappings,
+//! makes no CUDA call, answers cuda-checkpoint with `CUDA_ERROR_NOT_INITIALIZED`, and dies with its parent.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -21,6 +23,7 @@ use baton_mock_nvidia::workload::control::{self, Action};
 use baton_mock_nvidia::workload::gate::{Event, Gate, Next};
 use baton_mock_nvidia::workload::launch::{CudaLibrary, Launches};
 use baton_mock_nvidia::workload::restore::{ControlSocket, RestoreOptions};
+use baton_mock_nvidia::workload::worker::Worker;
 use baton_mock_nvidia::workload::{Workload, WorkloadOptions, say, weights};
 use clap::Parser;
 use nix::sys::signal::{SigSet, Signal};
@@ -85,6 +88,10 @@ struct Args {
     /// code when a uprobe is opened, before the program is attached to it.
     #[arg(long, requires = "launches")]
     launch_when_exists: Option<PathBuf>,
+    /// Once set up, fork a worker that keeps the inherited NVIDIA fds and mappings (all but the
+    /// MADV_DONTFORK one), makes no CUDA call, and lives as long as this process.
+    #[arg(long)]
+    fork_worker: bool,
 }
 
 fn parse_action(name: &str) -> Result<Action, String> {
@@ -109,9 +116,13 @@ fn main() -> anyhow::Result<()> {
         driver_version: args.driver_version.clone(),
     })?));
     let _socket = start_restore_thread(&gate, &workload, &args);
-    let result = run(&workload, &gate, &args, cuda.as_ref());
+    let mut worker = None;
+    let result = run(&workload, &gate, &args, cuda.as_ref(), &mut worker);
     let mut workload = lock(&workload);
     let teardown = workload.teardown();
+    if let Some(worker) = worker {
+        worker.stop();
+    }
     let summary = workload.summary();
     let json = serde_json::to_string(summary)?;
     if let Some(path) = &args.summary_json {
@@ -168,16 +179,22 @@ fn lock(workload: &Shared) -> MutexGuard<'_, Workload> {
     workload.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// The main thread: set up, step, hold; every CUDA call goes through the gate.
+/// The main thread: set up (and fork the worker), step, hold; every CUDA call goes through the gate.
 fn run(
     workload: &Shared,
     gate: &Gate,
     args: &Args,
     cuda: Option<&CudaLibrary>,
+    worker: &mut Option<Worker>,
 ) -> anyhow::Result<()> {
     let setup = lock(workload).setup();
     gate.done();
     setup?;
+    if args.fork_worker {
+        let forked = Worker::fork().context("cannot fork the worker")?;
+        say(&format!("phase worker-forked {}", forked.pid()));
+        *worker = Some(forked);
+    }
     say("phase setup-done");
     if let (Some(cuda), Some(n)) = (cuda, args.launches) {
         launch(cuda, n, args.launch_when_exists.as_deref())?;

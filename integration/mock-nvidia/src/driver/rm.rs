@@ -69,19 +69,19 @@ impl Client {
             .collect()
     }
 
-    /// Removes `handle` and everything below it; returns the bytes they held and how many there were.
-    fn remove_subtree(&mut self, handle: u32) -> (u64, u64) {
+    /// Removes `handle` and everything below it; returns the bytes they held and the handles removed.
+    fn remove_subtree(&mut self, handle: u32) -> (u64, Vec<u32>) {
         let mut bytes = 0;
-        let mut count = 0;
+        let mut removed = Vec::new();
         let mut pending = vec![handle];
         while let Some(next) = pending.pop() {
             pending.extend(self.children_of(next));
             if let Some(object) = self.objects.remove(&next) {
                 bytes += object.bytes;
-                count += 1;
+                removed.push(next);
             }
         }
-        (bytes, count)
+        (bytes, removed)
     }
 
     fn bytes(&self) -> u64 {
@@ -291,7 +291,10 @@ impl Rm {
         Ok(handle)
     }
 
-    /// `RM_FREE`: frees `object` and its subtree, or the whole client when `object == client`.
+    /// `RM_FREE`: frees `object` and its subtree, or the whole client when `object == client`; the
+    /// `RM_MAP_MEMORY` records of what it freed go with it. An explicit free frees whatever other fds or
+    /// mappings hold the file (a forked child's, say): the H200 freed the GPU at the parent's park while
+    /// its forked child still held the files (/work/shared/gpu/580.159.04/README.md, "Forked children").
     pub fn free(&mut self, fh: u64, client: u32, object: u32) -> u32 {
         let found = self.client_mut(fh, client).map(|_| ());
         if let Err(code) = found {
@@ -302,6 +305,7 @@ impl Rm {
                 return status::NV_ERR_INVALID_CLIENT;
             };
             file.client_order.retain(|handle| *handle != client);
+            file.mappings.retain(|mapping| mapping.client != client);
             if let Some(removed) = file.clients.remove(&client) {
                 self.vram_used = self.vram_used.saturating_sub(removed.bytes());
                 self.totals.frees += removed.objects.len() as u64 + 1;
@@ -314,9 +318,13 @@ impl Rm {
         if !owner.objects.contains_key(&object) {
             return status::NV_ERR_INVALID_OBJECT_HANDLE;
         }
-        let (bytes, count) = owner.remove_subtree(object);
+        let (bytes, removed) = owner.remove_subtree(object);
         self.vram_used = self.vram_used.saturating_sub(bytes);
-        self.totals.frees += count;
+        self.totals.frees += removed.len() as u64;
+        if let Some(file) = self.files.get_mut(&fh) {
+            file.mappings
+                .retain(|m| m.client != client || !removed.contains(&m.memory));
+        }
         status::NV_OK
     }
 

@@ -4,8 +4,8 @@
 
 use baton_nvidia::layout::Layout;
 use baton_nvidia::params::{
-    card_info, check_version_str, memory_alloc, nvos00, nvos33, nvos34, nvos54, register_fd,
-    rm_alloc,
+    card_info, check_version_str, memory_alloc, nvos00, nvos33, nvos34, nvos54, os_event,
+    register_fd, rm_alloc,
 };
 use baton_nvidia::{escape, uvm};
 
@@ -191,6 +191,17 @@ pub fn register_fd(gpu: &NvFile, ctl_fd: i32) -> Result<(), WorkloadError> {
     let mut params = vec![0u8; register_fd::SIZE as usize];
     put_u32(&mut params, register_fd::CTL_FD_OFFSET, ctl_fd as u32);
     gpu.escape(escape::REGISTER_FD, &mut params)
+}
+
+/// `ALLOC_OS_EVENT` (`escape::ALLOC_OS_EVENT`) or `FREE_OS_EVENT` (`nr`) on the device file `file` for
+/// `client`'s `device`, naming `file`'s own fd as libcuda does; returns the status the driver wrote.
+pub fn os_event(file: &NvFile, nr: u32, client: u32, device: u32) -> Result<u32, WorkloadError> {
+    let mut params = vec![0u8; os_event::SIZE as usize];
+    put_u32(&mut params, os_event::H_CLIENT_OFFSET, client);
+    put_u32(&mut params, os_event::H_DEVICE_OFFSET, device);
+    put_u32(&mut params, os_event::FD_OFFSET, file.raw_fd() as u32);
+    file.escape(nr, &mut params)?;
+    Ok(read_u32(&params, os_event::STATUS_OFFSET))
 }
 
 /// What `CHECK_VERSION_STR` answered.

@@ -86,6 +86,16 @@ impl fmt::Display for Request {
 /// aborts), as a fault inside the vendor's library would.
 pub const CRASH_THE_CALLER: &str = "the caller crashes";
 
+/// Starts the message of every answer about a process with no CUDA state of its own (a worker forked after
+/// CUDA init): the driver answers get-state and lock for such a process with `CUDA_ERROR_NOT_INITIALIZED`
+/// (/work/shared/gpu/580.159.04/README.md, "Forked children"). The fake libcuda returns that code for it,
+/// and the cuda-checkpoint stand-in exits with it.
+pub const NOT_INITIALIZED: &str = "CUDA_ERROR_NOT_INITIALIZED";
+
+/// Starts the message of a checkpoint that could not get host memory for its copy: the code the H200's
+/// checkpoint returned when the copy did not fit the memory cgroup (README.md there, "Memory cgroups").
+pub const OPERATING_SYSTEM: &str = "CUDA_ERROR_OPERATING_SYSTEM";
+
 /// One reply line: the state after the request, or why it failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {

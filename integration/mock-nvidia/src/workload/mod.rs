@@ -3,26 +3,33 @@
 //!
 //! [`Workload`] is the sequence, [`calls`] the single calls (tests use them for error cases), and
 //! [`Summary`] what it did. [`restore`] is the in-process restore thread that `cuda-checkpoint` (or its
-//! stand-in, `baton-mock-cuda-checkpoint`) drives over the [`control`] protocol; [`gate`] keeps the
-//! training loop out of CUDA calls while the process is locked. [`launch`] calls kernel launches through a
-//! (fake) libcuda for the launch-telemetry tests.
+//! stand-in, `baton-mock-cuda-checkpoint`) drives over the [`control`] protocol; it parks and resumes the
+//! workload as the real driver does ([`park`]), keeping the copy of device memory in the process's own
+//! memory ([`host_copy`]); [`gate`] keeps the training loop out of CUDA calls while the process is locked.
+//! [`worker`] forks a child after CUDA init that holds the inherited files and has no CUDA state of its own
+//! (a DataLoader worker). [`launch`] calls kernel launches through a (fake) libcuda for the
+//! launch-telemetry tests.
 
 pub mod calls;
 pub mod control;
 pub mod gate;
+pub mod host_copy;
 pub mod launch;
 pub mod nvfile;
+mod ops;
+pub mod park;
 pub mod process;
 pub mod receiver;
 pub mod restore;
 pub mod session;
 pub mod summary;
 pub mod weights;
+pub mod worker;
 
 use std::path::PathBuf;
 
 pub use process::{Finished, WorkloadProcess, WorkloadProcessError};
-pub use session::{Handles, MAP_BYTES, Workload};
+pub use session::{Handles, MAP_BYTES, MemoryKind, SYSTEM_MAP_BYTES, Workload};
 pub use summary::{FailedCall, Summary};
 
 /// Prints `line` on stdout at once (tests wait for these lines); a closed stdout is ignored, so that it
@@ -132,4 +139,15 @@ pub enum WorkloadError {
     /// A call needs a setup that is not there (released or never set up).
     #[error("the workload holds no GPU resources now (not set up, or released)")]
     NotSetUp,
+    /// A resume found no park to resume from.
+    #[error("the workload is not parked: there is nothing to resume")]
+    NotParked,
+    /// An fd could not be duplicated or reserved.
+    #[error("{what} failed: {source}")]
+    Fd {
+        /// What was done.
+        what: String,
+        /// The error.
+        source: std::io::Error,
+    },
 }

@@ -41,6 +41,19 @@ impl NvFile {
         }
     }
 
+    /// A second fd for the same open file, close-on-exec (`fcntl(F_DUPFD_CLOEXEC)`), as libcuda dups the
+    /// OS-event fds it hands out.
+    pub fn duplicate(&self) -> Result<Self, WorkloadError> {
+        let fd = self.fd.try_clone().map_err(|source| WorkloadError::Fd {
+            what: format!("dup of {}", self.path.display()),
+            source,
+        })?;
+        Ok(Self {
+            fd,
+            path: self.path.clone(),
+        })
+    }
+
     /// Gives the fd back without closing it.
     pub fn into_fd(self) -> OwnedFd {
         self.fd

@@ -1,19 +1,26 @@
 //! The workload's "restore thread", like the one CUDA runs in every process: it serves the control socket
 //! ([`super::control`]) and carries out `cuda-checkpoint`'s actions. running -> lock -> locked ->
-//! checkpoint -> checkpointed -> restore -> locked -> unlock -> running. A checkpoint "copies" device memory
-//! to the host (time proportional to the allocation) and then releases every GPU resource; a restore
-//! re-acquires them, "copies" back and verifies the weights. Each transition prints a line on stdout.
+//! checkpoint -> checkpointed -> restore -> locked -> unlock -> running. As on the real driver, the
+//! checkpoint and the restore run in this thread of the parked process itself (the H200's checkpoint thread
+//! was a thread of the parked process: /work/shared/gpu/580.159.04/park-program.jsonl.gz, pid 440 tid 462).
+//! A checkpoint closes the OS-event fds, copies device memory into host memory of this process (time
+//! proportional to the allocation, every page written: [`super::host_copy`]) and then parks the workload
+//! ([`super::park`]); a restore resumes it, copies back, frees the host copy and verifies the weights. Each
+//! transition prints a line on stdout.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use super::control::{self, Action, CudaState, Reply, Request};
+use super::control::{self, Action, CudaState, NOT_INITIALIZED, Reply, Request};
 use super::gate::{Gate, LockError};
+use super::host_copy::HostCopy;
 use super::weights::Weights;
 use super::{Workload, say};
+
+const MIB: usize = 1024 * 1024;
 
 /// How the restore thread behaves.
 #[derive(Debug, Clone)]
@@ -49,7 +56,13 @@ impl ControlSocket {
     /// is gone is replaced; one that still answers (a process with the same pid in another pid namespace
     /// sharing this root filesystem) is left alone, and this fails with `AddrInUse`.
     pub fn bind() -> std::io::Result<Self> {
-        let path = control::socket_path(std::process::id());
+        Self::bind_for(std::process::id())
+    }
+
+    /// [`ControlSocket::bind`] for process `pid` of this pid namespace (a forked worker's socket, served
+    /// by its parent).
+    pub fn bind_for(pid: u32) -> std::io::Result<Self> {
+        let path = control::socket_path(pid);
         std::fs::create_dir_all(control::SOCKET_DIR)?;
         let listener = match UnixListener::bind(&path) {
             Err(error) if error.kind() == std::io::ErrorKind::AddrInUse => {
@@ -89,12 +102,38 @@ impl ControlSocket {
             workload,
             options,
             socket: self.path.clone(),
+            host: None,
         };
         std::thread::Builder::new()
             .name("restore".to_owned())
             .spawn(move || {
                 for stream in listener.incoming().map_while(Result::ok) {
                     thread.answer(stream);
+                }
+            })?;
+        Ok(())
+    }
+
+    /// Answers every request on this socket as the driver answers for a process with no CUDA state of its
+    /// own: `CUDA_ERROR_NOT_INITIALIZED` ([`NOT_INITIALIZED`]), get-state included.
+    pub fn serve_without_cuda(&mut self) -> std::io::Result<()> {
+        let listener = self
+            .listener
+            .take()
+            .ok_or_else(|| std::io::Error::other("the control socket is already served"))?;
+        std::thread::Builder::new()
+            .name("no-cuda".to_owned())
+            .spawn(move || {
+                for stream in listener.incoming().map_while(Result::ok) {
+                    let mut line = String::new();
+                    if BufReader::new(&stream).read_line(&mut line).is_err() {
+                        continue;
+                    }
+                    let reply = Reply::Err(format!(
+                        "{NOT_INITIALIZED} (initialization error): the process has no CUDA state of its \
+                         own (forked after CUDA init)"
+                    ));
+                    let _ = (&stream).write_all(format!("{reply}\n").as_bytes());
                 }
             })?;
         Ok(())
@@ -113,6 +152,8 @@ struct RestoreThread {
     weights: Weights,
     options: RestoreOptions,
     socket: PathBuf,
+    /// The checkpoint's copy of device memory, from the checkpoint to the restore.
+    host: Option<HostCopy>,
 }
 
 impl RestoreThread {
@@ -184,36 +225,62 @@ impl RestoreThread {
         }
     }
 
-    /// Copies device memory to the host, then (at the end of the copy) releases the GPU.
+    /// Closes the OS-event fds, copies device memory into host memory of this process, then parks (the
+    /// GPU is released at the end of the copy). A host copy that cannot be allocated fails the checkpoint
+    /// before anything changed.
     fn checkpoint(&mut self) -> Result<(), String> {
-        self.copy("to host");
+        let size = usize::try_from(self.options.vram_mib)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(MIB);
+        let mut host = HostCopy::allocate(size).map_err(|error| error.to_string())?;
+        if let Err(error) = self.with_workload(Workload::park_os_events) {
+            self.gate.set_state(CudaState::Failed);
+            return Err(format!("closing the OS-event fds failed: {error}"));
+        }
+        self.copy("to host", |done| host.fill_to(done));
         self.weights.save_to_host();
-        if let Err(error) = self.with_workload(Workload::release) {
+        if let Err(error) = self.with_workload(Workload::park) {
             self.gate.set_state(CudaState::Failed);
             return Err(format!("releasing the GPU failed: {error}"));
         }
+        self.host = Some(host);
         self.gate.set_state(CudaState::Checkpointed);
         say("checkpointed");
         Ok(())
     }
 
-    /// Re-acquires the GPU, copies device memory back and verifies the weights.
+    /// Resumes the workload (files, objects, mappings back), copies device memory back from the host copy,
+    /// frees it, and verifies the weights.
     fn restore(&mut self) -> Result<(), String> {
         if let Some(code) = self.options.exit_at_restore {
             let _ = std::fs::remove_file(&self.socket);
             say(&format!("exiting with {code} at restore"));
             std::process::exit(code);
         }
-        if let Err(error) = self.with_workload(Workload::reacquire) {
+        if let Err(error) = self.with_workload(Workload::resume) {
             self.gate.set_state(CudaState::Failed);
             return Err(format!("re-acquiring the GPU failed: {error}"));
         }
-        self.copy("back to the device");
-        match self.weights.restore_from_host() {
-            Ok(checksum) => {
+        let host = self.host.take();
+        let mut intact = true;
+        self.copy("back to the device", |done| {
+            if done == usize::MAX {
+                intact = host.as_ref().is_none_or(HostCopy::intact);
+            }
+        });
+        drop(host);
+        let checked = self.weights.restore_from_host();
+        match checked {
+            Ok(checksum) if intact => {
                 self.gate.set_state(CudaState::Locked);
                 say(&format!("restored checksum {checksum:#010x} intact"));
                 Ok(())
+            }
+            Ok(_) => {
+                self.gate.set_state(CudaState::Failed);
+                let message = "the host copy of device memory changed while parked".to_owned();
+                say(&message);
+                Err(message)
             }
             Err(mismatch) => {
                 self.gate.set_state(CudaState::Failed);
@@ -230,18 +297,25 @@ impl RestoreThread {
         act(&mut self.workload.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
-    /// "Copies" the allocation `direction` at the configured rate, saying when half of it is done
-    /// (`copying to host: 256 of 512 MiB`), so that a test can look at the process mid-copy.
-    fn copy(&self, direction: &str) {
+    /// Copies the allocation `direction` at the configured rate, saying when half of it is done
+    /// (`copying to host: 256 of 512 MiB`), so that a test can look at the process mid-copy. `work` is
+    /// told how many bytes are done: half, then all (`usize::MAX`).
+    fn copy(&self, direction: &str, mut work: impl FnMut(usize)) {
         let total = self.options.vram_mib;
         let half =
             Duration::from_secs_f64(total as f64 / self.options.copy_mib_per_s.max(1) as f64 / 2.0);
-        std::thread::sleep(half);
+        let start = Instant::now();
+        let half_bytes = usize::try_from(total / 2)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(MIB);
+        work(half_bytes);
+        std::thread::sleep((start + half).saturating_duration_since(Instant::now()));
         say(&format!(
             "copying {direction}: {} of {total} MiB",
             total / 2
         ));
-        std::thread::sleep(half);
+        work(usize::MAX);
+        std::thread::sleep((start + 2 * half).saturating_duration_since(Instant::now()));
     }
 }
 

@@ -1,27 +1,34 @@
 //! The CUDA-like call sequence: setup (open the device files, allocate a client and its object tree,
-//! register with UVM, map memory), training steps, orderly teardown, and the release / re-acquire cycle
-//! that cuda-checkpoint performs (free everything and close every NVIDIA fd, then set it all up again).
+//! register with UVM, map video and system memory, open an OS-event fd pair), training steps, and the
+//! orderly teardown a program makes itself (unmap, free, close). The park and resume that cuda-checkpoint
+//! performs are in [`super::park`]; the calls' bookkeeping in [`super::ops`].
+//!
+//! What a setup holds, as libcuda holds it on a real driver (recorded on an H200 with driver 580.159.04:
+//! /work/shared/gpu/580.159.04/maps-running.txt and park-program.jsonl.gz): nvidiactl, nvidia0 (with
+//! `REGISTER_FD`), two nvidia-uvm fds, an OS-event nvidia0 fd and its dup; and mappings made through a fresh
+//! fd each (open, `RM_MAP_MEMORY` naming it, mmap, close), so that only the mapping keeps its file open.
 
 use std::num::NonZeroUsize;
 use std::os::fd::AsFd;
 use std::ptr::NonNull;
 
 use baton_nvidia::layout::{DriverVersion, Layout};
-use baton_nvidia::{class, ctrl, escape, status, uvm};
-use nix::sys::mman::{MapFlags, ProtFlags, mmap, munmap};
+use baton_nvidia::{class, ctrl, escape, uvm};
+use nix::sys::mman::{MapFlags, MmapAdvise, ProtFlags, madvise, mmap, munmap};
 
 use super::calls::{self, AllocForm};
 use super::nvfile::NvFile;
-use super::summary::{FailedCall, Summary};
+use super::park::Parked;
+use super::summary::Summary;
 use super::{WorkloadError, WorkloadOptions};
 
 /// Bytes of the video memory the workload maps into its address space.
 pub const MAP_BYTES: usize = 2 * 1024 * 1024;
-/// Bytes of the scratch buffer passed as control params (the mock does not read them).
-const CONTROL_PARAMS_BYTES: usize = 64;
+/// Bytes of the system memory object the workload allocates and maps (through nvidiactl).
+pub const SYSTEM_MAP_BYTES: usize = 64 * 1024;
 /// First object handle the workload picks itself (mock-chosen, "CW"); the memory object's handle is
 /// left to the driver.
-const WORKLOAD_HANDLE_BASE: u32 = 0x4357_0000;
+pub(super) const WORKLOAD_HANDLE_BASE: u32 = 0x4357_0000;
 
 /// Handles of one setup's objects.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -36,6 +43,8 @@ pub struct Handles {
     pub vaspace: u32,
     /// `NV01_MEMORY_LOCAL_USER` (handle chosen by the driver).
     pub memory: u32,
+    /// `NV01_MEMORY_SYSTEM`.
+    pub system_memory: u32,
     /// `KEPLER_CHANNEL_GROUP_A`.
     pub channel_group: u32,
     /// `HOPPER_CHANNEL_GPFIFO_A`.
@@ -44,11 +53,53 @@ pub struct Handles {
     pub compute: u32,
 }
 
+/// Which memory a mapping shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// Video memory (`NV01_MEMORY_LOCAL_USER`), mapped through nvidia0.
+    Video,
+    /// System memory (`NV01_MEMORY_SYSTEM`), mapped through nvidiactl and marked `MADV_DONTFORK`: a child
+    /// forked after CUDA init inherits every device mapping but one (30 of 31 on the H200:
+    /// /work/shared/gpu/580.159.04/README.md, "Forked children").
+    System,
+}
+
+impl MemoryKind {
+    /// Both kinds, in mapping order.
+    pub const ALL: [Self; 2] = [Self::Video, Self::System];
+
+    /// The device file the mapping is made through.
+    pub fn node(self) -> &'static str {
+        match self {
+            Self::Video => "nvidia0",
+            Self::System => "nvidiactl",
+        }
+    }
+
+    /// Bytes mapped.
+    pub fn length(self) -> usize {
+        match self {
+            Self::Video => MAP_BYTES,
+            Self::System => SYSTEM_MAP_BYTES,
+        }
+    }
+
+    /// The memory object the mapping shows.
+    pub fn handle(self, handles: &Handles) -> u32 {
+        match self {
+            Self::Video => handles.memory,
+            Self::System => handles.system_memory,
+        }
+    }
+}
+
+/// A live mapping of device or system memory.
 #[derive(Debug)]
-struct Mapping {
-    address: NonNull<libc::c_void>,
-    length: NonZeroUsize,
-    linear_address: u64,
+pub(super) struct Mapping {
+    pub(super) kind: MemoryKind,
+    pub(super) address: NonNull<libc::c_void>,
+    pub(super) length: NonZeroUsize,
+    pub(super) linear_address: u64,
 }
 
 // SAFETY: a mapping of a device file belongs to the process, not to a thread: any thread may write to it
@@ -56,24 +107,35 @@ struct Mapping {
 // behind a mutex), so the pointer is never used from two threads at once.
 unsafe impl Send for Mapping {}
 
+/// The OS-event fd pair: an nvidia0 fd with `ALLOC_OS_EVENT` on it, and its dup (the number the
+/// application polls, which a park keeps reserved).
+#[derive(Debug)]
+pub(super) struct OsEvent {
+    pub(super) file: NvFile,
+    pub(super) dup: NvFile,
+}
+
 /// Everything one setup holds.
 #[derive(Debug)]
-struct Session {
-    ctl: NvFile,
-    gpu: NvFile,
-    uvm: Option<NvFile>,
-    uvm_mm: Option<NvFile>,
-    handles: Handles,
-    mapping: Option<Mapping>,
+pub(super) struct Session {
+    pub(super) ctl: NvFile,
+    pub(super) gpu: NvFile,
+    pub(super) uvm: Option<NvFile>,
+    pub(super) uvm_mm: Option<NvFile>,
+    pub(super) event: Option<OsEvent>,
+    pub(super) handles: Handles,
+    pub(super) mappings: Vec<Mapping>,
 }
 
 /// The mock CUDA workload.
 #[derive(Debug)]
 pub struct Workload {
-    options: WorkloadOptions,
-    layout: Layout,
-    summary: Summary,
-    session: Option<Session>,
+    pub(super) options: WorkloadOptions,
+    pub(super) layout: Layout,
+    pub(super) summary: Summary,
+    pub(super) session: Option<Session>,
+    /// What a park left to resume from (reserved fd numbers and address ranges).
+    pub(super) parked: Option<Parked>,
 }
 
 impl Workload {
@@ -94,6 +156,7 @@ impl Workload {
             options,
             summary,
             session: None,
+            parked: None,
         })
     }
 
@@ -117,6 +180,12 @@ impl Workload {
         if self.session.is_some() {
             return Ok(());
         }
+        self.set_up(None)
+    }
+
+    /// The setup, fresh (`parked` is `None`) or resuming a park: then the uvm fds and the OS-event dup go
+    /// back to their old numbers and the mappings to their old addresses.
+    pub(super) fn set_up(&mut self, mut parked: Option<Parked>) -> Result<(), WorkloadError> {
         let ctl = self.open("nvidiactl")?;
         let client = self.alloc(
             &ctl,
@@ -135,8 +204,7 @@ impl Workload {
         calls::attach_gpus(&ctl, &gpu_ids[..1])?;
         self.count_escape(escape::ATTACH_GPUS_TO_FD);
         let gpu = self.open("nvidia0")?;
-        calls::register_fd(&gpu, ctl.raw_fd())?;
-        self.count_escape(escape::REGISTER_FD);
+        self.register_fd(&gpu, &ctl)?;
         let check = calls::check_version(&ctl, &self.options.driver_version)?;
         self.count_escape(escape::CHECK_VERSION_STR);
         if !check.recognized {
@@ -151,18 +219,23 @@ impl Workload {
             gpu,
             uvm: None,
             uvm_mm: None,
+            event: None,
             handles: Handles {
                 client,
                 ..Handles::default()
             },
-            mapping: None,
+            mappings: Vec::new(),
         });
         self.build_objects()?;
-        self.register_uvm()?;
-        self.map_memory()
+        self.register_uvm(parked.as_mut())?;
+        for kind in MemoryKind::ALL {
+            let address = parked.as_ref().and_then(|p| p.reserved_address(kind));
+            self.map_memory(kind, address)?;
+        }
+        self.open_os_event(parked.as_mut().and_then(|p| p.event.take()))
     }
 
-    /// One training step: the controls a CUDA launch loop makes, and a write into mapped memory.
+    /// One training step: the controls a CUDA launch loop makes, and a write into mapped video memory.
     pub fn step(&mut self) -> Result<(), WorkloadError> {
         let handles = self.require_session()?.handles;
         self.control(
@@ -173,10 +246,14 @@ impl Workload {
             handles.subdevice,
             ctrl::NV2080_CTRL_CMD_TIMER_GET_GPU_CPU_TIME_CORRELATION_INFO,
         )?;
-        if let Some(mapping) = self.session.as_ref().and_then(|s| s.mapping.as_ref()) {
+        let video = self
+            .session
+            .as_ref()
+            .and_then(|s| s.mappings.iter().find(|m| m.kind == MemoryKind::Video));
+        if let Some(mapping) = video {
             let step = self.summary.steps;
-            // SAFETY: the mapping is live (it is only unmapped together with its removal from the
-            // session) and MAP_BYTES long; writing one byte inside it is in bounds.
+            // SAFETY: the mapping is live (it is only unmapped or replaced together with its removal from
+            // the session) and `length` long; writing one byte inside it is in bounds.
             unsafe {
                 mapping
                     .address
@@ -189,7 +266,8 @@ impl Workload {
         Ok(())
     }
 
-    /// Frees everything and closes every NVIDIA fd, as cuda-checkpoint's release does.
+    /// Frees everything and closes every NVIDIA fd in order, as a program that gives the GPU up itself
+    /// does (SIGUSR1): unmaps, frees and closes. cuda-checkpoint parks differently ([`Workload::park`]).
     pub fn release(&mut self) -> Result<(), WorkloadError> {
         self.teardown_session(false)?;
         self.summary.releases += 1;
@@ -213,18 +291,27 @@ impl Workload {
             return Ok(());
         };
         let handles = session.handles;
-        let mapping = session.mapping.take();
-        if let Some(mapping) = mapping {
+        let mappings = std::mem::take(&mut session.mappings);
+        let event = session.event.take();
+        for mapping in mappings {
             // SAFETY: `address`/`length` are exactly what mmap returned and nothing refers to the
             // mapping any more (it was just taken out of the session).
             unsafe { munmap(mapping.address, mapping.length.get()) }.map_err(|errno| {
                 WorkloadError::Mmap {
-                    path: self.device_path("nvidia0"),
+                    path: self.device_path(mapping.kind.node()),
                     source: errno.into(),
                 }
             })?;
-            let status = self.unmap(handles, mapping.linear_address)?;
+            let status = self.unmap(
+                handles,
+                mapping.kind.handle(&handles),
+                mapping.linear_address,
+            )?;
             self.check("RM_UNMAP_MEMORY", status)?;
+        }
+        if let Some(event) = event {
+            self.close(event.dup);
+            self.free_os_event(event.file, handles)?;
         }
         self.unregister_uvm()?;
         if object_by_object {
@@ -232,6 +319,7 @@ impl Workload {
                 (handles.channel, handles.compute),
                 (handles.channel_group, handles.channel),
                 (handles.device, handles.channel_group),
+                (handles.device, handles.system_memory),
                 (handles.device, handles.memory),
                 (handles.device, handles.vaspace),
                 (handles.device, handles.subdevice),
@@ -247,14 +335,17 @@ impl Workload {
             self.free(handles.client, handles.client, handles.client)?;
         }
         if let Some(session) = self.session.take() {
-            let files = [
+            for file in [
                 Some(session.ctl),
                 Some(session.gpu),
                 session.uvm,
                 session.uvm_mm,
-            ];
-            self.summary.fds_closed += files.iter().flatten().count() as u64;
-            // Dropping the files closes the fds.
+            ]
+            .into_iter()
+            .flatten()
+            {
+                self.close(file);
+            }
         }
         Ok(())
     }
@@ -277,6 +368,14 @@ impl Workload {
         )?;
         self.summary.vram_bytes_allocated += bytes;
         self.set_handles(|h| h.memory = memory)?;
+        let mut system_params = calls::memory_alloc_params(&self.layout, SYSTEM_MAP_BYTES as u64);
+        let system_memory = self.alloc_under(
+            device,
+            class::NV01_MEMORY_SYSTEM,
+            7,
+            Some(&mut system_params),
+        )?;
+        self.set_handles(|h| h.system_memory = system_memory)?;
         let channel_group = self.alloc_under(device, class::KEPLER_CHANNEL_GROUP_A, 4, None)?;
         self.set_handles(|h| h.channel_group = channel_group)?;
         let channel = self.alloc_under(channel_group, class::HOPPER_CHANNEL_GPFIFO_A, 5, None)?;
@@ -290,9 +389,11 @@ impl Workload {
         self.control(channel_group, ctrl::NVA06C_CTRL_CMD_GPFIFO_SCHEDULE)
     }
 
-    fn register_uvm(&mut self) -> Result<(), WorkloadError> {
-        let uvm_file = self.open("nvidia-uvm")?;
-        let uvm_mm = self.open("nvidia-uvm")?;
+    /// Opens the two uvm fds (onto their old numbers when resuming a park), initializes UVM and registers
+    /// the GPU and the VA space.
+    fn register_uvm(&mut self, mut parked: Option<&mut Parked>) -> Result<(), WorkloadError> {
+        let uvm_file = self.open_onto("nvidia-uvm", parked.as_mut().and_then(|p| p.uvm.take()))?;
+        let uvm_mm = self.open_onto("nvidia-uvm", parked.and_then(|p| p.uvm_mm.take()))?;
         self.uvm(&uvm_file, uvm::INITIALIZE, |_| {})?;
         let uvm_fd = uvm_file.raw_fd();
         // UVM_MM_INITIALIZE exists from 535 on; it goes to the second fd and names the first.
@@ -322,7 +423,7 @@ impl Workload {
         Ok(())
     }
 
-    fn unregister_uvm(&mut self) -> Result<(), WorkloadError> {
+    pub(super) fn unregister_uvm(&mut self) -> Result<(), WorkloadError> {
         let Some(uvm_file) = self.session.as_mut().and_then(|s| s.uvm.take()) else {
             return Ok(());
         };
@@ -334,204 +435,118 @@ impl Workload {
         Ok(())
     }
 
-    fn map_memory(&mut self) -> Result<(), WorkloadError> {
-        let session = self.require_session()?;
-        let handles = session.handles;
-        let gpu_fd = session.gpu.raw_fd();
+    /// Maps `kind`'s memory as libcuda does: a fresh fd of its device file, `RM_MAP_MEMORY` naming it, mmap,
+    /// close (the mapping alone keeps the file open). With `at`, the mapping goes to that address, over a
+    /// park's PROT_NONE reservation (`MAP_FIXED`), as the H200's resume did
+    /// (/work/shared/gpu/580.159.04/maps-resumed.txt: every device range back at its address).
+    fn map_memory(
+        &mut self,
+        kind: MemoryKind,
+        at: Option<NonZeroUsize>,
+    ) -> Result<(), WorkloadError> {
+        let handles = self.require_session()?.handles;
+        let file = self.open(kind.node())?;
         let mapped = calls::rm_map_memory(
-            &session.ctl,
-            [handles.client, handles.device, handles.memory],
-            MAP_BYTES as u64,
-            gpu_fd,
+            &self.require_session()?.ctl,
+            [handles.client, handles.device, kind.handle(&handles)],
+            kind.length() as u64,
+            file.raw_fd(),
         )?;
         self.count_escape(escape::RM_MAP_MEMORY);
         self.check("RM_MAP_MEMORY", mapped.status)?;
-        let length = NonZeroUsize::new(MAP_BYTES).ok_or(WorkloadError::NoGpu {
-            path: self.device_path("nvidia0"),
-        })?;
+        let length = NonZeroUsize::new(kind.length()).ok_or(WorkloadError::NotSetUp)?;
         let offset = libc::off_t::try_from(mapped.linear_address).unwrap_or(libc::off_t::MAX);
-        let session = self.require_session()?;
-        // SAFETY: a fresh shared mapping of the device file at an address the kernel picks; it
-        // aliases no Rust object, and it is unmapped before the file is closed (teardown_session).
+        let flags = match at {
+            Some(_) => MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
+            None => MapFlags::MAP_SHARED,
+        };
+        // SAFETY: a shared mapping of the device file, either where the kernel picks (aliasing no Rust
+        // object) or at `at`, which is this workload's own PROT_NONE reservation of exactly this length,
+        // left by its park (nothing else lives there). It is unmapped or replaced before it is dropped.
         let address = unsafe {
             mmap(
-                None,
+                at,
                 length,
                 ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED,
-                session.gpu.as_fd(),
+                flags,
+                file.as_fd(),
                 offset,
             )
         }
         .map_err(|errno| WorkloadError::Mmap {
-            path: session.gpu.path().to_owned(),
+            path: file.path().to_owned(),
             source: errno.into(),
         })?;
-        // SAFETY: the mapping is MAP_BYTES long and writable; the first byte is in bounds.
-        unsafe { address.cast::<u8>().write_volatile(0x5a) };
         self.summary.mmaps += 1;
-        self.require_session_mut()?.mapping = Some(Mapping {
+        if kind == MemoryKind::System {
+            // SAFETY: `address`/`length` are the mapping just made; MADV_DONTFORK changes no content.
+            unsafe { madvise(address, length.get(), MmapAdvise::MADV_DONTFORK) }.map_err(
+                |errno| WorkloadError::Mmap {
+                    path: file.path().to_owned(),
+                    source: errno.into(),
+                },
+            )?;
+        }
+        self.close(file);
+        // SAFETY: the mapping is `length` long and writable; the first byte is in bounds.
+        unsafe { address.cast::<u8>().write_volatile(0x5a) };
+        self.require_session_mut()?.mappings.push(Mapping {
+            kind,
             address,
             length,
             linear_address: mapped.linear_address,
         });
         Ok(())
     }
-}
 
-/// Small helpers around the calls: counting, status checks, handle bookkeeping.
-impl Workload {
-    fn device_path(&self, name: &str) -> std::path::PathBuf {
-        self.options.dev_dir.join(name)
-    }
-
-    fn open(&mut self, name: &str) -> Result<NvFile, WorkloadError> {
-        let file = NvFile::open(&self.device_path(name))?;
-        *self.summary.fds_opened.entry(name.to_owned()).or_default() += 1;
-        Ok(file)
-    }
-
-    fn require_session(&self) -> Result<&Session, WorkloadError> {
-        self.session.as_ref().ok_or(WorkloadError::NotSetUp)
-    }
-
-    fn require_session_mut(&mut self) -> Result<&mut Session, WorkloadError> {
-        self.session.as_mut().ok_or(WorkloadError::NotSetUp)
-    }
-
-    fn set_handles(&mut self, set: impl FnOnce(&mut Handles)) -> Result<(), WorkloadError> {
-        set(&mut self.require_session_mut()?.handles);
-        Ok(())
-    }
-
-    fn count_escape(&mut self, nr: u32) {
-        let name = escape::name(nr).unwrap_or("unknown").to_owned();
-        *self.summary.escapes.entry(name).or_default() += 1;
-    }
-
-    /// Records a non-`NV_OK` status and turns it into an error.
-    fn check(&mut self, call: &str, code: u32) -> Result<(), WorkloadError> {
-        if code == status::NV_OK {
-            return Ok(());
-        }
-        self.summary.failed_statuses.push(FailedCall {
-            call: call.to_owned(),
-            status: code,
-            status_name: status::name(code).map(str::to_owned),
-        });
-        Err(WorkloadError::Status {
-            call: call.to_owned(),
-            status: code,
-        })
-    }
-
-    fn alloc_under(
+    /// Opens the OS-event pair: an nvidia0 fd with `REGISTER_FD` and `ALLOC_OS_EVENT`, and its dup, which
+    /// goes onto `placeholder`'s number when resuming (the H200's resume: open, `ALLOC_OS_EVENT`, dup onto
+    /// the old number, the new fd kept: /work/shared/gpu/580.159.04/park-program.jsonl.gz, pid 440 tid 462).
+    fn open_os_event(
         &mut self,
-        parent: u32,
-        class_id: u32,
-        index: u32,
-        params: Option<&mut [u8]>,
-    ) -> Result<u32, WorkloadError> {
-        let client = self.require_session()?.handles.client;
-        self.alloc_with_handle(
-            [client, parent, WORKLOAD_HANDLE_BASE + index],
-            class_id,
-            params,
-        )
-    }
-
-    fn alloc_with_handle(
-        &mut self,
-        ids: [u32; 3],
-        class_id: u32,
-        params: Option<&mut [u8]>,
-    ) -> Result<u32, WorkloadError> {
-        let session = self.session.take().ok_or(WorkloadError::NotSetUp)?;
-        let result = self.alloc(&session.ctl, AllocForm::Nvos21, ids, class_id, params);
-        self.session = Some(session);
-        result
-    }
-
-    fn alloc(
-        &mut self,
-        ctl: &NvFile,
-        form: AllocForm,
-        ids: [u32; 3],
-        class_id: u32,
-        params: Option<&mut [u8]>,
-    ) -> Result<u32, WorkloadError> {
-        let allocated = calls::rm_alloc(ctl, &self.layout, form, ids, class_id, params)?;
-        self.count_escape(escape::RM_ALLOC);
-        let name = class::name(class_id).unwrap_or("unknown class");
-        self.check(&format!("RM_ALLOC {name}"), allocated.status)?;
-        *self.summary.allocs_by_class.entry(class_id).or_default() += 1;
-        Ok(allocated.handle)
-    }
-
-    fn free(&mut self, client: u32, parent: u32, object: u32) -> Result<(), WorkloadError> {
-        let code = calls::rm_free(&self.require_session()?.ctl, client, parent, object)?;
-        self.count_escape(escape::RM_FREE);
-        self.check("RM_FREE", code)?;
-        self.summary.frees += 1;
-        Ok(())
-    }
-
-    fn unmap(&mut self, handles: Handles, linear_address: u64) -> Result<u32, WorkloadError> {
-        let session = self.require_session()?;
-        let code = calls::rm_unmap_memory(
-            &session.ctl,
-            [handles.client, handles.device, handles.memory],
-            linear_address,
-        )?;
-        self.count_escape(escape::RM_UNMAP_MEMORY);
-        Ok(code)
-    }
-
-    fn control(&mut self, object: u32, cmd: u32) -> Result<(), WorkloadError> {
-        let session = self.require_session()?;
-        let mut params = [0u8; CONTROL_PARAMS_BYTES];
-        let code = calls::rm_control(
-            &session.ctl,
-            session.handles.client,
-            object,
-            cmd,
-            &mut params,
-        )?;
-        self.count_escape(escape::RM_CONTROL);
-        self.summary.controls += 1;
-        let name = ctrl::name(cmd).unwrap_or("unknown control");
-        self.check(&format!("RM_CONTROL {name}"), code)
-    }
-
-    /// Sends UVM `cmd` on `file` with params filled by `fill`, if the command exists in this band.
-    fn uvm(
-        &mut self,
-        file: &NvFile,
-        cmd: u32,
-        fill: impl FnOnce(&mut [u8]),
+        placeholder: Option<std::os::fd::OwnedFd>,
     ) -> Result<(), WorkloadError> {
-        let Some(mut params) = calls::uvm_params(&self.layout, cmd) else {
-            return Ok(());
+        let file = self.open("nvidia0")?;
+        let handles = self.require_session()?.handles;
+        let ctl_fd = self.require_session()?.ctl.raw_fd();
+        calls::register_fd(&file, ctl_fd)?;
+        self.count_escape(escape::REGISTER_FD);
+        let code = calls::os_event(
+            &file,
+            escape::ALLOC_OS_EVENT,
+            handles.client,
+            handles.device,
+        )?;
+        self.count_escape(escape::ALLOC_OS_EVENT);
+        self.check("ALLOC_OS_EVENT", code)?;
+        let dup = match placeholder {
+            Some(placeholder) => super::park::dup_onto(&file, placeholder)?,
+            None => file.duplicate()?,
         };
-        fill(&mut params);
-        let code = calls::uvm_call(file, &self.layout, cmd, &mut params)?;
-        let name = uvm::name(cmd).unwrap_or("UVM");
-        *self
-            .summary
-            .uvm_commands
-            .entry(name.to_owned())
-            .or_default() += 1;
-        self.check(name, code)
+        self.require_session_mut()?.event = Some(OsEvent { file, dup });
+        Ok(())
+    }
+
+    /// `FREE_OS_EVENT` on the event's own fd, then closes it.
+    pub(super) fn free_os_event(
+        &mut self,
+        file: NvFile,
+        handles: Handles,
+    ) -> Result<(), WorkloadError> {
+        let code = calls::os_event(&file, escape::FREE_OS_EVENT, handles.client, handles.device)?;
+        self.count_escape(escape::FREE_OS_EVENT);
+        self.close(file);
+        self.check("FREE_OS_EVENT", code)
     }
 }
 
 impl Drop for Workload {
     fn drop(&mut self) {
-        if let Some(session) = self.session.as_mut()
-            && let Some(mapping) = session.mapping.take()
-        {
-            // SAFETY: exactly the region mmap returned; nothing refers to it any more.
-            let _ = unsafe { munmap(mapping.address, mapping.length.get()) };
+        if let Some(session) = self.session.as_mut() {
+            for mapping in session.mappings.drain(..) {
+                // SAFETY: exactly the region mmap returned; nothing refers to it any more.
+                let _ = unsafe { munmap(mapping.address, mapping.length.get()) };
+            }
         }
     }
 }

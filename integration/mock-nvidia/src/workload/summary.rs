@@ -22,19 +22,19 @@ pub struct Summary {
     pub vram_bytes_allocated: u64,
     /// Device files opened, by file name (`nvidiactl`, `nvidia0`, `nvidia-uvm`).
     pub fds_opened: BTreeMap<String, u64>,
-    /// Device files closed.
+    /// Device-file fds closed.
     pub fds_closed: u64,
     /// Frontend escapes sent (RM and others), by escape name.
     pub escapes: BTreeMap<String, u64>,
     /// UVM commands sent, by name.
     pub uvm_commands: BTreeMap<String, u64>,
-    /// Successful `mmap`s of the device file.
+    /// Successful `mmap`s of device files (a resume's, back at the old addresses, included).
     pub mmaps: u64,
     /// Training steps completed.
     pub steps: u64,
-    /// Release cycles (SIGUSR1) completed.
+    /// Releases completed: SIGUSR1's orderly ones and parks.
     pub releases: u64,
-    /// Re-acquire cycles (SIGUSR2) completed.
+    /// Re-acquires completed: SIGUSR2's and resumes.
     pub reacquires: u64,
     /// RM calls that answered a status other than `NV_OK`.
     pub failed_statuses: Vec<FailedCall>,
