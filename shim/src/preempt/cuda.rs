@@ -70,7 +70,7 @@ pub enum CudaError {
         /// What /proc said.
         why: String,
     },
-    /// A call through the CUDA driver API failed.
+    /// A call through the CUDA driver API failed: the driver refused it.
     #[error("{call} of pid {pid} through the CUDA driver API ({library}) failed: {message}")]
     Api {
         /// The driver call.
@@ -79,7 +79,22 @@ pub enum CudaError {
         pid: u32,
         /// The library.
         library: String,
-        /// The driver's error name and description, or what happened to the helper.
+        /// The driver's `CUresult`, when the helper gave one.
+        code: Option<u32>,
+        /// The driver's error name and description, or why the library cannot be used.
+        message: String,
+    },
+    /// A call through the CUDA driver API got no answer: it ran past `cuda_checkpoint_timeout`, or the helper
+    /// died under it. Whether it did its work is known only by asking the process's state.
+    #[error("{call} of pid {pid} through the CUDA driver API ({library}) failed: {message}")]
+    Unanswered {
+        /// The driver call.
+        call: &'static str,
+        /// The process.
+        pid: u32,
+        /// The library.
+        library: String,
+        /// What happened to the helper.
         message: String,
     },
     /// It could not be run.
@@ -98,10 +113,20 @@ impl CudaError {
         match self {
             CudaError::Failed { pid, .. }
             | CudaError::Api { pid, .. }
+            | CudaError::Unanswered { pid, .. }
             | CudaError::TimedOut { pid, .. }
             | CudaError::NotInContainer { pid, .. } => Some(*pid),
             _ => None,
         }
+    }
+
+    /// Whether the call may have done its work or not (it was stopped, or its helper died under it): the
+    /// process's state tells.
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(
+            self,
+            CudaError::TimedOut { .. } | CudaError::Unanswered { .. }
+        )
     }
 }
 
@@ -238,19 +263,29 @@ impl CudaCheckpoint {
         lock_timeout: Option<Duration>,
     ) -> Option<Result<Option<String>, CudaError>> {
         let api = self.api.as_ref()?;
-        let failed = |message: String| CudaError::Api {
+        let library = api.library().to_owned();
+        let unanswered = |message: String| CudaError::Unanswered {
             call,
             pid,
-            library: api.library().to_owned(),
+            library: library.clone(),
+            message,
+        };
+        let refused = |code: Option<u32>, message: String| CudaError::Api {
+            call,
+            pid,
+            library: library.clone(),
+            code,
             message,
         };
         match api.call(action, pid, lock_timeout, self.limit).await {
             Ok(state) => Some(Ok(state)),
             Err(ApiError::Unavailable(_)) if self.found => None,
-            Err(ApiError::Unavailable(why)) => Some(Err(failed(why))),
-            Err(ApiError::Driver(e) | ApiError::HelperDied(e)) => Some(Err(failed(e))),
-            Err(ApiError::TimedOut(after)) => Some(Err(failed(format!(
-                "no answer within {after:?} (cuda_checkpoint_timeout): the helper was stopped"
+            Err(ApiError::Unavailable(why)) => Some(Err(refused(None, why))),
+            Err(ApiError::Driver { code, message }) => Some(Err(refused(code, message))),
+            Err(ApiError::HelperDied(e)) => Some(Err(unanswered(e))),
+            Err(ApiError::TimedOut(after)) => Some(Err(unanswered(format!(
+                "no answer within {after:?} (cuda_checkpoint_timeout): the call was given up and its \
+                 helper retired"
             )))),
         }
     }
