@@ -3,8 +3,8 @@
 //! shim's driver helper): Task Pause is refused while cuda-checkpoint runs in the container; a checkpoint that
 //! runs past `cuda_checkpoint_timeout` (its process frozen under it) is stopped and rolled back; a driver call
 //! wedged in one of two processes fails that pid only, and everything is rolled back, the wedged process once
-//! it answers; a resume that fails for a process keeps that process parked, and a second resume gives it its
-//! GPU back.
+//! it answers; a process the driver has no CUDA state for is never locked or checkpointed; a resume that fails
+//! for a process keeps that process parked, and a second resume gives it its GPU back.
 #![allow(
     clippy::unwrap_used,
     reason = "test helpers fail the test by panicking"
@@ -307,4 +307,76 @@ fn a_wedged_driver_call_fails_its_pid_alone_and_every_process_is_rolled_back() {
     rig.baton_json(&["resume", "pair"]);
     assert_eq!(CudaRig::cuda_state(wedged), "running");
     assert_eq!(CudaRig::cuda_state(other), "running");
+}
+
+/// A process the driver has no CUDA state for (here one whose restore thread is gone, so the fake libcuda
+/// answers CUDA_ERROR_INVALID_VALUE for it, as for any process that never initialised CUDA) is left alone by
+/// a park: never locked or checkpointed, frozen with the cgroup, thawed at resume, named in the timeline. A
+/// park of a container none of whose processes has CUDA state is refused, saying so.
+#[test]
+fn a_process_without_cuda_state_is_frozen_with_the_container_and_never_locked() {
+    let Some(rig) = CudaRig::start("preempt-api-no-state") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let library = baton_integration::trace_env::fake_libcuda_in(dir.path()).unwrap();
+    let t = Trainer {
+        processes: 2,
+        ..Trainer::default()
+    };
+    let _trainer = rig.create_with("mixed", &t, &[], api_only_options(&library, ""));
+    rig.gpu.env.api().unwrap().start("mixed", "").unwrap();
+    wait_held_by(&rig, "mixed", 2);
+    let pids = pids_of(&rig, "mixed");
+    let (plain, cuda) = (pids[0], pids[1]);
+    // Its NVIDIA files and RM client stay; the driver API no longer reaches it.
+    std::fs::remove_file(control_socket_of(plain)).unwrap();
+
+    let (steps, outcome) = rig.baton_json(&["preempt", "mixed"]);
+    assert_eq!(outcome["preemption"]["state"], json!("parked"), "{outcome}");
+    assert_eq!(outcome["preemption"]["pids"], json!([cuda]), "{outcome}");
+    let locked = steps
+        .iter()
+        .find(|s| s["phase"] == json!("locked"))
+        .unwrap();
+    assert_eq!(
+        locked["detail"],
+        json!(format!(
+            "1 process(es); left alone (no CUDA state): pid {plain} (CUDA_ERROR_INVALID_VALUE)"
+        )),
+        "{steps:?}"
+    );
+    let checkpointed: Vec<&Value> = steps
+        .iter()
+        .filter(|s| s["phase"] == json!("checkpointed"))
+        .map(|s| &s["pid"])
+        .collect();
+    assert_eq!(checkpointed, [&json!(cuda)], "{steps:?}");
+    assert!(kernel_says_frozen(plain), "frozen with the container");
+    assert_eq!(rig.task_status("mixed").as_deref(), Some("PAUSED"));
+
+    let (steps, _) = rig.baton_json(&["resume", "mixed"]);
+    let restored: Vec<&Value> = steps
+        .iter()
+        .filter(|s| s["phase"] == json!("restored"))
+        .map(|s| &s["pid"])
+        .collect();
+    assert_eq!(restored, [&json!(cuda)], "{steps:?}");
+    assert!(!kernel_says_frozen(plain), "thawed with the container");
+    assert_eq!(CudaRig::cuda_state(cuda), "running");
+    wait_held_by(&rig, "mixed", 2);
+
+    // No process with CUDA state left: the park is refused before anything changes.
+    std::fs::remove_file(control_socket_of(cuda)).unwrap();
+    let (_, err, ok) = rig.baton(&["preempt", "mixed"]);
+    assert!(!ok, "the park is refused");
+    assert!(
+        err.contains("holding no CUDA state")
+            && err.contains(&plain.to_string())
+            && err.contains(&cuda.to_string())
+            && err.contains("nothing to park"),
+        "{err}"
+    );
+    assert_eq!(rig.task_status("mixed").as_deref(), Some("RUNNING"));
+    assert_eq!(rig.gpu.status("mixed")["preemption"], Value::Null);
 }

@@ -1,6 +1,7 @@
 //! containerd's Task Checkpoint (`ctr task checkpoint`, CRI's CheckpointContainer) of a GPU container, and
-//! the restore of such a checkpoint: CRIU cannot dump GPU state, so the CUDA processes are checkpointed by
-//! cuda-checkpoint first (their GPU state goes to host memory, the release signal fires), then CRIU dumps;
+//! the restore of such a checkpoint: CRIU cannot dump GPU state, so the CUDA processes (those the driver has
+//! CUDA state for: `presence.rs`) are checkpointed by cuda-checkpoint first (their GPU state goes to host
+//! memory, the release signal fires), then CRIU dumps;
 //! a container left running is restored and unlocked after the dump. The CUDA processes are written into
 //! the image (`baton-cuda.json`, pids as the container sees them) so that a restore knows whom to restore.
 use std::path::Path;
@@ -123,7 +124,11 @@ impl Container {
             );
         }
         let dumped = async {
-            self.release_gpu(&mut op, &cuda, pids, steps).await?;
+            let sorted = self.sort_by_cuda_state(&cuda, pids, "checkpoint").await?;
+            let pids = &sorted.cuda;
+            if !pids.is_empty() {
+                self.release_gpu(&mut op, &cuda, &sorted, steps).await?;
+            }
             let image = Path::new(&criu.image_path);
             std::fs::create_dir_all(image)
                 .map_err(|e| ShimError::io(format!("create {}", image.display()), e))?;

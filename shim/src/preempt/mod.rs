@@ -1,8 +1,9 @@
 //! Preempting a GPU container, which the shim does for the agent (`baton preempt`, `baton handoff`) and for
 //! containerd's Task Checkpoint:
-//! - **park**: lock every CUDA process (all before any checkpoint), checkpoint them concurrently (each lets
-//!   go of the GPU at the end of its copy; the agent's release signal fires when the last one does), then
-//!   freeze the cgroup; **resume**: thaw, restore all, unlock all.
+//! - **park**: ask each process named whether it owns CUDA state (`presence.rs`: a forked worker is left
+//!   alone, frozen and thawed with the cgroup), lock every CUDA process (all before any checkpoint),
+//!   checkpoint them concurrently (each lets go of the GPU at the end of its copy; the agent's release signal
+//!   fires when the last one does), then freeze the cgroup; **resume**: thaw, restore all, unlock all.
 //! - **snapshot**: as park up to the release, then `runc checkpoint` (CRIU) of the container.
 //!
 //! No cgroup is ever frozen while a lock, checkpoint or restore runs in it (cuda-checkpoint needs the
@@ -16,6 +17,7 @@
 pub mod cuda;
 mod driver_api;
 mod gpu_checkpoint;
+mod presence;
 mod rollback;
 pub mod state;
 
@@ -35,6 +37,7 @@ use crate::{
 };
 use baton_nvidia::cuda_checkpoint::CudaState;
 use cuda::{Action, CudaCheckpoint, CudaError};
+use presence::Sorted;
 use rollback::{Op, first_error, on_all, states_of, succeeded, unknown_outcomes};
 
 pub use gpu_checkpoint::restore_cuda_after_runc_restore;
@@ -199,26 +202,28 @@ impl Container {
         if let Some(library) = cuda.driver_api() {
             tracing::info!(id = %self.id, library, "checkpoint calls go through the CUDA driver API");
         }
+        let sorted = self.sort_by_cuda_state(&cuda, pids, "preempt").await?;
+        self.refuse_without_cuda_state(&sorted)?;
         let since_ns = now_monotonic_ns();
         let mut state = PreemptState {
             state: PreemptPhase::Preempting,
             mode,
-            pids: pids.to_vec(),
+            pids: sorted.cuda.clone(),
             since_ns,
             image_path: None,
             parked_for,
         };
         self.set_preemption(Some(state.clone()));
-        if let Err(e) = self.release_gpu(&mut op, &cuda, pids, steps).await {
+        if let Err(e) = self.release_gpu(&mut op, &cuda, &sorted, steps).await {
             self.set_preemption(None);
             return Err(e);
         }
         let done = match mode {
-            PreemptMode::Park => self.freeze_parked(&mut op, &cuda, pids, steps).await,
+            PreemptMode::Park => self.freeze_parked(&mut op, &cuda, &sorted, steps).await,
             PreemptMode::Snapshot => {
                 let image = image.unwrap_or_default();
                 state.image_path = Some(image.clone());
-                self.dump(&mut op, &cuda, pids, &image, steps).await
+                self.dump(&mut op, &cuda, &sorted.cuda, &image, steps).await
             }
         };
         if let Err(e) = done {
@@ -268,15 +273,16 @@ impl Container {
         Ok(())
     }
 
-    /// Locks every process, then checkpoints them all concurrently. On failure, rolls it all back (see
-    /// `rollback.rs`).
+    /// Locks every CUDA process of `sorted`, then checkpoints them all concurrently. On failure, rolls it all
+    /// back (see `rollback.rs`).
     async fn release_gpu(
         &self,
         op: &mut Op,
         cuda: &CudaCheckpoint,
-        pids: &[u32],
+        sorted: &Sorted,
         steps: &mut Steps,
     ) -> Result<()> {
+        let pids = &sorted.cuda;
         let timeout = Some(self.settings.cuda_lock_timeout);
         let locks = on_all(cuda, Action::Lock, pids, timeout, |_, _| {}).await;
         if let Some(e) = first_error(&locks) {
@@ -285,7 +291,11 @@ impl Container {
             let left = self.roll_back(op, cuda, &locks, Vec::new(), locked).await;
             return Err(self.failed("lock", &e, &left, steps));
         }
-        steps.emit(Phase::Locked, None, format!("{} process(es)", pids.len()));
+        steps.emit(
+            Phase::Locked,
+            None,
+            format!("{} process(es){}", pids.len(), sorted.note()),
+        );
         steps.emit(Phase::CheckpointStarted, None, "");
         let checkpoints = on_all(cuda, Action::Checkpoint, pids, None, |pid, r| {
             if r.is_ok() {
@@ -316,16 +326,18 @@ impl Container {
         &self,
         op: &mut Op,
         cuda: &CudaCheckpoint,
-        pids: &[u32],
+        sorted: &Sorted,
         steps: &mut Steps,
     ) -> Result<()> {
+        let pids = &sorted.cuda;
         if let Err(e) = self.set_paused(true).await {
             steps.emit(Phase::RollingBack, None, e.to_string());
-            self.roll_back(op, cuda, &[], pids.to_vec(), pids.to_vec())
+            self.roll_back(op, cuda, &[], pids.clone(), pids.clone())
                 .await;
             return Err(e);
         }
-        steps.emit(Phase::Frozen, None, "");
+        let note = sorted.note();
+        steps.emit(Phase::Frozen, None, note.trim_start_matches("; "));
         Ok(())
     }
 
