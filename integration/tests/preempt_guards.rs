@@ -1,8 +1,10 @@
 //! What keeps a preemption from hanging or losing track, end to end (the mock CUDA workload under real
-//! containerd, runc, the Baton shim and its agent, the cuda-checkpoint stand-in): Task Pause is refused while
-//! cuda-checkpoint runs in the container; a checkpoint that runs past `cuda_checkpoint_timeout` (its process
-//! frozen under it) is stopped and rolled back; a resume that fails for a process keeps that process
-//! parked, and a second resume gives it its GPU back.
+//! containerd, runc, the Baton shim and its agent, the cuda-checkpoint stand-in, the fake libcuda behind the
+//! shim's driver helper): Task Pause is refused while cuda-checkpoint runs in the container; a checkpoint that
+//! runs past `cuda_checkpoint_timeout` (its process frozen under it) is stopped and rolled back; a driver call
+//! wedged in one of two processes fails that pid only, and everything is rolled back, the wedged process once
+//! it answers; a process the driver has no CUDA state for is never locked or checkpointed; a resume that fails
+//! for a process keeps that process parked, and a second resume gives it its GPU back.
 #![allow(
     clippy::unwrap_used,
     reason = "test helpers fail the test by panicking"
@@ -25,14 +27,40 @@ fn pids_of(rig: &CudaRig, id: &str) -> Vec<u32> {
 }
 
 fn wait_held(rig: &CudaRig, id: &str) {
+    wait_held_by(rig, id, 1);
+}
+
+fn wait_held_by(rig: &CudaRig, id: &str, processes: usize) {
     assert!(
         baton_integration::agent::wait_until(WITHIN, || {
             let s = rig.gpu.status(id);
-            s["gpu"] == json!("held") && s["processes"].as_array().unwrap().len() == 1
+            s["gpu"] == json!("held") && s["processes"].as_array().unwrap().len() == processes
         }),
-        "{id} holds the GPU: {}",
+        "{id} holds the GPU with {processes} process(es): {}",
         rig.gpu.status(id)
     );
+}
+
+/// Node options naming the fake libcuda `library` as the CUDA driver library and no cuda-checkpoint program,
+/// so that only the driver API (the shim's helper) can act; then the TOML lines `extra`.
+fn api_only_options(library: &std::path::Path, extra: &str) -> Option<prost_types::Any> {
+    Some(api::runtime_options_toml(&format!(
+        "cuda_driver_path = \"{}\"\ncuda_checkpoint_path = \"/nonexistent/cuda-checkpoint\"\n{extra}",
+        library.display()
+    )))
+}
+
+/// The control socket of the mock CUDA process `pid` (host pid), as seen from the host.
+fn control_socket_of(pid: u32) -> PathBuf {
+    baton_mock_nvidia::workload::control::host_socket_path(pid).unwrap()
+}
+
+/// The step lines of a `baton ... --json` run's stdout.
+fn step_lines(out: &str) -> Vec<Value> {
+    out.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v.get("phase").is_some())
+        .collect()
 }
 
 /// The v1 `freezer.state` of `pid`'s cgroup (`None` on a host without the v1 freezer).
@@ -187,4 +215,168 @@ fn a_failed_resume_keeps_the_failed_pid_parked_and_a_second_resume_retries_it() 
     assert!(line.ends_with("intact"), "{line}");
     assert_eq!(CudaRig::cuda_state(pid), "running");
     assert_eq!(rig.gpu.status("retry")["preemption"], Value::Null);
+}
+
+/// One of two CUDA processes wedges in its checkpoint (its restore thread does not answer while its hang file
+/// exists), through the driver API: its call is given up at `cuda_checkpoint_timeout` and the park fails
+/// naming that pid and that call; the other process is restored and unlocked, the container runs on, and the
+/// wedged one is restored and unlocked too once it answers. A later park of the container works.
+#[test]
+fn a_wedged_driver_call_fails_its_pid_alone_and_every_process_is_rolled_back() {
+    let Some(rig) = CudaRig::start("preempt-api-wedged") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let library = baton_integration::trace_env::fake_libcuda_in(dir.path()).unwrap();
+    let t = Trainer {
+        processes: 2,
+        extra: vec!["--hang-at".into(), "checkpoint".into()],
+        ..Trainer::default()
+    };
+    let options = api_only_options(&library, "cuda_checkpoint_timeout = \"2s\"\n");
+    let trainer = rig.create_with("pair", &t, &[], options);
+    rig.gpu.env.api().unwrap().start("pair", "").unwrap();
+    wait_held_by(&rig, "pair", 2);
+    let pids = pids_of(&rig, "pair");
+    let (wedged, other) = (pids[0], pids[1]);
+    let hang = control_socket_of(wedged).with_extension("hang");
+    std::fs::write(&hang, "").unwrap();
+
+    let (out, err, ok) = rig.baton(&["preempt", "pair", "--json"]);
+    assert!(!ok, "the park fails: {out}");
+    assert!(
+        err.contains(&format!("cuCheckpointProcessCheckpoint of pid {wedged}"))
+            && err.contains("no answer within 2s")
+            && err.contains(&format!("pid(s) [{wedged}] did not answer")),
+        "the error names the pid, the call and what is left to do: {err}"
+    );
+    assert!(
+        !err.contains(&format!("pid {other}")),
+        "the other process did not fail: {err}"
+    );
+    assert!(
+        step_lines(&out)
+            .iter()
+            .any(|s| s["phase"] == json!("rolling_back")
+                && s["pid"] == json!(wedged)
+                && s["detail"].as_str().unwrap().contains("no answer")),
+        "a step says the wedged pid is rolled back once it answers: {out}"
+    );
+    // The other one runs again (its restore thread answers: it is not frozen either), so does the container.
+    assert_eq!(
+        CudaRig::cuda_state(other),
+        "running",
+        "restored and unlocked"
+    );
+    assert!(!kernel_says_frozen(other), "the container is thawed");
+    assert_eq!(rig.task_status("pair").as_deref(), Some("RUNNING"));
+    assert_eq!(rig.gpu.status("pair")["preemption"], Value::Null);
+
+    // The wedged one answers: its checkpoint completes, and the follow-up restores and unlocks it.
+    std::fs::remove_file(&hang).unwrap();
+    assert!(
+        baton_integration::agent::wait_until(WITHIN, || CudaRig::cuda_state(wedged) == "running"),
+        "the wedged process is restored and unlocked once it answers: {}",
+        CudaRig::cuda_state(wedged)
+    );
+    let output = std::fs::read_to_string(trainer.output_file().unwrap()).unwrap();
+    let restored: Vec<&str> = output
+        .lines()
+        .filter(|l| l.starts_with("restored checksum"))
+        .collect();
+    assert!(
+        restored.len() == 2 && restored.iter().all(|l| l.ends_with("intact")),
+        "both processes got their weights back: {restored:?}"
+    );
+    assert!(!kernel_says_frozen(wedged));
+    wait_held_by(&rig, "pair", 2);
+
+    // Once the follow-up lets the container go (a park meanwhile is refused as busy), a park works.
+    let mut park = (String::new(), String::new(), false);
+    assert!(
+        baton_integration::agent::wait_until(WITHIN, || {
+            park = rig.baton(&["preempt", "pair"]);
+            !park
+                .1
+                .contains("rolling back a process that did not answer")
+        }),
+        "the follow-up ends"
+    );
+    assert!(park.2, "a later park works: {}", park.1);
+    assert_eq!(rig.task_status("pair").as_deref(), Some("PAUSED"));
+    rig.baton_json(&["resume", "pair"]);
+    assert_eq!(CudaRig::cuda_state(wedged), "running");
+    assert_eq!(CudaRig::cuda_state(other), "running");
+}
+
+/// A process the driver has no CUDA state for (here one whose restore thread is gone, so the fake libcuda
+/// answers CUDA_ERROR_INVALID_VALUE for it, as for any process that never initialised CUDA) is left alone by
+/// a park: never locked or checkpointed, frozen with the cgroup, thawed at resume, named in the timeline. A
+/// park of a container none of whose processes has CUDA state is refused, saying so.
+#[test]
+fn a_process_without_cuda_state_is_frozen_with_the_container_and_never_locked() {
+    let Some(rig) = CudaRig::start("preempt-api-no-state") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let library = baton_integration::trace_env::fake_libcuda_in(dir.path()).unwrap();
+    let t = Trainer {
+        processes: 2,
+        ..Trainer::default()
+    };
+    let _trainer = rig.create_with("mixed", &t, &[], api_only_options(&library, ""));
+    rig.gpu.env.api().unwrap().start("mixed", "").unwrap();
+    wait_held_by(&rig, "mixed", 2);
+    let pids = pids_of(&rig, "mixed");
+    let (plain, cuda) = (pids[0], pids[1]);
+    // Its NVIDIA files and RM client stay; the driver API no longer reaches it.
+    std::fs::remove_file(control_socket_of(plain)).unwrap();
+
+    let (steps, outcome) = rig.baton_json(&["preempt", "mixed"]);
+    assert_eq!(outcome["preemption"]["state"], json!("parked"), "{outcome}");
+    assert_eq!(outcome["preemption"]["pids"], json!([cuda]), "{outcome}");
+    let locked = steps
+        .iter()
+        .find(|s| s["phase"] == json!("locked"))
+        .unwrap();
+    assert_eq!(
+        locked["detail"],
+        json!(format!(
+            "1 process(es); left alone (no CUDA state): pid {plain} (CUDA_ERROR_INVALID_VALUE)"
+        )),
+        "{steps:?}"
+    );
+    let checkpointed: Vec<&Value> = steps
+        .iter()
+        .filter(|s| s["phase"] == json!("checkpointed"))
+        .map(|s| &s["pid"])
+        .collect();
+    assert_eq!(checkpointed, [&json!(cuda)], "{steps:?}");
+    assert!(kernel_says_frozen(plain), "frozen with the container");
+    assert_eq!(rig.task_status("mixed").as_deref(), Some("PAUSED"));
+
+    let (steps, _) = rig.baton_json(&["resume", "mixed"]);
+    let restored: Vec<&Value> = steps
+        .iter()
+        .filter(|s| s["phase"] == json!("restored"))
+        .map(|s| &s["pid"])
+        .collect();
+    assert_eq!(restored, [&json!(cuda)], "{steps:?}");
+    assert!(!kernel_says_frozen(plain), "thawed with the container");
+    assert_eq!(CudaRig::cuda_state(cuda), "running");
+    wait_held_by(&rig, "mixed", 2);
+
+    // No process with CUDA state left: the park is refused before anything changes.
+    std::fs::remove_file(control_socket_of(cuda)).unwrap();
+    let (_, err, ok) = rig.baton(&["preempt", "mixed"]);
+    assert!(!ok, "the park is refused");
+    assert!(
+        err.contains("holding no CUDA state")
+            && err.contains(&plain.to_string())
+            && err.contains(&cuda.to_string())
+            && err.contains("nothing to park"),
+        "{err}"
+    );
+    assert_eq!(rig.task_status("mixed").as_deref(), Some("RUNNING"));
+    assert_eq!(rig.gpu.status("mixed")["preemption"], Value::Null);
 }

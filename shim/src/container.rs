@@ -115,8 +115,9 @@ pub struct Container {
     /// Held while a start and its event are published, and while an exit is claimed, so that
     /// TaskExit never overtakes TaskStart / TaskExecStarted.
     pub event_gate: Mutex<()>,
-    /// Held while a preemption or resume runs (a second one is refused, not queued).
-    pub preempt_op: Mutex<()>,
+    /// Held while a preemption or resume runs (a second one is refused, not queued), and after a rollback
+    /// while a process whose call got no answer is followed up (`preempt/rollback.rs`).
+    pub preempt_op: Arc<Mutex<()>>,
     /// Parked, or being preempted or resumed (persisted in the bundle, see `preempt/state.rs`).
     pub preemption: std::sync::Mutex<Option<baton_agent_api::PreemptState>>,
     /// Frozen for the agent's co-runner controller (see `container/hold.rs`).
@@ -262,7 +263,7 @@ impl Container {
             tasks: std::sync::Mutex::new(Vec::new()),
             oom: std::sync::OnceLock::new(),
             event_gate: Mutex::new(()),
-            preempt_op: Mutex::new(()),
+            preempt_op: Arc::new(Mutex::new(())),
             preemption: std::sync::Mutex::new(crate::preempt::state::load(&bundle)),
             freezer: std::sync::Mutex::new(None),
         };

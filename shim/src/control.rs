@@ -152,7 +152,13 @@ async fn serve_lines(
         let reply = match request {
             Request::Freeze(r) => service.freeze_for_agent(r, conn).await,
             Request::Thaw(t) => service.thaw_for_agent(t).await,
-            request => with_steps(request, write, service).await?,
+            request => {
+                // Counted until its reply is sent: a Shutdown meanwhile waits for it.
+                let _in_flight = service.control_op_begun();
+                let reply = with_steps(request, write, service).await?;
+                send(write, &ReplyLine::new(reply)).await?;
+                continue;
+            }
         };
         send(write, &ReplyLine::new(reply)).await?;
     }

@@ -113,25 +113,25 @@ impl DriverLibrary {
         }
     }
 
-    /// Runs `call`; the state for a `get-state`, or the driver's error.
-    fn call(&self, call: &Call) -> Result<Option<String>, String> {
-        let pid =
-            c_int::try_from(call.pid).map_err(|_| format!("pid {} is out of range", call.pid))?;
+    /// Runs `call`; the state for a `get-state`, or why not (the driver's code, when it gave one).
+    fn call(&self, call: &Call) -> Result<Option<String>, Refusal> {
+        let pid = c_int::try_from(call.pid)
+            .map_err(|_| Refusal::other(format!("pid {} is out of range", call.pid)))?;
         if call.action == "get-state" {
             let mut value: c_uint = c_uint::MAX;
             // SAFETY: `value` lives for the call, which writes one CUprocessState into it.
             let code = unsafe { (self.get_state)(pid, &mut value) };
             if code != cu::CUDA_SUCCESS {
-                return Err(self.describe(code));
+                return Err(self.refusal(code));
             }
             return cu::state_from_value(value)
                 .map(|s| Some(s.name().to_owned()))
-                .ok_or_else(|| format!("unknown CUprocessState {value}"));
+                .ok_or_else(|| Refusal::other(format!("unknown CUprocessState {value}")));
         }
-        let action = Action::parse(&call.action)
-            .ok_or_else(|| format!("unknown action {:?}", call.action))?;
+        let unknown = || Refusal::other(format!("unknown action {:?}", call.action));
+        let action = Action::parse(&call.action).ok_or_else(unknown)?;
         let Some(&(_, f)) = self.actions.iter().find(|(a, _)| *a == action) else {
-            return Err(format!("unknown action {:?}", call.action));
+            return Err(unknown());
         };
         let lock = LockArgs {
             timeout_ms: call.lock_timeout_ms,
@@ -150,7 +150,31 @@ impl DriverLibrary {
         if code == cu::CUDA_SUCCESS {
             Ok(None)
         } else {
-            Err(self.describe(code))
+            Err(self.refusal(code))
+        }
+    }
+
+    /// The driver's refusal with `code`.
+    fn refusal(&self, code: CuResult) -> Refusal {
+        Refusal {
+            code: Some(code),
+            message: self.describe(code),
+        }
+    }
+}
+
+/// Why a call gave no result: the driver's code, when it was the driver that refused, and what to say.
+struct Refusal {
+    code: Option<CuResult>,
+    message: String,
+}
+
+impl Refusal {
+    /// A refusal of the helper's own, before any driver call.
+    fn other(message: String) -> Self {
+        Self {
+            code: None,
+            message,
         }
     }
 }
@@ -200,9 +224,9 @@ pub fn serve(args: &[std::ffi::OsString]) -> i32 {
         // Each call on its own thread: a lock waits for the process's in-flight work, and the others' calls
         // go on meanwhile (the driver API is thread-safe).
         std::thread::spawn(move || {
-            let (state, error) = match library.call(&call) {
-                Ok(state) => (state, None),
-                Err(e) => (None, Some(e)),
+            let (state, error, code) = match library.call(&call) {
+                Ok(state) => (state, None, None),
+                Err(e) => (None, Some(e.message), e.code),
             };
             send(
                 &out,
@@ -210,6 +234,7 @@ pub fn serve(args: &[std::ffi::OsString]) -> i32 {
                     id: call.id,
                     state,
                     error,
+                    code,
                 },
             );
         });

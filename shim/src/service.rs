@@ -45,6 +45,8 @@ use registry::Registry;
 
 /// How long Shutdown waits for queued events to reach containerd (as the Go shim does).
 const SHUTDOWN_EVENT_DRAIN: Duration = Duration::from_secs(5);
+/// How long Shutdown waits for the agent's operations in flight to send their replies.
+const SHUTDOWN_CONTROL_DRAIN: Duration = Duration::from_secs(5);
 
 /// State shared by the handlers and the exit loop.
 pub struct Shared {
@@ -56,6 +58,18 @@ pub struct Shared {
     exit: Arc<ExitSignal>,
     /// This shim's control socket for the agent, once bound (`None`: binding it failed).
     control_socket: std::sync::OnceLock<Option<std::path::PathBuf>>,
+    /// The agent's operations (preempt, resume, start) in flight on the control socket, their replies not
+    /// sent yet.
+    control_ops: tokio::sync::watch::Sender<usize>,
+}
+
+/// One of the agent's operations in flight, counted in `Shared::control_ops` until dropped.
+pub struct ControlOp(Arc<Shared>);
+
+impl Drop for ControlOp {
+    fn drop(&mut self) {
+        self.0.control_ops.send_modify(|n| *n = n.saturating_sub(1));
+    }
 }
 
 /// The Task service containerd talks to.
@@ -95,6 +109,7 @@ impl TaskService {
                 pod_settings: Mutex::new(None),
                 exit,
                 control_socket: std::sync::OnceLock::new(),
+                control_ops: tokio::sync::watch::channel(0).0,
             }),
         };
         svc.spawn_exit_loop();
@@ -115,6 +130,26 @@ impl TaskService {
             tracing::warn!("events still queued after {SHUTDOWN_EVENT_DRAIN:?}: dropped");
         }
         self.shared.exit.signal();
+    }
+
+    /// Counts one of the agent's operations in flight until the guard is dropped (after its reply is sent).
+    pub(crate) fn control_op_begun(&self) -> ControlOp {
+        self.shared.control_ops.send_modify(|n| *n += 1);
+        ControlOp(self.shared.clone())
+    }
+
+    /// Waits (up to [`SHUTDOWN_CONTROL_DRAIN`]) until no operation of the agent is in flight: a resume whose
+    /// job exits at its restore is deleted by containerd, which then shuts the shim down, while the resume
+    /// still reports it; its reply must reach the agent first.
+    async fn control_ops_done(&self) {
+        let mut ops = self.shared.control_ops.subscribe();
+        let done = tokio::time::timeout(SHUTDOWN_CONTROL_DRAIN, ops.wait_for(|n| *n == 0)).await;
+        if done.is_err() {
+            tracing::warn!(
+                "an operation of the agent is still running {SHUTDOWN_CONTROL_DRAIN:?} after the last \
+                 container was deleted: shutting down without its reply"
+            );
+        }
     }
 
     fn container(&self, id: &str) -> Result<Arc<Container>> {
@@ -509,6 +544,7 @@ impl Task for TaskService {
     async fn shutdown(&self, _: &TtrpcContext, _req: ShutdownRequest) -> TtrpcResult<Empty> {
         if self.shared.containers.is_empty() {
             tracing::info!("no containers left: shutting down");
+            self.control_ops_done().await;
             if !self.shared.events.flush(SHUTDOWN_EVENT_DRAIN).await {
                 tracing::warn!("events still queued after {SHUTDOWN_EVENT_DRAIN:?}: dropped");
             }

@@ -70,7 +70,7 @@ pub enum CudaError {
         /// What /proc said.
         why: String,
     },
-    /// A call through the CUDA driver API failed.
+    /// A call through the CUDA driver API failed: the driver refused it.
     #[error("{call} of pid {pid} through the CUDA driver API ({library}) failed: {message}")]
     Api {
         /// The driver call.
@@ -79,7 +79,22 @@ pub enum CudaError {
         pid: u32,
         /// The library.
         library: String,
-        /// The driver's error name and description, or what happened to the helper.
+        /// The driver's `CUresult`, when the helper gave one.
+        code: Option<u32>,
+        /// The driver's error name and description, or why the library cannot be used.
+        message: String,
+    },
+    /// A call through the CUDA driver API got no answer: it ran past `cuda_checkpoint_timeout`, or the helper
+    /// died under it. Whether it did its work is known only by asking the process's state.
+    #[error("{call} of pid {pid} through the CUDA driver API ({library}) failed: {message}")]
+    Unanswered {
+        /// The driver call.
+        call: &'static str,
+        /// The process.
+        pid: u32,
+        /// The library.
+        library: String,
+        /// What happened to the helper.
         message: String,
     },
     /// It could not be run.
@@ -98,10 +113,75 @@ impl CudaError {
         match self {
             CudaError::Failed { pid, .. }
             | CudaError::Api { pid, .. }
+            | CudaError::Unanswered { pid, .. }
             | CudaError::TimedOut { pid, .. }
             | CudaError::NotInContainer { pid, .. } => Some(*pid),
             _ => None,
         }
+    }
+
+    /// Whether the call may have done its work or not (it was stopped, or its helper died under it): the
+    /// process's state tells.
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(
+            self,
+            CudaError::TimedOut { .. } | CudaError::Unanswered { .. }
+        )
+    }
+
+    /// For a get-state: whether the driver says the process has no CUDA state (see [`no_cuda_state`]); the
+    /// driver's word for it.
+    pub fn no_cuda_state(&self) -> Option<&'static str> {
+        match self {
+            CudaError::Api {
+                code: Some(code), ..
+            } => no_cuda_state(*code),
+            CudaError::Failed { output, .. } => program_says_no_cuda_state(output),
+            _ => None,
+        }
+    }
+}
+
+/// Whether a get-state refused with `code` means that the process has no CUDA state to lock or checkpoint;
+/// the code's name if so.
+///
+/// - `CUDA_ERROR_NOT_INITIALIZED`: what the driver answers for a child forked after CUDA init (a DataLoader
+///   worker), which inherited the parent's NVIDIA files but has no CUDA state of its own
+///   (recorded on an H200 with driver 580.159.04: shared/gpu/580.159.04/README.md, point 5; get-state and
+///   lock both answer it).
+/// - `CUDA_ERROR_INVALID_VALUE`: the driver knows no CUDA process behind the pid. The arguments are valid
+///   (the pid is in range and was just checked to be a live process of the container, the state pointer is
+///   the helper's), so that is the one thing left for it to mean: a process that never initialised CUDA (an
+///   NVML-only tool, a process that only opened a device file). Such a process cannot be locked or
+///   checkpointed either (the lock answers the same), so passing it on would fail every park of its
+///   container for a process that holds no CUDA state. No recording has this case yet: the fake libcuda
+///   answers it for any pid without a restore thread.
+pub fn no_cuda_state(code: u32) -> Option<&'static str> {
+    use baton_nvidia::cuda_checkpoint::driver_api::{
+        CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED,
+    };
+    match code {
+        CUDA_ERROR_NOT_INITIALIZED => Some("CUDA_ERROR_NOT_INITIALIZED"),
+        CUDA_ERROR_INVALID_VALUE => Some("CUDA_ERROR_INVALID_VALUE"),
+        _ => None,
+    }
+}
+
+/// [`no_cuda_state`] from what the `cuda-checkpoint` program printed: the code's name, or the driver's
+/// description of it in quotes as the program prints it (`Could not ... process ID N: "invalid argument"`).
+/// Its own failure to initialise CUDA (`Error initializing CUDA: ...`) is no answer about the process.
+fn program_says_no_cuda_state(output: &str) -> Option<&'static str> {
+    if output.contains("Error initializing CUDA") {
+        return None;
+    }
+    if output.contains("CUDA_ERROR_NOT_INITIALIZED") || output.contains("\"initialization error\"")
+    {
+        Some("CUDA_ERROR_NOT_INITIALIZED")
+    } else if output.contains("CUDA_ERROR_INVALID_VALUE") || output.contains("\"invalid argument\"")
+    {
+        Some("CUDA_ERROR_INVALID_VALUE")
+    } else {
+        None
     }
 }
 
@@ -238,19 +318,29 @@ impl CudaCheckpoint {
         lock_timeout: Option<Duration>,
     ) -> Option<Result<Option<String>, CudaError>> {
         let api = self.api.as_ref()?;
-        let failed = |message: String| CudaError::Api {
+        let library = api.library().to_owned();
+        let unanswered = |message: String| CudaError::Unanswered {
             call,
             pid,
-            library: api.library().to_owned(),
+            library: library.clone(),
+            message,
+        };
+        let refused = |code: Option<u32>, message: String| CudaError::Api {
+            call,
+            pid,
+            library: library.clone(),
+            code,
             message,
         };
         match api.call(action, pid, lock_timeout, self.limit).await {
             Ok(state) => Some(Ok(state)),
             Err(ApiError::Unavailable(_)) if self.found => None,
-            Err(ApiError::Unavailable(why)) => Some(Err(failed(why))),
-            Err(ApiError::Driver(e) | ApiError::HelperDied(e)) => Some(Err(failed(e))),
-            Err(ApiError::TimedOut(after)) => Some(Err(failed(format!(
-                "no answer within {after:?} (cuda_checkpoint_timeout): the helper was stopped"
+            Err(ApiError::Unavailable(why)) => Some(Err(refused(None, why))),
+            Err(ApiError::Driver { code, message }) => Some(Err(refused(code, message))),
+            Err(ApiError::HelperDied(e)) => Some(Err(unanswered(e))),
+            Err(ApiError::TimedOut(after)) => Some(Err(unanswered(format!(
+                "no answer within {after:?} (cuda_checkpoint_timeout): the call was given up and its \
+                 helper retired"
             )))),
         }
     }
@@ -386,6 +476,65 @@ mod tests {
         assert!(text.contains("cuda_checkpoint_path"), "{text}");
         assert!(CudaCheckpoint::find(Path::new("no-such-program-baton")).is_err());
         assert!(CudaCheckpoint::find(Path::new("sh")).is_ok());
+    }
+
+    /// The driver's "no CUDA state" answers, by code through the helper and by what the program prints; any
+    /// other failure, and the program's failure to initialise CUDA itself, is no such answer.
+    #[test]
+    fn only_not_initialized_and_invalid_value_mean_no_cuda_state() {
+        use baton_nvidia::cuda_checkpoint::driver_api as cu;
+        let api = |code| CudaError::Api {
+            call: "cuCheckpointProcessGetState",
+            pid: 7,
+            library: "libcuda.so.1".into(),
+            code,
+            message: String::new(),
+        };
+        assert_eq!(
+            api(Some(cu::CUDA_ERROR_NOT_INITIALIZED)).no_cuda_state(),
+            Some("CUDA_ERROR_NOT_INITIALIZED")
+        );
+        assert_eq!(
+            api(Some(cu::CUDA_ERROR_INVALID_VALUE)).no_cuda_state(),
+            Some("CUDA_ERROR_INVALID_VALUE")
+        );
+        for code in [
+            Some(cu::CUDA_ERROR_ILLEGAL_STATE),
+            Some(cu::CUDA_ERROR_NOT_SUPPORTED),
+            Some(cu::CUDA_ERROR_UNKNOWN),
+            None,
+        ] {
+            assert_eq!(api(code).no_cuda_state(), None, "{code:?}");
+        }
+        let program = |output: &str| CudaError::Failed {
+            action: "get-state",
+            pid: 7,
+            status: "exit status: 1".into(),
+            output: output.into(),
+        };
+        assert_eq!(
+            program("Could not get state of process ID 7: \"initialization error\"")
+                .no_cuda_state(),
+            Some("CUDA_ERROR_NOT_INITIALIZED")
+        );
+        assert_eq!(
+            program("get-state of pid 7 failed: CUDA_ERROR_INVALID_VALUE").no_cuda_state(),
+            Some("CUDA_ERROR_INVALID_VALUE")
+        );
+        let own_init = "Error initializing CUDA: \"initialization error\"";
+        assert_eq!(program(own_init).no_cuda_state(), None);
+        assert_eq!(
+            program("talking to pid 7: connection refused").no_cuda_state(),
+            None
+        );
+        let unanswered = CudaError::Unanswered {
+            call: "cuCheckpointProcessGetState",
+            pid: 7,
+            library: "libcuda.so.1".into(),
+            message: "the CUDA driver helper (pid 9) died".into(),
+        };
+        assert!(unanswered.outcome_unknown() && unanswered.no_cuda_state().is_none());
+        assert!(!api(Some(cu::CUDA_ERROR_TIMEOUT)).outcome_unknown());
     }
 
     #[test]

@@ -1,10 +1,14 @@
 //! The shim's side of the CUDA driver helper (`crate::cuda_helper`): one helper per shim and library, started
 //! at the first checkpoint call and kept for the shim's life, so that the driver library is loaded and
 //! initialised once, not once per call as with the `cuda-checkpoint` program. Calls run at once (each on a
-//! thread of the helper); each is bounded by `cuda_checkpoint_timeout`, past which the helper is killed (a call
-//! wedged in the driver) and the next call starts another. A helper that dies fails the calls in flight, with
-//! what it printed, and is started again at the next call. A library that cannot be used (not there, a driver
-//! before 570, `cuInit` failing) is remembered, and the shim runs the program instead.
+//! thread of the helper), and each is bounded on its own by `cuda_checkpoint_timeout`: past it, that call fails
+//! and the helper is retired (a call wedged in the driver may hold the library's locks): the next calls go to
+//! a fresh helper, the retired one's other calls go on to their own answers or deadlines, and it is killed
+//! once none is left, so one slow process never fails the calls of the others. A helper that dies fails the
+//! calls in flight, with what it printed, and is started again at the next call. A call that got no answer
+//! (timed out, or its helper died) may have done its work or not: the caller asks the process's state
+//! (`super::rollback`). A library that cannot be used (not there, a driver before 570, `cuInit` failing) is
+//! remembered, and the shim runs the program instead.
 
 use std::{
     collections::HashMap,
@@ -36,9 +40,14 @@ const STDERR_TAIL: usize = 2048;
 pub enum ApiError {
     /// The library cannot be used here: run the program.
     Unavailable(String),
-    /// The driver refused: its error name and description.
-    Driver(String),
-    /// The call ran past its limit; the helper was killed.
+    /// The driver refused.
+    Driver {
+        /// Its `CUresult`, when the helper gave one.
+        code: Option<u32>,
+        /// Its error name and description.
+        message: String,
+    },
+    /// The call ran past its limit; the helper was retired.
     TimedOut(Duration),
     /// The helper died during the call.
     HelperDied(String),
@@ -52,6 +61,8 @@ struct Helper {
     stdin: tokio::sync::Mutex<ChildStdin>,
     waiting: Mutex<HashMap<u64, oneshot::Sender<Answer>>>,
     gone: AtomicBool,
+    /// Given no new calls (one of its calls ran past its limit); killed once it has none left.
+    retired: AtomicBool,
     stderr: Arc<Mutex<String>>,
     _child: tokio::process::Child,
 }
@@ -61,6 +72,40 @@ impl Helper {
         self.gone.store(true, Ordering::SeqCst);
         if let Some(pidfd) = &self.pidfd {
             let _ = rustix::process::pidfd_send_signal(pidfd, rustix::process::Signal::KILL);
+        }
+    }
+
+    /// Whether new calls may go to it.
+    fn usable(&self) -> bool {
+        !self.gone.load(Ordering::SeqCst) && !self.retired.load(Ordering::SeqCst)
+    }
+
+    /// Registers call `id`'s answer channel; gives it back when the helper was retired meanwhile (checked
+    /// under the same lock as [`Self::kill_if_idle`], so a retired helper is never killed under a new call).
+    fn enlist(&self, id: u64, tx: oneshot::Sender<Answer>) -> Result<(), oneshot::Sender<Answer>> {
+        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.retired.load(Ordering::SeqCst) {
+            return Err(tx);
+        }
+        waiting.insert(id, tx);
+        Ok(())
+    }
+
+    /// Call `id` ran past its limit: it is given up, and the helper gets no new calls.
+    fn give_up(&self, id: u64) {
+        self.retired.store(true, Ordering::SeqCst);
+        self.waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&id);
+        self.kill_if_idle();
+    }
+
+    /// Kills a retired helper that has no call left (its wedged threads die with it).
+    fn kill_if_idle(&self) {
+        let waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.retired.load(Ordering::SeqCst) && waiting.is_empty() {
+            self.kill();
         }
     }
 
@@ -140,7 +185,7 @@ impl DriverApi {
     async fn helper(&self) -> Result<Arc<Helper>, ApiError> {
         let mut state = self.state.lock().await;
         match &*state {
-            State::Running(h) if !h.gone.load(Ordering::SeqCst) => return Ok(h.clone()),
+            State::Running(h) if h.usable() => return Ok(h.clone()),
             State::Unavailable(why) => return Err(ApiError::Unavailable(why.clone())),
             _ => {}
         }
@@ -238,6 +283,7 @@ impl DriverApi {
             stdin: tokio::sync::Mutex::new(stdin),
             waiting: Mutex::new(HashMap::new()),
             gone: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
             stderr: tail,
             _child: child,
         });
@@ -246,7 +292,7 @@ impl DriverApi {
     }
 
     /// Runs `action` (`lock`, `checkpoint`, `restore`, `unlock`, `get-state`) on `pid`; the state for a
-    /// `get-state`. Past `limit` the helper is killed.
+    /// `get-state`. Past `limit` the call fails and its helper is retired (see the module comment).
     pub async fn call(
         &self,
         action: &str,
@@ -254,14 +300,16 @@ impl DriverApi {
         lock_timeout: Option<Duration>,
         limit: Option<Duration>,
     ) -> Result<Option<String>, ApiError> {
-        let helper = self.helper().await?;
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
-        let (tx, rx) = oneshot::channel();
-        helper
-            .waiting
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(id, tx);
+        let (mut tx, rx) = oneshot::channel();
+        let helper = loop {
+            let helper = self.helper().await?;
+            match helper.enlist(id, tx) {
+                Ok(()) => break helper,
+                // Retired between the two: the next helper() starts a fresh one.
+                Err(back) => tx = back,
+            }
+        };
         let call = Call {
             id,
             action: action.to_owned(),
@@ -283,7 +331,7 @@ impl DriverApi {
             Some(limit) => match tokio::time::timeout(limit, rx).await {
                 Ok(a) => a,
                 Err(_) => {
-                    helper.kill();
+                    helper.give_up(id);
                     return Err(ApiError::TimedOut(limit));
                 }
             },
@@ -291,7 +339,10 @@ impl DriverApi {
         };
         let answer = answer.map_err(|_| ApiError::HelperDied(helper.died()))?;
         match answer.error {
-            Some(e) => Err(ApiError::Driver(e)),
+            Some(message) => Err(ApiError::Driver {
+                code: answer.code,
+                message,
+            }),
             None => Ok(answer.state),
         }
     }
@@ -314,6 +365,7 @@ async fn dispatch_answers(
                 if let Some(tx) = waiter {
                     let _ = tx.send(answer);
                 }
+                helper.kill_if_idle();
             }
             Err(e) => tracing::warn!(
                 pid = helper.pid,
@@ -323,10 +375,21 @@ async fn dispatch_answers(
     }
     helper.gone.store(true, Ordering::SeqCst);
     // Dropping the senders fails the calls still waiting.
-    helper
-        .waiting
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .clear();
-    tracing::warn!(pid = helper.pid, "{}", helper.died());
+    let left = {
+        let mut waiting = helper
+            .waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let left = waiting.len();
+        waiting.clear();
+        left
+    };
+    if helper.retired.load(Ordering::SeqCst) && left == 0 {
+        tracing::info!(
+            pid = helper.pid,
+            "stopped a CUDA driver helper retired after a call ran past its limit"
+        );
+    } else {
+        tracing::warn!(pid = helper.pid, "{}", helper.died());
+    }
 }

@@ -1,6 +1,7 @@
 //! containerd's Task Checkpoint (`ctr task checkpoint`, CRI's CheckpointContainer) of a GPU container, and
-//! the restore of such a checkpoint: CRIU cannot dump GPU state, so the CUDA processes are checkpointed by
-//! cuda-checkpoint first (their GPU state goes to host memory, the release signal fires), then CRIU dumps;
+//! the restore of such a checkpoint: CRIU cannot dump GPU state, so the CUDA processes (those the driver has
+//! CUDA state for: `presence.rs`) are checkpointed by cuda-checkpoint first (their GPU state goes to host
+//! memory, the release signal fires), then CRIU dumps;
 //! a container left running is restored and unlocked after the dump. The CUDA processes are written into
 //! the image (`baton-cuda.json`, pids as the container sees them) so that a restore knows whom to restore.
 use std::path::Path;
@@ -8,7 +9,7 @@ use std::path::Path;
 use baton_agent_api::Phase;
 use baton_nvidia::cuda_checkpoint::CudaState;
 
-use super::Steps;
+use super::{Steps, rollback::states_of};
 use crate::{
     checkpoint::CriuOpts,
     container::Container,
@@ -81,8 +82,8 @@ pub async fn restore_cuda_after_runc_restore(c: &Container, image: &Path, init: 
     );
     let mut checkpointed = Vec::new();
     let mut locked = Vec::new();
-    for &pid in &pids {
-        match cuda.state(pid).await.map(|s| CudaState::parse(&s)) {
+    for (pid, state) in states_of(&cuda, &pids).await {
+        match state {
             Ok(Some(CudaState::Checkpointed)) => checkpointed.push(pid),
             Ok(Some(CudaState::Locked)) => locked.push(pid),
             Ok(_) => {}
@@ -110,7 +111,7 @@ impl Container {
         pids: &[u32],
         steps: &mut Steps,
     ) -> Result<()> {
-        let _op = self.preempt_op.try_lock().map_err(|_| self.busy())?;
+        let mut op = self.begin_op()?;
         let cuda = self.cuda_checkpoint(self.init_pid().await).await?;
         self.end_hold_for("a checkpoint").await;
         let was_paused = self.procs.lock().await.init.state == State::Paused;
@@ -123,7 +124,11 @@ impl Container {
             );
         }
         let dumped = async {
-            self.release_gpu(&cuda, pids, steps).await?;
+            let sorted = self.sort_by_cuda_state(&cuda, pids, "checkpoint").await?;
+            let pids = &sorted.cuda;
+            if !pids.is_empty() {
+                self.release_gpu(&mut op, &cuda, &sorted, steps).await?;
+            }
             let image = Path::new(&criu.image_path);
             std::fs::create_dir_all(image)
                 .map_err(|e| ShimError::io(format!("create {}", image.display()), e))?;
@@ -141,7 +146,10 @@ impl Container {
         }
         .await;
         let running = self.procs.lock().await.init.state == State::Running;
-        if was_paused && running {
+        if was_paused && running && op.handed_over() {
+            // A process did not answer and is followed up: freezing would wedge it for good.
+            tracing::warn!(id = %self.id, "checkpoint: left running, not paused again as containerd left it: a process that did not answer is being rolled back");
+        } else if was_paused && running {
             self.set_paused(true).await?;
             steps.emit(Phase::Frozen, None, "paused again, as containerd left it");
         }

@@ -1,20 +1,24 @@
 //! Preempting a GPU container, which the shim does for the agent (`baton preempt`, `baton handoff`) and for
 //! containerd's Task Checkpoint:
-//! - **park**: lock every CUDA process (all before any checkpoint), checkpoint them concurrently (each lets
-//!   go of the GPU at the end of its copy; the agent's release signal fires when the last one does), then
-//!   freeze the cgroup; **resume**: thaw, restore all, unlock all.
+//! - **park**: ask each process named whether it owns CUDA state (`presence.rs`: a forked worker is left
+//!   alone, frozen and thawed with the cgroup), lock every CUDA process (all before any checkpoint),
+//!   checkpoint them concurrently (each lets go of the GPU at the end of its copy; the agent's release signal
+//!   fires when the last one does), then freeze the cgroup; **resume**: thaw, restore all, unlock all.
 //! - **snapshot**: as park up to the release, then `runc checkpoint` (CRIU) of the container.
 //!
 //! No cgroup is ever frozen while a lock, checkpoint or restore runs in it (cuda-checkpoint needs the
 //! process's restore thread to run): the controller takes no hold, and Task Pause is refused, meanwhile.
-//! Each cuda-checkpoint run is stopped after `cuda_checkpoint_timeout` (a wedged process never holds a
-//! preemption, or the container, for good). A failed step undoes what was done (thaw after a timeout,
-//! restore what was checkpointed, unlock what was locked) and the error names the pid and what
-//! cuda-checkpoint printed. A resume that fails for some processes leaves those parked (a second resume
-//! retries them) and the others running.
+//! Each cuda-checkpoint run or driver call is stopped after `cuda_checkpoint_timeout` (a wedged process never
+//! holds a preemption, or the container, for good), each process's on its own. A failed step undoes what was
+//! done, through the program and the driver API alike (`rollback.rs`: thaw after a call that got no answer,
+//! ask where such a process got to, restore what was checkpointed, unlock what was locked, follow up a
+//! process that does not answer) and the error names the pid and the call. A resume that fails for some
+//! processes leaves those parked (a second resume retries them) and the others running.
 pub mod cuda;
 mod driver_api;
 mod gpu_checkpoint;
+mod presence;
+mod rollback;
 pub mod state;
 
 use std::{path::Path, time::Duration};
@@ -23,7 +27,6 @@ use baton_agent_api::{
     ContainerRef, Phase, PreemptMode, PreemptPhase, PreemptState, Step, now_monotonic_ns,
 };
 use baton_cgroups::process_gone;
-use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::mpsc;
 
 use crate::{
@@ -34,6 +37,8 @@ use crate::{
 };
 use baton_nvidia::cuda_checkpoint::CudaState;
 use cuda::{Action, CudaCheckpoint, CudaError};
+use presence::Sorted;
+use rollback::{Op, first_error, on_all, states_of, succeeded, unknown_outcomes};
 
 pub use gpu_checkpoint::restore_cuda_after_runc_restore;
 
@@ -80,39 +85,6 @@ impl Steps {
         }
         self.all.push(step);
     }
-}
-
-/// Runs `action` on every pid at once; returns each pid's result in the order they finish, after `each`
-/// has seen it.
-async fn on_all(
-    cuda: &CudaCheckpoint,
-    action: Action,
-    pids: &[u32],
-    timeout: Option<Duration>,
-    mut each: impl FnMut(u32, &std::result::Result<(), CudaError>),
-) -> Vec<(u32, std::result::Result<(), CudaError>)> {
-    let mut running: FuturesUnordered<_> = pids
-        .iter()
-        .map(|&pid| async move { (pid, cuda.run(action, pid, timeout).await) })
-        .collect();
-    let mut out = Vec::with_capacity(pids.len());
-    while let Some((pid, result)) = running.next().await {
-        each(pid, &result);
-        out.push((pid, result));
-    }
-    out
-}
-
-fn succeeded(results: &[(u32, std::result::Result<(), CudaError>)]) -> Vec<u32> {
-    results
-        .iter()
-        .filter(|(_, r)| r.is_ok())
-        .map(|(p, _)| *p)
-        .collect()
-}
-
-fn first_error(results: &[(u32, std::result::Result<(), CudaError>)]) -> Option<CudaError> {
-    results.iter().find_map(|(_, r)| r.as_ref().err().cloned())
 }
 
 /// How long a resume waits for the shim to reap an init that is exiting (it closes its files first, which can take
@@ -187,8 +159,20 @@ impl Container {
         ShimError::FailedPrecondition {
             id: self.id.clone(),
             action: "preempt or resume",
-            state: "being preempted or resumed already (wait for that to finish)".into(),
+            state:
+                "being preempted or resumed already, or rolling back a process that did not answer \
+                    (wait for that to finish)"
+                    .into(),
         }
+    }
+
+    /// Takes the container's operation lock, or refuses: one preemption operation at a time.
+    fn begin_op(&self) -> Result<Op> {
+        self.preempt_op
+            .clone()
+            .try_lock_owned()
+            .map(Op::new)
+            .map_err(|_| self.busy())
     }
 
     /// Preempts the container: locks and checkpoints the CUDA processes `pids`, then freezes it (park) or
@@ -211,33 +195,35 @@ impl Container {
             )?),
             PreemptMode::Park => None,
         };
-        let _op = self.preempt_op.try_lock().map_err(|_| self.busy())?;
+        let mut op = self.begin_op()?;
         self.check_preemptible(pids).await?;
         self.end_hold_for("a preemption").await;
         let cuda = self.cuda_checkpoint(self.init_pid().await).await?;
         if let Some(library) = cuda.driver_api() {
             tracing::info!(id = %self.id, library, "checkpoint calls go through the CUDA driver API");
         }
+        let sorted = self.sort_by_cuda_state(&cuda, pids, "preempt").await?;
+        self.refuse_without_cuda_state(&sorted)?;
         let since_ns = now_monotonic_ns();
         let mut state = PreemptState {
             state: PreemptPhase::Preempting,
             mode,
-            pids: pids.to_vec(),
+            pids: sorted.cuda.clone(),
             since_ns,
             image_path: None,
             parked_for,
         };
         self.set_preemption(Some(state.clone()));
-        if let Err(e) = self.release_gpu(&cuda, pids, steps).await {
+        if let Err(e) = self.release_gpu(&mut op, &cuda, &sorted, steps).await {
             self.set_preemption(None);
             return Err(e);
         }
         let done = match mode {
-            PreemptMode::Park => self.freeze_parked(&cuda, pids, steps).await,
+            PreemptMode::Park => self.freeze_parked(&mut op, &cuda, &sorted, steps).await,
             PreemptMode::Snapshot => {
                 let image = image.unwrap_or_default();
                 state.image_path = Some(image.clone());
-                self.dump(&cuda, pids, &image, steps).await
+                self.dump(&mut op, &cuda, &sorted.cuda, &image, steps).await
             }
         };
         if let Err(e) = done {
@@ -287,24 +273,29 @@ impl Container {
         Ok(())
     }
 
-    /// Locks every process, then checkpoints them all concurrently. On failure, undoes it all.
+    /// Locks every CUDA process of `sorted`, then checkpoints them all concurrently. On failure, rolls it all
+    /// back (see `rollback.rs`).
     async fn release_gpu(
         &self,
+        op: &mut Op,
         cuda: &CudaCheckpoint,
-        pids: &[u32],
+        sorted: &Sorted,
         steps: &mut Steps,
     ) -> Result<()> {
+        let pids = &sorted.cuda;
         let timeout = Some(self.settings.cuda_lock_timeout);
         let locks = on_all(cuda, Action::Lock, pids, timeout, |_, _| {}).await;
-        let mut locked = succeeded(&locks);
         if let Some(e) = first_error(&locks) {
             steps.emit(Phase::RollingBack, e.pid(), e.to_string());
-            let (_, late) = self.after_timeouts(cuda, &locks).await;
-            locked.extend(late);
-            self.undo(cuda, &[], &locked).await;
-            return Err(self.failed("lock", &e));
+            let locked = succeeded(&locks);
+            let left = self.roll_back(op, cuda, &locks, Vec::new(), locked).await;
+            return Err(self.failed("lock", &e, &left, steps));
         }
-        steps.emit(Phase::Locked, None, format!("{} process(es)", pids.len()));
+        steps.emit(
+            Phase::Locked,
+            None,
+            format!("{} process(es){}", pids.len(), sorted.note()),
+        );
         steps.emit(Phase::CheckpointStarted, None, "");
         let checkpoints = on_all(cuda, Action::Checkpoint, pids, None, |pid, r| {
             if r.is_ok() {
@@ -314,61 +305,45 @@ impl Container {
         .await;
         if let Some(e) = first_error(&checkpoints) {
             steps.emit(Phase::RollingBack, e.pid(), e.to_string());
-            let mut checkpointed = succeeded(&checkpoints);
-            let (late, _) = self.after_timeouts(cuda, &checkpoints).await;
-            checkpointed.extend(late);
-            self.undo(cuda, &checkpointed, pids).await;
-            return Err(self.failed("checkpoint", &e));
+            let unknown = unknown_outcomes(&checkpoints);
+            // Every process was locked; those whose checkpoint got no answer are asked where they are.
+            let locked = pids.iter().copied().filter(|p| !unknown.contains(p));
+            let left = self
+                .roll_back(
+                    op,
+                    cuda,
+                    &checkpoints,
+                    succeeded(&checkpoints),
+                    locked.collect(),
+                )
+                .await;
+            return Err(self.failed("checkpoint", &e, &left, steps));
         }
         Ok(())
     }
 
-    /// After runs of cuda-checkpoint that timed out (a wedged process, or one frozen meanwhile): thaws the
-    /// container unless the user paused it (cuda-checkpoint needs the process running), and asks each such
-    /// process where it got to. Returns those now checkpointed, and those now locked.
-    async fn after_timeouts(
-        &self,
-        cuda: &CudaCheckpoint,
-        results: &[(u32, std::result::Result<(), CudaError>)],
-    ) -> (Vec<u32>, Vec<u32>) {
-        let timed_out: Vec<u32> = results
-            .iter()
-            .filter(|(_, r)| matches!(r, Err(CudaError::TimedOut { .. })))
-            .map(|(pid, _)| *pid)
-            .collect();
-        if timed_out.is_empty() {
-            return (Vec::new(), Vec::new());
-        }
-        self.thaw_for_rollback().await;
-        let (mut checkpointed, mut locked) = (Vec::new(), Vec::new());
-        for pid in timed_out {
-            match cuda.state(pid).await.map(|s| CudaState::parse(&s)) {
-                Ok(Some(CudaState::Checkpointed)) => checkpointed.push(pid),
-                Ok(Some(CudaState::Locked)) => locked.push(pid),
-                Ok(_) => {}
-                Err(e) => tracing::error!(id = %self.id, pid, "rollback: {e}"),
-            }
-        }
-        (checkpointed, locked)
-    }
-
     async fn freeze_parked(
         &self,
+        op: &mut Op,
         cuda: &CudaCheckpoint,
-        pids: &[u32],
+        sorted: &Sorted,
         steps: &mut Steps,
     ) -> Result<()> {
+        let pids = &sorted.cuda;
         if let Err(e) = self.set_paused(true).await {
             steps.emit(Phase::RollingBack, None, e.to_string());
-            self.undo(cuda, pids, pids).await;
+            self.roll_back(op, cuda, &[], pids.clone(), pids.clone())
+                .await;
             return Err(e);
         }
-        steps.emit(Phase::Frozen, None, "");
+        let note = sorted.note();
+        steps.emit(Phase::Frozen, None, note.trim_start_matches("; "));
         Ok(())
     }
 
     async fn dump(
         &self,
+        op: &mut Op,
         cuda: &CudaCheckpoint,
         pids: &[u32],
         image: &str,
@@ -389,31 +364,41 @@ impl Container {
         .await;
         if let Err(e) = dumped {
             steps.emit(Phase::RollingBack, None, e.to_string());
-            self.undo(cuda, pids, pids).await;
+            self.roll_back(op, cuda, &[], pids.to_vec(), pids.to_vec())
+                .await;
             return Err(e);
         }
         steps.emit(Phase::Dumped, None, image);
         Ok(())
     }
 
-    /// Restores `checkpointed` and unlocks `locked`, logging what fails (the error being reported is the
-    /// one that caused the undo).
-    async fn undo(&self, cuda: &CudaCheckpoint, checkpointed: &[u32], locked: &[u32]) {
-        for (pid, r) in on_all(cuda, Action::Restore, checkpointed, None, |_, _| {}).await {
-            if let Err(e) = r {
-                tracing::error!(id = %self.id, pid, "rollback: restore failed: {e}");
-            }
+    /// The error of a preemption whose `what` failed with `e` and was rolled back; `unanswered`: the pids that
+    /// did not answer, followed up (each also gets a step).
+    fn failed(
+        &self,
+        what: &str,
+        e: &CudaError,
+        unanswered: &[u32],
+        steps: &mut Steps,
+    ) -> ShimError {
+        for &pid in unanswered {
+            steps.emit(
+                Phase::RollingBack,
+                Some(pid),
+                "no answer: restored and unlocked once it answers",
+            );
         }
-        for (pid, r) in on_all(cuda, Action::Unlock, locked, None, |_, _| {}).await {
-            if let Err(e) = r {
-                tracing::error!(id = %self.id, pid, "rollback: unlock failed: {e}");
-            }
-        }
-    }
-
-    fn failed(&self, what: &str, e: &CudaError) -> ShimError {
+        let outcome = if unanswered.is_empty() {
+            "the container runs as before".to_owned()
+        } else {
+            format!(
+                "the others run as before; pid(s) {unanswered:?} did not answer (wedged in the driver): \
+                 each is restored and unlocked once it answers, and the container cannot be preempted or \
+                 paused until then"
+            )
+        };
         ShimError::Other(format!(
-            "preempt {}: {what} failed: {e}; rolled back: the container runs as before",
+            "preempt {}: {what} failed: {e}; rolled back: {outcome}",
             self.id
         ))
     }
@@ -422,7 +407,7 @@ impl Container {
     /// exits meanwhile (a job that finished) is reported as finished, not as a failed restore; its exit
     /// reaches containerd as a TaskExit with its real status.
     pub async fn resume_parked(&self, steps: &mut Steps) -> Result<()> {
-        let _op = self.preempt_op.try_lock().map_err(|_| self.busy())?;
+        let _op = self.begin_op()?;
         let parked = match self.preemption() {
             Some(s) if s.state == PreemptPhase::Parked => s,
             other => {
@@ -512,8 +497,7 @@ impl Container {
         let mut only_unlock = Vec::new();
         if ask_first {
             // Restored already (a resume that failed at the unlock), or given back already: no restore.
-            for &pid in pids {
-                let state = cuda.state(pid).await.map(|s| CudaState::parse(&s));
+            for (pid, state) in states_of(cuda, pids).await {
                 if let Ok(Some(CudaState::Locked | CudaState::Running)) = state {
                     to_restore.retain(|&p| p != pid);
                 }

@@ -38,4 +38,8 @@ pub struct Answer {
     pub state: Option<String>,
     /// Why it failed: the driver's error name and description.
     pub error: Option<String>,
+    /// The driver's `CUresult` when it failed with one (absent from a helper that predates it): the shim
+    /// tells "no CUDA state" (`CUDA_ERROR_NOT_INITIALIZED`, `CUDA_ERROR_INVALID_VALUE`) by it, not by text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<u32>,
 }

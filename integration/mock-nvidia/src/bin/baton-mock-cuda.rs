@@ -76,6 +76,10 @@ struct Args {
     /// On a restore request, exit at once with this code (a job that finished while checkpointed).
     #[arg(long)]
     exit_at_restore: Option<i32>,
+    /// A request of this action is not answered while `/tmp/baton-mock-cuda/<pid>.hang` exists (a call
+    /// wedged in the driver; a test creates the file for the one process it wants wedged).
+    #[arg(long, value_parser = parse_action)]
+    hang_at: Option<Action>,
     /// Load this libcuda (dlopen) before the setup, as a CUDA program does before cuInit.
     #[arg(long)]
     libcuda: Option<PathBuf>,
@@ -171,6 +175,7 @@ fn restore_options(args: &Args) -> RestoreOptions {
         fail_once: args.fail_once,
         crash_caller_at: args.crash_caller_at,
         exit_at_restore: args.exit_at_restore,
+        hang_at: args.hang_at,
         weights_seed: weights::DEFAULT_SEED,
     }
 }

@@ -40,6 +40,9 @@ pub struct RestoreOptions {
     pub crash_caller_at: Option<Action>,
     /// A restore request makes the process exit at once with this code.
     pub exit_at_restore: Option<i32>,
+    /// An injected wedge: while [`hang_file`] exists, a request of this action is not answered (the restore
+    /// thread waits, as a call wedged in the driver would), then it is carried out as usual.
+    pub hang_at: Option<Action>,
     /// Seed of the weights.
     pub weights_seed: u32,
 }
@@ -179,6 +182,9 @@ impl RestoreThread {
             Request::Lock { .. } => Action::Lock,
             Request::Other(action) => action,
         };
+        if self.options.hang_at == Some(action) {
+            hang_while_told(action);
+        }
         let state = self.gate.state();
         let needs = needed_state(action);
         if state != needs {
@@ -317,6 +323,26 @@ impl RestoreThread {
         work(usize::MAX);
         std::thread::sleep((start + 2 * half).saturating_duration_since(Instant::now()));
     }
+}
+
+/// The file that keeps a `hang_at` action waiting while it exists: beside the control socket,
+/// `/tmp/baton-mock-cuda/<own pid>.hang` (a test creates it through `/proc/PID/root` for the one process it
+/// wants wedged, and removes it to let that process answer).
+pub fn hang_file(own_pid: u32) -> PathBuf {
+    control::socket_path(own_pid).with_extension("hang")
+}
+
+/// Waits, unanswering, for as long as this process's [`hang_file`] exists.
+fn hang_while_told(action: Action) {
+    let file = hang_file(std::process::id());
+    if !file.exists() {
+        return;
+    }
+    say(&format!("hanging at {action}"));
+    while file.exists() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    say(&format!("answering {action} at last"));
 }
 
 /// The state `action` starts from.
