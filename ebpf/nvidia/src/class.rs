@@ -131,9 +131,16 @@ pub const NV20_SUBDEVICE_DIAG: u32 = 0x208f;
 pub const NV_CONFIDENTIAL_COMPUTE: u32 = 0xcb33;
 /// SEC2 work launch, Hopper (`clcba2.h`, 535+).
 pub const HOPPER_SEC2_WORK_LAUNCH_A: u32 = 0xcba2;
+/// MIG (SMC) configuration session (`clc639.h`, 515 .. 595): lets its client create and destroy GPU
+/// instances. CUDA 13 allocates one under a second client at init (recording:
+/// /work/shared/gpu/580.159.04/pytorch-1gib.jsonl, pid 444).
+pub const AMPERE_SMC_CONFIG_SESSION: u32 = 0xc639;
+/// MIG (SMC) monitoring session (`clc640.h`, 515 .. 595): lets its client see every GPU instance. Allocated
+/// beside [`AMPERE_SMC_CONFIG_SESSION`] (same recording).
+pub const AMPERE_SMC_MONITOR_SESSION: u32 = 0xc640;
 
 /// Every class above, for iteration in user space and tests.
-pub const ALL: [u32; 64] = [
+pub const ALL: [u32; 66] = [
     NV01_ROOT,
     NV01_ROOT_NON_PRIV,
     NV01_ROOT_CLIENT,
@@ -198,6 +205,8 @@ pub const ALL: [u32; 64] = [
     NV20_SUBDEVICE_DIAG,
     NV_CONFIDENTIAL_COMPUTE,
     HOPPER_SEC2_WORK_LAUNCH_A,
+    AMPERE_SMC_CONFIG_SESSION,
+    AMPERE_SMC_MONITOR_SESSION,
 ];
 
 /// The class's name (without value).
@@ -267,6 +276,8 @@ pub fn name(class: u32) -> Option<&'static str> {
         NV20_SUBDEVICE_DIAG => "NV20_SUBDEVICE_DIAG",
         NV_CONFIDENTIAL_COMPUTE => "NV_CONFIDENTIAL_COMPUTE",
         HOPPER_SEC2_WORK_LAUNCH_A => "HOPPER_SEC2_WORK_LAUNCH_A",
+        AMPERE_SMC_CONFIG_SESSION => "AMPERE_SMC_CONFIG_SESSION",
+        AMPERE_SMC_MONITOR_SESSION => "AMPERE_SMC_MONITOR_SESSION",
         _ => return None,
     })
 }
@@ -397,6 +408,19 @@ mod tests {
             (0x208f, "NV20_SUBDEVICE_DIAG"),
             (0xcb33, "NV_CONFIDENTIAL_COMPUTE"),
             (0xcba2, "HOPPER_SEC2_WORK_LAUNCH_A"),
+        ] {
+            assert_eq!(name(c), Some(n), "{c:#x}");
+        }
+    }
+
+    /// The two classes the H200 recordings showed unnamed (/work/shared/gpu/580.159.04/README.md): values from
+    /// `src/common/sdk/nvidia/inc/class/clc639.h` and `clc640.h` at 580.142 (the same at 515.43.04 and
+    /// 595.45.04).
+    #[test]
+    fn classes_cuda_580_allocates() {
+        for (c, n) in [
+            (0xc639, "AMPERE_SMC_CONFIG_SESSION"),
+            (0xc640, "AMPERE_SMC_MONITOR_SESSION"),
         ] {
             assert_eq!(name(c), Some(n), "{c:#x}");
         }
