@@ -360,7 +360,9 @@ pub const fn is_copy_engine(class: u32) -> bool {
 /// nvidia-smi make such clients, and so does CUDA's checkpoint right after it freed a process's state: it
 /// reopens nvidiactl and nvidia0 and allocates a client, a device and a subdevice for a few queries
 /// (recording: /work/shared/gpu/580.159.04/park-program.jsonl.gz, pid 440 thread 462 after its root
-/// client's RM_FREE). Every other class, known or not, counts as GPU state.
+/// client's RM_FREE). So are the MIG session objects CUDA keeps in a second client beside a device and a
+/// subdevice (AMPERE_SMC_CONFIG_SESSION, AMPERE_SMC_MONITOR_SESSION: rights to configure and to watch GPU
+/// instances; same recording, client 0xc1d00022). Every other class, known or not, counts as GPU state.
 #[inline(always)]
 pub const fn is_handle_only(class: u32) -> bool {
     matches!(
@@ -378,6 +380,8 @@ pub const fn is_handle_only(class: u32) -> bool {
             | NV01_EVENT_KERNEL_CALLBACK_EX
             | NV2081_BINAPI
             | NV_CONFIDENTIAL_COMPUTE
+            | AMPERE_SMC_CONFIG_SESSION
+            | AMPERE_SMC_MONITOR_SESSION
     )
 }
 
@@ -439,5 +443,8 @@ mod tests {
         assert!(is_handle_only(NV01_ROOT_CLIENT) && is_handle_only(NV20_SUBDEVICE_0));
         assert!(!is_handle_only(NV01_MEMORY_LOCAL_USER) && !is_handle_only(FERMI_VASPACE_A));
         assert!(!is_handle_only(HOPPER_CHANNEL_GPFIFO_A) && !is_handle_only(0xffff));
+        assert!(
+            is_handle_only(AMPERE_SMC_CONFIG_SESSION) && is_handle_only(AMPERE_SMC_MONITOR_SESSION)
+        );
     }
 }
