@@ -82,7 +82,10 @@ fn every_golden_trace_decodes_again_to_what_it_holds() {
         let replayed = replay::replay_file(&trace, &version).unwrap();
         if std::env::var_os("BATON_BLESS_GOLDEN").is_some() && !replayed.differences.is_empty() {
             replay::write_trace(&trace, &replayed.rewritten).unwrap();
-            eprintln!("{shown}: written again ({} lines changed)", replayed.differences.len());
+            eprintln!(
+                "{shown}: written again ({} lines changed)",
+                replayed.differences.len()
+            );
             continue;
         }
         assert!(replayed.ioctls > 0, "{shown}: no ioctls");
@@ -101,7 +104,12 @@ fn every_golden_trace_decodes_again_to_what_it_holds() {
         // Nothing unnamed, in the file as tools/gpu-check counts it and in today's decoding of its bytes.
         let counts = count::count_file(&trace).unwrap();
         assert_eq!(counts.unknowns(), 0, "{shown}: {counts:?}");
-        assert_eq!(replayed.counts.unknowns(), 0, "{shown}: {:?}", replayed.counts);
+        assert_eq!(
+            replayed.counts.unknowns(),
+            0,
+            "{shown}: {:?}",
+            replayed.counts
+        );
         assert_eq!(expect["unknowns"], 0, "{shown}");
     }
 }
@@ -176,7 +184,10 @@ fn the_h200_calls_that_decoded_empty_have_their_fields() {
             assert!(mapped.contains(&new), "{name} line {}: {new:#x}", e.line);
             updates += 1;
         }
-        assert!(maps > 0 && updates > 0, "{name}: {maps} maps, {updates} updates");
+        assert!(
+            maps > 0 && updates > 0,
+            "{name}: {maps} maps, {updates} updates"
+        );
     }
 }
 
@@ -209,8 +220,18 @@ impl Parked {
         let fd = e.object["fd"].as_i64();
         match (e.kind(), &e.call) {
             ("ioctl", Some((op, status))) => {
-                if let &Op::Alloc { client, object, class, .. } = op {
-                    let client = if class::is_root(class) { object } else { client };
+                if let &Op::Alloc {
+                    client,
+                    object,
+                    class,
+                    ..
+                } = op
+                {
+                    let client = if class::is_root(class) {
+                        object
+                    } else {
+                        client
+                    };
                     self.handles.entry(client).or_default().insert(object);
                 }
                 self.ledger.apply(PARKED_PID as u32, op, *status);
@@ -223,7 +244,8 @@ impl Parked {
             }
             ("close_range", _) => {
                 let (first, last) = (e.object["addr"].as_i64(), e.object["len"].as_i64());
-                self.fds.retain(|f| !(first.unwrap()..=last.unwrap()).contains(f));
+                self.fds
+                    .retain(|f| !(first.unwrap()..=last.unwrap()).contains(f));
             }
             _ => {}
         }
@@ -310,7 +332,10 @@ fn the_h200_park_frees_every_object_and_the_root_client() {
     }
     let (main, vram, objects) = before_park.unwrap();
     // The holder's 8 GiB and CUDA's own buffers, in some hundred objects of its main client.
-    assert!(vram >= 8 << 30 && objects > 100, "{vram} bytes, {objects} objects");
+    assert!(
+        vram >= 8 << 30 && objects > 100,
+        "{vram} bytes, {objects} objects"
+    );
     let (line, (held_objects, held_vram)) =
         root_free.unwrap_or_else(|| panic!("no RM_FREE of client {main:#x} in the park"));
     assert!(explicit_frees > 0, "no object freed before the client");

@@ -50,7 +50,8 @@ pub fn count_file(path: &Path) -> Result<Counts> {
 pub fn read_trace(path: &Path) -> Result<String> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     if !path.extension().is_some_and(|e| e == "gz") {
-        return String::from_utf8(bytes).with_context(|| format!("{} is not UTF-8", path.display()));
+        return String::from_utf8(bytes)
+            .with_context(|| format!("{} is not UTF-8", path.display()));
     }
     let mut text = String::new();
     flate2::read::GzDecoder::new(bytes.as_slice())
@@ -142,8 +143,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let trace = r#"{"event":"ioctl","escape":"UNKNOWN(0xc0104699)"}"#.to_owned() + "\n";
         let gz = dir.path().join("t.jsonl.gz");
-        let mut encoder =
-            flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
         encoder.write_all(trace.as_bytes()).unwrap();
         std::fs::write(&gz, encoder.finish().unwrap()).unwrap();
         let plain = dir.path().join("t.jsonl");
