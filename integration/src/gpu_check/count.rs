@@ -49,7 +49,7 @@ pub fn count_file(path: &Path) -> Result<Counts> {
 /// The text of the trace in file `path`, gunzipped when its name ends in `.gz` (long recordings are kept so).
 pub fn read_trace(path: &Path) -> Result<String> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    if !path.extension().is_some_and(|e| e == "gz") {
+    if path.extension().is_none_or(|e| e != "gz") {
         return String::from_utf8(bytes)
             .with_context(|| format!("{} is not UTF-8", path.display()));
     }
