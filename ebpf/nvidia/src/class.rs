@@ -131,9 +131,16 @@ pub const NV20_SUBDEVICE_DIAG: u32 = 0x208f;
 pub const NV_CONFIDENTIAL_COMPUTE: u32 = 0xcb33;
 /// SEC2 work launch, Hopper (`clcba2.h`, 535+).
 pub const HOPPER_SEC2_WORK_LAUNCH_A: u32 = 0xcba2;
+/// MIG (SMC) configuration session (`clc639.h`, 515 .. 595): lets its client create and destroy GPU
+/// instances. CUDA 13 allocates one under a second client at init (recording:
+/// /work/shared/gpu/580.159.04/pytorch-1gib.jsonl, pid 444).
+pub const AMPERE_SMC_CONFIG_SESSION: u32 = 0xc639;
+/// MIG (SMC) monitoring session (`clc640.h`, 515 .. 595): lets its client see every GPU instance. Allocated
+/// beside [`AMPERE_SMC_CONFIG_SESSION`] (same recording).
+pub const AMPERE_SMC_MONITOR_SESSION: u32 = 0xc640;
 
 /// Every class above, for iteration in user space and tests.
-pub const ALL: [u32; 64] = [
+pub const ALL: [u32; 66] = [
     NV01_ROOT,
     NV01_ROOT_NON_PRIV,
     NV01_ROOT_CLIENT,
@@ -198,6 +205,8 @@ pub const ALL: [u32; 64] = [
     NV20_SUBDEVICE_DIAG,
     NV_CONFIDENTIAL_COMPUTE,
     HOPPER_SEC2_WORK_LAUNCH_A,
+    AMPERE_SMC_CONFIG_SESSION,
+    AMPERE_SMC_MONITOR_SESSION,
 ];
 
 /// The class's name (without value).
@@ -267,6 +276,8 @@ pub fn name(class: u32) -> Option<&'static str> {
         NV20_SUBDEVICE_DIAG => "NV20_SUBDEVICE_DIAG",
         NV_CONFIDENTIAL_COMPUTE => "NV_CONFIDENTIAL_COMPUTE",
         HOPPER_SEC2_WORK_LAUNCH_A => "HOPPER_SEC2_WORK_LAUNCH_A",
+        AMPERE_SMC_CONFIG_SESSION => "AMPERE_SMC_CONFIG_SESSION",
+        AMPERE_SMC_MONITOR_SESSION => "AMPERE_SMC_MONITOR_SESSION",
         _ => return None,
     })
 }
@@ -349,7 +360,9 @@ pub const fn is_copy_engine(class: u32) -> bool {
 /// nvidia-smi make such clients, and so does CUDA's checkpoint right after it freed a process's state: it
 /// reopens nvidiactl and nvidia0 and allocates a client, a device and a subdevice for a few queries
 /// (recording: /work/shared/gpu/580.159.04/park-program.jsonl.gz, pid 440 thread 462 after its root
-/// client's RM_FREE). Every other class, known or not, counts as GPU state.
+/// client's RM_FREE). So are the MIG session objects CUDA keeps in a second client beside a device and a
+/// subdevice (AMPERE_SMC_CONFIG_SESSION, AMPERE_SMC_MONITOR_SESSION: rights to configure and to watch GPU
+/// instances; same recording, client 0xc1d00022). Every other class, known or not, counts as GPU state.
 #[inline(always)]
 pub const fn is_handle_only(class: u32) -> bool {
     matches!(
@@ -367,6 +380,8 @@ pub const fn is_handle_only(class: u32) -> bool {
             | NV01_EVENT_KERNEL_CALLBACK_EX
             | NV2081_BINAPI
             | NV_CONFIDENTIAL_COMPUTE
+            | AMPERE_SMC_CONFIG_SESSION
+            | AMPERE_SMC_MONITOR_SESSION
     )
 }
 
@@ -402,6 +417,19 @@ mod tests {
         }
     }
 
+    /// The two classes the H200 recordings showed unnamed (/work/shared/gpu/580.159.04/README.md): values from
+    /// `src/common/sdk/nvidia/inc/class/clc639.h` and `clc640.h` at 580.142 (the same at 515.43.04 and
+    /// 595.45.04).
+    #[test]
+    fn classes_cuda_580_allocates() {
+        for (c, n) in [
+            (0xc639, "AMPERE_SMC_CONFIG_SESSION"),
+            (0xc640, "AMPERE_SMC_MONITOR_SESSION"),
+        ] {
+            assert_eq!(name(c), Some(n), "{c:#x}");
+        }
+    }
+
     #[test]
     fn predicates() {
         assert!(is_root(0) && is_root(1) && is_root(0x41) && !is_root(0x80));
@@ -415,5 +443,8 @@ mod tests {
         assert!(is_handle_only(NV01_ROOT_CLIENT) && is_handle_only(NV20_SUBDEVICE_0));
         assert!(!is_handle_only(NV01_MEMORY_LOCAL_USER) && !is_handle_only(FERMI_VASPACE_A));
         assert!(!is_handle_only(HOPPER_CHANNEL_GPFIFO_A) && !is_handle_only(0xffff));
+        assert!(
+            is_handle_only(AMPERE_SMC_CONFIG_SESSION) && is_handle_only(AMPERE_SMC_MONITOR_SESSION)
+        );
     }
 }

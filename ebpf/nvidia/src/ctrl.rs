@@ -4,9 +4,11 @@
 //! A command is `class << 16 | category << 8 | index`; class 0 (NV0000) is the client, 0x0080 the device,
 //! 0x2080 the subdevice. Source: `src/common/sdk/nvidia/inc/ctrl/ctrl*/*.h` (595.45.04); [`name`] gives
 //! 595.45.04's names, [`name_for`] a given driver's (the FB_QUERY_DRAM_ENCRYPTION commands were renumbered
-//! at 575.51.02).
+//! at 575.51.02). Commands CUDA issues that no open header defines are in [`unpublished`].
 
 use crate::layout::DriverVersion;
+
+pub mod unpublished;
 
 /// The class part of a control command (bits 31:16), e.g. 0x2080 for subdevice commands.
 #[inline(always)]
@@ -700,7 +702,8 @@ pub const ALL: [u32; 217] = [
     NV_CONF_COMPUTE_CTRL_CMD_GPU_GET_KEY_ROTATION_STATE,
 ];
 
-/// The `NVxxxx_CTRL_CMD_*` name of a control command.
+/// The name of a control command: its `NVxxxx_CTRL_CMD_*` name, or for the commands no open header defines
+/// the name [`unpublished::name`] gives.
 pub fn name(cmd: u32) -> Option<&'static str> {
     Some(match cmd {
         NV0000_CTRL_CMD_SYSTEM_GET_BUILD_VERSION => "NV0000_CTRL_CMD_SYSTEM_GET_BUILD_VERSION",
@@ -1016,7 +1019,7 @@ pub fn name(cmd: u32) -> Option<&'static str> {
         NV_CONF_COMPUTE_CTRL_CMD_GPU_GET_KEY_ROTATION_STATE => {
             "NV_CONF_COMPUTE_CTRL_CMD_GPU_GET_KEY_ROTATION_STATE"
         }
-        _ => return None,
+        _ => return unpublished::name(cmd),
     })
 }
 

@@ -3,7 +3,8 @@
 //! per-container ledger.
 //!
 //! Input may be truncated, empty or garbage: decoding never panics and never indexes out of bounds;
-//! params shorter than their struct decode as [`Op::Truncated`] with no status.
+//! params shorter than their struct decode as [`Op::Truncated`] with no status, except the UVM structs larger
+//! than any capture, whose captured head is decoded without a status (see `decode/uvm_calls.rs`).
 
 use std::borrow::Cow;
 use std::fmt;
@@ -12,12 +13,10 @@ use serde::Serialize;
 use serde::ser::{SerializeMap, SerializeStruct, Serializer};
 
 use crate::fdkind::FdKind;
-use crate::layout::{
-    AllocLayout, DEFAULT_VERSION, DriverVersion, Layout, nvos46, nvos47, uvm_free,
-};
+use crate::layout::{AllocLayout, DEFAULT_VERSION, DriverVersion, Layout, nvos46, nvos47};
 use crate::params::{
     card_info, check_version_str, memory_alloc, nvos00, nvos02, nvos05, nvos32, nvos33, nvos34,
-    nvos54, nvos55, nvos57, os_event, register_fd, rm_alloc, status_code, xfer,
+    nvos54, nvos55, nvos56, nvos57, os_event, register_fd, rm_alloc, status_code, xfer,
 };
 use crate::{class, ctrl, escape, ioc, params, status, uvm};
 
@@ -247,12 +246,12 @@ pub fn decode(call: &Call, layout: &Layout) -> Decoded {
 
 fn decode_any(call: &Call, layout: &Layout) -> Decoded {
     match call.fd_kind {
-        FdKind::Uvm | FdKind::UvmTools => decode_uvm(call, layout),
+        FdKind::Uvm | FdKind::UvmTools => uvm_calls::decode_uvm(call, layout),
         // The Linux frontend never checks `_IOC_TYPE` (see [`crate::ioc`]): any type runs as the escape
         // its number names. On an fd of unknown kind, 'F' is what tells an escape from a UVM command.
         FdKind::Ctl | FdKind::Device => decode_frontend(call, layout, true),
         FdKind::Unknown if ioc::is_nvidia(call.cmd) => decode_frontend(call, layout, true),
-        FdKind::Unknown if uvm::name(call.cmd).is_some() => decode_uvm(call, layout),
+        FdKind::Unknown if uvm::name(call.cmd).is_some() => uvm_calls::decode_uvm(call, layout),
         FdKind::Unknown | FdKind::Modeset | FdKind::Caps => unknown(call.cmd, call.cmd),
     }
 }
@@ -513,6 +512,7 @@ fn decode_escape(nr: u32, ioc_size: u32, data: &[u8], nested: &[u8], layout: &La
         escape::RM_UNMAP_MEMORY => decode_nvos34(data),
         escape::RM_DUP_OBJECT => decode_nvos55(data),
         escape::RM_SHARE => decode_nvos57(data),
+        escape::RM_UPDATE_DEVICE_MAPPING_INFO => decode_nvos56(data),
         escape::RM_MAP_MEMORY_DMA => decode_nvos46(data, layout),
         escape::RM_UNMAP_MEMORY_DMA => decode_nvos47(data, layout),
         escape::REGISTER_FD => decode_register_fd(data),
@@ -831,6 +831,27 @@ fn decode_nvos55(data: &[u8]) -> Parts {
     }
 }
 
+/// NVOS56 (RM_UPDATE_DEVICE_MAPPING_INFO): CUDA moves a CPU mapping it got from RM_MAP_MEMORY to the
+/// address it mmap()ed the device file at (recording: /work/shared/gpu/580.159.04/pytorch-1gib.jsonl, after
+/// each RM_MAP_MEMORY of video memory through nvidia0).
+fn decode_nvos56(data: &[u8]) -> Parts {
+    if !Bytes(data).has(nvos56::SIZE) {
+        return Parts::truncated();
+    }
+    let mut f = Fields::new(data);
+    f.handle("hClient", nvos56::H_CLIENT_OFFSET);
+    f.handle("hDevice", nvos56::H_DEVICE_OFFSET);
+    f.handle("hMemory", nvos56::H_MEMORY_OFFSET);
+    f.hex64("pOldCpuAddress", nvos56::P_OLD_CPU_ADDRESS_OFFSET);
+    f.hex64("pNewCpuAddress", nvos56::P_NEW_CPU_ADDRESS_OFFSET);
+    let status = f.status("status", nvos56::STATUS_OFFSET);
+    Parts {
+        status,
+        op: Op::Other,
+        fields: f.out,
+    }
+}
+
 fn decode_nvos57(data: &[u8]) -> Parts {
     if !Bytes(data).has(nvos57::SIZE) {
         return Parts::truncated();
@@ -1056,119 +1077,6 @@ fn decode_attach_gpus(data: &[u8]) -> Parts {
     }
 }
 
-fn decode_uvm(call: &Call, layout: &Layout) -> Decoded {
-    let cmd = call.cmd;
-    let Some(name) = uvm::name_for(cmd, layout.version) else {
-        return unknown(cmd, cmd);
-    };
-    let parts = match layout.uvm_params(cmd) {
-        None => Parts {
-            status: None,
-            op: uvm_op(cmd),
-            fields: Vec::new(),
-        },
-        Some(p) if !Bytes(call.data).has(p.size) => Parts::truncated(),
-        Some(p) => {
-            let mut f = Fields::new(call.data);
-            uvm_fields(&mut f, cmd, layout);
-            let status = p.status_offset.and_then(|off| f.status("rmStatus", off));
-            Parts {
-                status,
-                op: uvm_op(cmd),
-                fields: f.out,
-            }
-        }
-    };
-    finish(name, cmd, parts)
-}
-
-fn uvm_op(cmd: u32) -> Op {
-    match cmd {
-        uvm::INITIALIZE => Op::UvmInitialize,
-        uvm::DEINITIALIZE => Op::UvmDeinitialize,
-        uvm::REGISTER_GPU => Op::UvmRegisterGpu,
-        uvm::UNREGISTER_GPU => Op::UvmUnregisterGpu,
-        uvm::REGISTER_GPU_VASPACE => Op::UvmRegisterVaSpace,
-        uvm::MM_INITIALIZE => Op::UvmMmInitialize,
-        _ => Op::Uvm { cmd },
-    }
-}
-
-fn uvm_fields(f: &mut Fields, cmd: u32, layout: &Layout) {
-    use params::uvm as p;
-    match cmd {
-        uvm::INITIALIZE => {
-            f.hex64("flags", p::initialize::FLAGS_OFFSET);
-        }
-        uvm::MM_INITIALIZE => {
-            f.fd("uvmFd", p::mm_initialize::UVM_FD_OFFSET);
-        }
-        uvm::REGISTER_GPU => {
-            f.uuid("gpu_uuid", p::register_gpu::GPU_UUID_OFFSET);
-            f.fd("rmCtrlFd", p::register_gpu::RM_CTRL_FD_OFFSET);
-            f.handle("hClient", p::register_gpu::H_CLIENT_OFFSET);
-            f.handle("hSmcPartRef", p::register_gpu::H_SMC_PART_REF_OFFSET);
-        }
-        uvm::UNREGISTER_GPU => f.uuid("gpu_uuid", p::unregister_gpu::GPU_UUID_OFFSET),
-        uvm::REGISTER_GPU_VASPACE => {
-            f.uuid("gpuUuid", p::register_gpu_vaspace::GPU_UUID_OFFSET);
-            f.fd("rmCtrlFd", p::register_gpu_vaspace::RM_CTRL_FD_OFFSET);
-            f.handle("hClient", p::register_gpu_vaspace::H_CLIENT_OFFSET);
-            f.handle("hVaSpace", p::register_gpu_vaspace::H_VA_SPACE_OFFSET);
-        }
-        uvm::UNREGISTER_GPU_VASPACE => {
-            f.uuid("gpuUuid", p::unregister_gpu_vaspace::GPU_UUID_OFFSET)
-        }
-        uvm::CREATE_RANGE_GROUP | uvm::DESTROY_RANGE_GROUP => {
-            f.u64("rangeGroupId", p::range_group::RANGE_GROUP_ID_OFFSET);
-        }
-        uvm::SET_RANGE_GROUP => {
-            f.u64("rangeGroupId", p::set_range_group::RANGE_GROUP_ID_OFFSET);
-            f.hex64("requestedBase", p::set_range_group::REQUESTED_BASE_OFFSET);
-            f.bytes64("length", p::set_range_group::LENGTH_OFFSET);
-        }
-        uvm::MIGRATE_RANGE_GROUP => {
-            f.u64(
-                "rangeGroupId",
-                p::migrate_range_group::RANGE_GROUP_ID_OFFSET,
-            );
-            f.uuid(
-                "destinationUuid",
-                p::migrate_range_group::DESTINATION_UUID_OFFSET,
-            );
-        }
-        uvm::FREE => {
-            f.hex64("base", uvm_free::BASE_OFFSET);
-            if let Some(off) = layout.uvm_free_length {
-                f.bytes64("length", off);
-            }
-        }
-        uvm::MAP_EXTERNAL_ALLOCATION => map_external_allocation_fields(f, layout),
-        _ => {}
-    }
-}
-
-/// UVM_MAP_EXTERNAL_ALLOCATION's fields at the offsets of the struct the driver's band uses (1200 bytes
-/// before 550.40.53, 9264 from it), decided like its size by [`uvm::band_major_for`].
-fn map_external_allocation_fields(f: &mut Fields, layout: &Layout) {
-    use params::uvm::map_external_allocation as m;
-    let (fd, client, memory) =
-        if uvm::band_major_for(uvm::MAP_EXTERNAL_ALLOCATION, layout.version) >= 550 {
-            (m::RM_CTRL_FD_OFFSET, m::H_CLIENT_OFFSET, m::H_MEMORY_OFFSET)
-        } else {
-            (
-                m::RM_CTRL_FD_OFFSET_BEFORE_V2,
-                m::H_CLIENT_OFFSET_BEFORE_V2,
-                m::H_MEMORY_OFFSET_BEFORE_V2,
-            )
-        };
-    f.hex64("base", m::BASE_OFFSET);
-    f.bytes64("length", m::LENGTH_OFFSET);
-    f.fd("rmCtrlFd", fd);
-    f.handle("hClient", client);
-    f.handle("hMemory", memory);
-}
-
 impl Decoded {
     /// Names statuses and control commands (the call's and its fields') as driver `version` does.
     fn set_version(&mut self, version: DriverVersion) {
@@ -1287,5 +1195,9 @@ pub fn fields_as_map<S: Serializer>(fields: &[Field], s: S) -> Result<S::Ok, S::
     map.end()
 }
 
+mod uvm_calls;
+
+#[cfg(test)]
+mod recorded;
 #[cfg(test)]
 mod tests;

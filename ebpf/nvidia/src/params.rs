@@ -212,6 +212,26 @@ pub mod nvos57 {
     pub const STATUS_OFFSET: u32 = 20;
 }
 
+/// NVOS56: `NV_ESC_RM_UPDATE_DEVICE_MAPPING_INFO` (`src/common/sdk/nvidia/inc/nvos.h`, the same from 515.43.04
+/// to 595.45.04): tells RM that the CPU mapping of hMemory made through RM_MAP_MEMORY now lives at another
+/// address.
+pub mod nvos56 {
+    /// Struct size.
+    pub const SIZE: u32 = 40;
+    /// hClient.
+    pub const H_CLIENT_OFFSET: u32 = 0;
+    /// hDevice.
+    pub const H_DEVICE_OFFSET: u32 = 4;
+    /// hMemory.
+    pub const H_MEMORY_OFFSET: u32 = 8;
+    /// pOldCpuAddress (u64, 8-aligned after a 4-byte hole).
+    pub const P_OLD_CPU_ADDRESS_OFFSET: u32 = 16;
+    /// pNewCpuAddress (u64).
+    pub const P_NEW_CPU_ADDRESS_OFFSET: u32 = 24;
+    /// status (NV_STATUS).
+    pub const STATUS_OFFSET: u32 = 32;
+}
+
 /// `nv_ioctl_xfer_t`: `NV_ESC_IOCTL_XFER_CMD`.
 pub mod xfer {
     /// Struct size.
@@ -502,8 +522,34 @@ pub mod uvm {
         /// rmStatus.
         pub const RM_STATUS_OFFSET: u32 = 24;
     }
+    /// `UvmGpuMappingAttributes` (`kernel-open/nvidia-uvm/uvm_types.h`, 515 .. 595): one GPU's entry of the
+    /// perGpuAttributes array of UVM_MAP_EXTERNAL_ALLOCATION and UVM_ALLOC_SEMAPHORE_POOL; the values are the
+    /// enums of `kernel-open/common/inc/nv_uvm_user_types.h`.
+    pub mod gpu_mapping_attributes {
+        /// Entry size.
+        pub const SIZE: u32 = 36;
+        /// gpuUuid (16 bytes).
+        pub const GPU_UUID_OFFSET: u32 = 0;
+        /// gpuMappingType (UvmGpuMappingType).
+        pub const MAPPING_TYPE_OFFSET: u32 = 16;
+        /// gpuCachingType (UvmGpuCachingType).
+        pub const CACHING_TYPE_OFFSET: u32 = 20;
+        /// gpuFormatType (UvmGpuFormatType).
+        pub const FORMAT_TYPE_OFFSET: u32 = 24;
+        /// gpuElementBits (UvmGpuFormatElementBits).
+        pub const ELEMENT_BITS_OFFSET: u32 = 28;
+        /// gpuCompressionType (UvmGpuCompressionType).
+        pub const COMPRESSION_TYPE_OFFSET: u32 = 32;
+        /// Entries in the array: UVM_MAX_GPUS (NV_MAX_DEVICES * UVM_PARENT_ID_MAX_SUB_PROCESSORS) from
+        /// 550.40.53 (see [`crate::uvm::band_major_for`]).
+        pub const MAX_GPUS: u32 = 256;
+        /// Entries before 550.40.53 (UVM_MAX_GPUS = NV_MAX_DEVICES).
+        pub const MAX_GPUS_BEFORE_V2: u32 = 32;
+    }
     /// `UVM_MAP_EXTERNAL_ALLOCATION_PARAMS`: 9264 bytes with UVM_MAX_GPUS_V2 (256) per-GPU attributes from
-    /// 550.40.53, 1200 bytes with UVM_MAX_GPUS (32) before; see [`crate::uvm::band_major_for`].
+    /// 550.40.53, 1200 bytes with UVM_MAX_GPUS (32) before; see [`crate::uvm::band_major_for`]. A tracer
+    /// that captures fewer bytes (the probes take 256) holds base, length, offset and the first entries of
+    /// perGpuAttributes; the fd, handles and rmStatus are in the struct's last 16 bytes.
     pub mod map_external_allocation {
         /// Struct size (UVM_MAX_GPUS_V2, 550.40.53+).
         pub const SIZE: u32 = 9264;
@@ -513,6 +559,12 @@ pub mod uvm {
         pub const BASE_OFFSET: u32 = 0;
         /// length (u64).
         pub const LENGTH_OFFSET: u32 = 8;
+        /// offset (u64) into the allocation.
+        pub const OFFSET_OFFSET: u32 = 16;
+        /// perGpuAttributes[] (see [`super::gpu_mapping_attributes`]).
+        pub const PER_GPU_ATTRIBUTES_OFFSET: u32 = 24;
+        /// gpuAttributesCount (u64, 550.40.53+).
+        pub const GPU_ATTRIBUTES_COUNT_OFFSET: u32 = 9240;
         /// rmCtrlFd (550.40.53+).
         pub const RM_CTRL_FD_OFFSET: u32 = 9248;
         /// hClient (550.40.53+).
@@ -521,6 +573,8 @@ pub mod uvm {
         pub const H_MEMORY_OFFSET: u32 = 9256;
         /// rmStatus (550.40.53+).
         pub const RM_STATUS_OFFSET: u32 = 9260;
+        /// gpuAttributesCount before 550.40.53.
+        pub const GPU_ATTRIBUTES_COUNT_OFFSET_BEFORE_V2: u32 = 1176;
         /// rmCtrlFd before 550.40.53.
         pub const RM_CTRL_FD_OFFSET_BEFORE_V2: u32 = 1184;
         /// hClient before 550.40.53.
@@ -529,5 +583,118 @@ pub mod uvm {
         pub const H_MEMORY_OFFSET_BEFORE_V2: u32 = 1192;
         /// rmStatus before 550.40.53.
         pub const RM_STATUS_OFFSET_BEFORE_V2: u32 = 1196;
+    }
+    /// `UVM_ALLOC_SEMAPHORE_POOL_PARAMS`: 9248 bytes from 550.40.53, 1184 before (perGpuAttributes grew as
+    /// UVM_MAP_EXTERNAL_ALLOCATION's did).
+    pub mod alloc_semaphore_pool {
+        /// Struct size (550.40.53+).
+        pub const SIZE: u32 = 9248;
+        /// Struct size before 550.40.53.
+        pub const SIZE_BEFORE_V2: u32 = 1184;
+        /// base (u64).
+        pub const BASE_OFFSET: u32 = 0;
+        /// length (u64).
+        pub const LENGTH_OFFSET: u32 = 8;
+        /// perGpuAttributes[] (see [`super::gpu_mapping_attributes`]).
+        pub const PER_GPU_ATTRIBUTES_OFFSET: u32 = 16;
+        /// gpuAttributesCount (u64, 550.40.53+).
+        pub const GPU_ATTRIBUTES_COUNT_OFFSET: u32 = 9232;
+        /// rmStatus (550.40.53+).
+        pub const RM_STATUS_OFFSET: u32 = 9240;
+        /// gpuAttributesCount before 550.40.53.
+        pub const GPU_ATTRIBUTES_COUNT_OFFSET_BEFORE_V2: u32 = 1168;
+        /// rmStatus before 550.40.53.
+        pub const RM_STATUS_OFFSET_BEFORE_V2: u32 = 1176;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nvos56;
+    use super::uvm::{
+        alloc_semaphore_pool as pool, gpu_mapping_attributes as attrs,
+        map_external_allocation as map,
+    };
+    use crate::uvm::{self, UvmParams, params_layout};
+
+    fn with_status(size: u32, status: u32) -> Option<UvmParams> {
+        Some(UvmParams {
+            size,
+            status_offset: Some(status),
+        })
+    }
+
+    /// In both bands the per-GPU array ends where gpuAttributesCount (u64) starts, the fields after it follow
+    /// in order, and size and rmStatus agree with `uvm::params_layout`.
+    #[test]
+    fn per_gpu_attribute_arrays_fit_their_structs() {
+        let v2 = (
+            595,
+            attrs::MAX_GPUS,
+            [
+                map::GPU_ATTRIBUTES_COUNT_OFFSET,
+                map::RM_CTRL_FD_OFFSET,
+                map::H_CLIENT_OFFSET,
+                map::H_MEMORY_OFFSET,
+                map::RM_STATUS_OFFSET,
+                map::SIZE,
+            ],
+            [
+                pool::GPU_ATTRIBUTES_COUNT_OFFSET,
+                pool::RM_STATUS_OFFSET,
+                pool::SIZE,
+            ],
+        );
+        let v1 = (
+            545,
+            attrs::MAX_GPUS_BEFORE_V2,
+            [
+                map::GPU_ATTRIBUTES_COUNT_OFFSET_BEFORE_V2,
+                map::RM_CTRL_FD_OFFSET_BEFORE_V2,
+                map::H_CLIENT_OFFSET_BEFORE_V2,
+                map::H_MEMORY_OFFSET_BEFORE_V2,
+                map::RM_STATUS_OFFSET_BEFORE_V2,
+                map::SIZE_BEFORE_V2,
+            ],
+            [
+                pool::GPU_ATTRIBUTES_COUNT_OFFSET_BEFORE_V2,
+                pool::RM_STATUS_OFFSET_BEFORE_V2,
+                pool::SIZE_BEFORE_V2,
+            ],
+        );
+        for (major, gpus, [count, fd, client, memory, status, size], [p_count, p_status, p_size]) in
+            [v2, v1]
+        {
+            assert_eq!(map::PER_GPU_ATTRIBUTES_OFFSET, map::OFFSET_OFFSET + 8);
+            assert_eq!(map::PER_GPU_ATTRIBUTES_OFFSET + gpus * attrs::SIZE, count);
+            assert_eq!(
+                [count + 8, fd + 4, client + 4, memory + 4, status + 4],
+                [fd, client, memory, status, size]
+            );
+            assert_eq!(
+                params_layout(uvm::MAP_EXTERNAL_ALLOCATION, major),
+                with_status(size, status)
+            );
+            assert_eq!(pool::PER_GPU_ATTRIBUTES_OFFSET, pool::LENGTH_OFFSET + 8);
+            assert_eq!(
+                pool::PER_GPU_ATTRIBUTES_OFFSET + gpus * attrs::SIZE,
+                p_count
+            );
+            assert_eq!(p_count + 8, p_status);
+            assert_eq!(
+                params_layout(uvm::ALLOC_SEMAPHORE_POOL, major),
+                with_status(p_size, p_status)
+            );
+        }
+        assert_eq!(attrs::COMPRESSION_TYPE_OFFSET + 4, attrs::SIZE);
+    }
+
+    #[test]
+    fn nvos56_is_the_size_the_escape_takes() {
+        assert_eq!(
+            crate::escape::params_size(crate::escape::RM_UPDATE_DEVICE_MAPPING_INFO),
+            Some(nvos56::SIZE)
+        );
+        assert_eq!(nvos56::STATUS_OFFSET + 8, nvos56::SIZE);
     }
 }

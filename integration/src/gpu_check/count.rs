@@ -1,7 +1,7 @@
 //! What the decoder could not name in a `baton trace --json` file: escapes (`UNKNOWN(0x...)`), classes
 //! (`hClass`), control commands (`cmd`) and statuses (every other named value), each with its raw value and
 //! how often it came. The goal on a real driver is none; the golden traces are checked against it.
-use std::{collections::BTreeMap, path::Path};
+use std::{collections::BTreeMap, io::Read, path::Path};
 
 use anyhow::{Context, Result};
 use serde::Serialize;
@@ -41,11 +41,23 @@ impl Counts {
     }
 }
 
-/// Counts the trace in file `path` (one JSON object per line).
+/// Counts the trace in file `path` (one JSON object per line; gzipped when its name ends in `.gz`).
 pub fn count_file(path: &Path) -> Result<Counts> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    count(&text)
+    count(&read_trace(path)?)
+}
+
+/// The text of the trace in file `path`, gunzipped when its name ends in `.gz` (long recordings are kept so).
+pub fn read_trace(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    if path.extension().is_none_or(|e| e != "gz") {
+        return String::from_utf8(bytes)
+            .with_context(|| format!("{} is not UTF-8", path.display()));
+    }
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(bytes.as_slice())
+        .read_to_string(&mut text)
+        .with_context(|| format!("gunzipping {}", path.display()))?;
+    Ok(text)
 }
 
 /// The objects of a trace `text` (one JSON object per line; blank lines skipped), each with its line number;
@@ -66,32 +78,39 @@ pub fn count(text: &str) -> Result<Counts> {
     let mut counts = Counts::default();
     for object in objects(text) {
         let (_, event) = object?;
-        counts.events += 1;
+        counts.add(&event);
+    }
+    Ok(counts)
+}
+
+impl Counts {
+    /// Counts one event object of a trace.
+    pub fn add(&mut self, event: &Value) {
+        self.events += 1;
         if event["event"] != "ioctl" {
-            continue;
+            return;
         }
-        counts.ioctls += 1;
+        self.ioctls += 1;
         let escape = event["escape"].as_str().unwrap_or_default();
-        *counts.calls.entry(escape.to_owned()).or_default() += 1;
+        *self.calls.entry(escape.to_owned()).or_default() += 1;
         if escape.starts_with("UNKNOWN(") {
-            *counts.unknown_escapes.entry(escape.to_owned()).or_default() += 1;
+            *self.unknown_escapes.entry(escape.to_owned()).or_default() += 1;
         }
         let Some(fields) = event["fields"].as_object() else {
-            continue;
+            return;
         };
         for (name, value) in fields {
             let (Some(raw), true) = (value["value"].as_u64(), value["name"].is_null()) else {
                 continue;
             };
             let by_kind = match name.as_str() {
-                "hClass" => &mut counts.unknown_classes,
-                "cmd" => &mut counts.unknown_controls,
-                _ => &mut counts.unknown_statuses,
+                "hClass" => &mut self.unknown_classes,
+                "cmd" => &mut self.unknown_controls,
+                _ => &mut self.unknown_statuses,
             };
             *by_kind.entry(format!("{raw:#x}")).or_default() += 1;
         }
     }
-    Ok(counts)
 }
 
 #[cfg(test)]
@@ -116,6 +135,25 @@ mod tests {
         assert_eq!(c.unknown_controls["0x12345678"], 1);
         assert_eq!(c.unknown_escapes["UNKNOWN(0xc0104699)"], 1);
         assert_eq!(c.unknowns(), 4);
+    }
+
+    #[test]
+    fn a_gzipped_trace_is_read_as_its_text() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let trace = r#"{"event":"ioctl","escape":"UNKNOWN(0xc0104699)"}"#.to_owned() + "\n";
+        let gz = dir.path().join("t.jsonl.gz");
+        let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        encoder.write_all(trace.as_bytes()).unwrap();
+        std::fs::write(&gz, encoder.finish().unwrap()).unwrap();
+        let plain = dir.path().join("t.jsonl");
+        std::fs::write(&plain, &trace).unwrap();
+        assert_eq!(read_trace(&gz).unwrap(), trace);
+        assert_ne!(std::fs::read(&gz).unwrap(), trace.as_bytes());
+        assert_eq!(count_file(&gz).unwrap().unknowns(), 1);
+        assert_eq!(read_trace(&plain).unwrap(), trace);
+        let e = read_trace(&plain.with_extension("jsonl.gz.missing")).unwrap_err();
+        assert!(format!("{e:#}").contains("reading"), "{e:#}");
     }
 
     #[test]

@@ -3,22 +3,29 @@
 //! version and must print the very object the trace holds, and the ledger fed the re-decoded calls must
 //! reach the peak the agent's ledger reached when the trace was taken. A decoder change that names a call,
 //! a class, a control command or a status differently, or reads another offset, shows here.
-use std::path::Path;
+//!
+//! A deliberate decoder change makes a golden trace differ; [`Replay::rewritten`] is the trace as today's
+//! decoder writes it (every recorded byte kept, the decoded parts written again), to be committed in its place.
+use std::{
+    collections::{BTreeMap, HashMap},
+    io::Write,
+    path::Path,
+};
 
 use anyhow::{Context, Result, bail};
 use baton_nvidia::{
-    decode::{self, Call},
+    decode::{self, Call, Op},
     fdkind::{self, FdKind},
     layout::{DriverVersion, Layout},
 };
 use baton_tracer::{
     event::{Body, Event, Ioctl, RawParams},
-    ledger::Ledger,
+    ledger::ContainerLedger,
     schema::TraceEvent,
 };
 use serde_json::Value;
 
-use super::count;
+use super::count::{self, Counts};
 
 /// What a replay found.
 #[derive(Debug, Default)]
@@ -27,15 +34,85 @@ pub struct Replay {
     pub ioctls: u64,
     /// The lines whose object differs from the re-decoded one (line number, recorded, now).
     pub differences: Vec<(usize, Value, Value)>,
-    /// The ledger's peak GPU memory over the replayed calls, summed over the trace's processes.
+    /// The ledger's peak GPU memory over the replayed calls: the highest of the trace's containers.
     pub peak_vram_bytes: u64,
+    /// What the decoder cannot name in the re-decoded trace, counted as `tools/gpu-check` counts a trace.
+    pub counts: Counts,
+    /// Every event of the trace in its order, ioctls as decoded now.
+    pub events: Vec<Replayed>,
+    /// The trace as today's decoder writes it, one object per line.
+    pub rewritten: String,
 }
 
-/// Replays the trace in `path`, decoding with driver `version`'s layouts.
+/// One event of a replayed trace.
+#[derive(Clone, Debug)]
+pub struct Replayed {
+    /// Line number in the trace.
+    pub line: usize,
+    /// The event object: as recorded, or for an ioctl as decoded now.
+    pub object: Value,
+    /// For an ioctl the driver answered (syscall return 0): the decoded operation and its RM status.
+    pub call: Option<(Op, Option<u32>)>,
+}
+
+impl Replayed {
+    /// The process id (0 when the event has none).
+    pub fn pid(&self) -> u64 {
+        self.object["pid"].as_u64().unwrap_or_default()
+    }
+
+    /// The thread id (0 when the event has none).
+    pub fn tid(&self) -> u64 {
+        self.object["tid"].as_u64().unwrap_or_default()
+    }
+
+    /// The event's kind: `ioctl`, `open`, `close`, `exit`, ...
+    pub fn kind(&self) -> &str {
+        self.object["event"].as_str().unwrap_or_default()
+    }
+}
+
+/// The replay's one use of baton-tracer's per-container ledger, whose internals are changing: every ledger
+/// call of the replay and of the golden tests goes through here.
+#[derive(Clone, Debug, Default)]
+pub struct LedgerView(ContainerLedger);
+
+impl LedgerView {
+    /// Applies a decoded call of process `pid` (on no known file: a replay has no file mirror).
+    pub fn apply(&mut self, pid: u32, op: &Op, rm_status: Option<u32>) {
+        self.0.apply(pid, None, op, rm_status);
+    }
+
+    /// Live RM objects.
+    pub fn live_objects(&self) -> usize {
+        self.0.live_objects()
+    }
+
+    /// Live RM objects by class.
+    pub fn live_by_class(&self) -> BTreeMap<u32, usize> {
+        self.0.live_by_class()
+    }
+
+    /// Bytes of live video memory.
+    pub fn vram_bytes(&self) -> u64 {
+        self.0.vram_bytes()
+    }
+
+    /// The most video memory held at once.
+    pub fn peak_vram_bytes(&self) -> u64 {
+        self.0.peak_vram_bytes()
+    }
+
+    /// Whether object `handle` of `client` is live (`handle == client`: the client itself).
+    pub fn is_live(&self, client: u32, handle: u32) -> bool {
+        self.0.object(client, handle).is_some()
+    }
+}
+
+/// Replays the trace in `path` (gzipped when its name ends in `.gz`), decoding with driver `version`'s
+/// layouts.
 pub fn replay_file(path: &Path, version: &str) -> Result<Replay> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    replay(&text, version)
+    replay(&count::read_trace(path)?, version)
 }
 
 /// Replays the trace `text` (one JSON object per line), decoding with driver `version`'s layouts.
@@ -44,30 +121,55 @@ pub fn replay(text: &str, version: &str) -> Result<Replay> {
         bail!("{version:?} is not a driver version (like 580.95.05)");
     };
     let layout = Layout::for_version(version);
-    let mut ledger = Ledger::default();
+    let mut ledgers: HashMap<u64, LedgerView> = HashMap::new();
     let mut out = Replay::default();
+    let lines: Vec<&str> = text.lines().collect();
     for object in count::objects(text) {
         let (n, recorded) = object?;
-        if recorded["event"] != "ioctl" {
-            continue;
-        }
-        let event = redecode(&recorded, &layout).with_context(|| format!("line {n}"))?;
-        let Body::Ioctl(io) = &event.body else {
-            continue;
+        let (line, object, call) = if recorded["event"] == "ioctl" {
+            let event = redecode(&recorded, &layout).with_context(|| format!("line {n}"))?;
+            let Body::Ioctl(io) = &event.body else {
+                bail!("line {n}: an ioctl decoded as another event");
+            };
+            out.ioctls += 1;
+            let call = (io.ret == 0).then(|| (io.decoded.op.clone(), io.decoded.status));
+            if let Some((op, status)) = &call {
+                let l = ledgers.entry(event.cgroup_id).or_default();
+                l.apply(event.pid, op, *status);
+                out.peak_vram_bytes = out.peak_vram_bytes.max(l.peak_vram_bytes());
+            }
+            let container = recorded["container"].as_str().unwrap_or_default();
+            let line = serde_json::to_string(&TraceEvent::new(&event, container).with_raw(&event))?;
+            let now: Value = serde_json::from_str(&line)?;
+            if now != recorded {
+                out.differences.push((n, recorded, now.clone()));
+            }
+            (line, now, call)
+        } else {
+            (lines[n - 1].to_owned(), recorded, None)
         };
-        out.ioctls += 1;
-        if io.ret == 0 {
-            let l = ledger.container_mut(event.cgroup_id);
-            l.apply(event.pid, None, &io.decoded.op, io.decoded.status);
-            out.peak_vram_bytes = out.peak_vram_bytes.max(l.peak_vram_bytes());
-        }
-        let container = recorded["container"].as_str().unwrap_or_default();
-        let now = serde_json::to_value(TraceEvent::new(&event, container).with_raw(&event))?;
-        if now != recorded {
-            out.differences.push((n, recorded, now));
-        }
+        out.counts.add(&object);
+        out.rewritten.push_str(&line);
+        out.rewritten.push('\n');
+        out.events.push(Replayed {
+            line: n,
+            object,
+            call,
+        });
     }
     Ok(out)
+}
+
+/// Writes trace `text` to `path`, gzipped when its name ends in `.gz`.
+pub fn write_trace(path: &Path, text: &str) -> Result<()> {
+    let bytes = if path.extension().is_some_and(|e| e == "gz") {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        gz.write_all(text.as_bytes())?;
+        gz.finish()?
+    } else {
+        text.as_bytes().to_vec()
+    };
+    std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))
 }
 
 /// The event a recorded ioctl object came from, decoded again from its `params` and `nested`.

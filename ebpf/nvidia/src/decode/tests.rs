@@ -1,7 +1,7 @@
 //! Decoder tests: structs are built from the layout constants (never hard-coded bytes) for every band.
 
 use super::*;
-use crate::layout::DriverVersion;
+use crate::layout::{DriverVersion, uvm_free};
 use crate::params::uvm as puvm;
 use proptest::prelude::*;
 
