@@ -152,7 +152,9 @@ fn the_kit_on_the_mock_names_every_call_and_parks_through_the_program_and_the_dr
     assert_eq!(report["trace"]["ledger_peak_bytes"], 1u64 << 30);
     assert_eq!(report["trace"]["released"]["nvml"], "unavailable");
     assert!(report["trace"]["close_to_released_ns"].as_u64().is_some());
-    let by = report["trace"]["released"]["confirmed_by"].as_str().unwrap();
+    let by = report["trace"]["released"]["confirmed_by"]
+        .as_str()
+        .unwrap();
     assert!(
         ["ioctl", "syscall_return", "thread_dead", "proc"].contains(&by),
         "{by}"

@@ -96,7 +96,9 @@ fn a_file_taken_with_pidfd_getfd_keeps_the_container_held_until_the_taker_closes
     let mut h = rig.holder("pidfd");
     let mut w = rig.watch("pidfd");
     let child = h.num("fork-receiver").unwrap();
-    let cfd = h.num(&format!("child-open-state {child} nvidiactl")).unwrap();
+    let cfd = h
+        .num(&format!("child-open-state {child} nvidiactl"))
+        .unwrap();
     expect_transition(&mut w, "pidfd", "acquired");
     let opener = fd_holders(&rig, "pidfd");
     assert_eq!(opener.len(), 1, "{}", rig.status("pidfd"));
@@ -117,7 +119,9 @@ fn a_file_table_shared_with_clone_files_keeps_the_container_held_after_the_opene
     let mut w = rig.watch("sharer");
     // A child that shares the holder's fd table: what it opens, the holder has too, unseen by the probes.
     let child = h.num("clone-files").unwrap();
-    let fd = h.num(&format!("child-open-state {child} nvidiactl")).unwrap();
+    let fd = h
+        .num(&format!("child-open-state {child} nvidiactl"))
+        .unwrap();
     expect_transition(&mut w, "sharer", "acquired");
     let opener = fd_holders(&rig, "sharer");
     assert_eq!(opener.len(), 1, "{}", rig.status("sharer"));

@@ -70,7 +70,10 @@ fn runc_hooks_register_at_create_the_agent_traces_the_work_and_they_unregister_a
     // The agent traces its mock GPU work: the file, the RM client it allocates, the release.
     let fd = h.num("open nvidiactl").unwrap();
     let alloc = h.cmd(&format!("alloc {fd}")).unwrap();
-    assert_eq!(alloc[1], "0", "the root client, a device and memory were allocated: {alloc:?}");
+    assert_eq!(
+        alloc[1], "0",
+        "the root client, a device and memory were allocated: {alloc:?}"
+    );
     let acquired = watch.next_transition("worker", WITHIN).unwrap();
     assert_eq!(acquired["kind"], json!("acquired"), "{acquired}");
     assert!(

@@ -69,7 +69,10 @@ fn each_way_a_file_goes_releases_once_nothing_holds_one() {
     let client_only = h.cmd(&format!("alloc-client {fd}")).unwrap();
     assert_eq!(client_only[1], "0", "{client_only:?}");
     let alloc = h.cmd(&format!("alloc {fd}")).unwrap();
-    assert_eq!(alloc[1], "0", "the client, its device and memory were allocated: {alloc:?}");
+    assert_eq!(
+        alloc[1], "0",
+        "the client, its device and memory were allocated: {alloc:?}"
+    );
     expect_acquire(&mut w, "ways");
     let before = h.num("stamp").unwrap();
     let t = h.num(&format!("close {fd}")).unwrap();

@@ -170,7 +170,15 @@ impl FdTable {
 
     /// `tgid` duplicated `old_fd` as `fd` (the same open file; an opaque one when the mirror does not know
     /// `old_fd`).
-    pub fn dup(&mut self, tgid: u32, cgroup_id: u64, fd: i32, old_fd: i32, kind: FdKind, minor: u8) {
+    pub fn dup(
+        &mut self,
+        tgid: u32,
+        cgroup_id: u64,
+        fd: i32,
+        old_fd: i32,
+        kind: FdKind,
+        minor: u8,
+    ) {
         let file = match self.file_of(tgid, old_fd) {
             Some(f) => f,
             None => self.files.create(kind, minor, cgroup_id, true),
@@ -283,13 +291,7 @@ impl FdTable {
                 ..m
             },
         );
-        p.maps.insert(
-            at,
-            Mapping {
-                len: end - at,
-                ..m
-            },
-        );
+        p.maps.insert(at, Mapping { len: end - at, ..m });
         self.files.take_ref(m.file);
     }
 
@@ -308,7 +310,11 @@ impl FdTable {
         let end = addr.saturating_add(pages(len));
         let mut gone = 0;
         for start in self.ranges_within(tgid, addr, end) {
-            if let Some(m) = self.procs.get_mut(&tgid).and_then(|p| p.maps.remove(&start)) {
+            if let Some(m) = self
+                .procs
+                .get_mut(&tgid)
+                .and_then(|p| p.maps.remove(&start))
+            {
                 gone += m.len;
                 self.files.drop_ref(m.file);
             }
@@ -368,7 +374,11 @@ impl FdTable {
     pub fn set_dont_fork(&mut self, tgid: u32, addr: u64, len: u64, dont_fork: bool) {
         let end = addr.saturating_add(pages(len));
         for start in self.ranges_within(tgid, addr, end) {
-            if let Some(m) = self.procs.get_mut(&tgid).and_then(|p| p.maps.get_mut(&start)) {
+            if let Some(m) = self
+                .procs
+                .get_mut(&tgid)
+                .and_then(|p| p.maps.get_mut(&start))
+            {
                 m.dont_fork = dont_fork;
             }
         }
@@ -446,7 +456,13 @@ impl FdTable {
     /// Makes the mirror of `tgid` agree with what /proc shows it holds (`seen`; `alive` false: the process is
     /// gone): what the mirror had and /proc does not show goes; what /proc shows and the mirror did not have
     /// is followed as opaque files. What both show keeps the mirror's identity (and so its clients).
-    pub fn reconcile(&mut self, tgid: u32, cgroup_id: u64, alive: bool, seen: &[Seen]) -> Corrections {
+    pub fn reconcile(
+        &mut self,
+        tgid: u32,
+        cgroup_id: u64,
+        alive: bool,
+        seen: &[Seen],
+    ) -> Corrections {
         let mut c = Corrections::default();
         if !alive {
             if let Some(p) = self.exit(tgid) {
@@ -478,7 +494,7 @@ impl FdTable {
         for s in seen {
             match *s {
                 Seen::Fd { fd, kind, minor } => {
-                    if !known.fds.get(&fd).is_some_and(|nv| nv.kind == kind) {
+                    if known.fds.get(&fd).is_none_or(|nv| nv.kind != kind) {
                         self.add_opaque_fd(tgid, cgroup_id, fd, kind, minor);
                         c.new_fds.push(fd);
                     }

@@ -145,7 +145,10 @@ mod tests {
         f.keep(dev, ctl);
         f.keep(dev, ctl);
         f.drop_ref(ctl);
-        assert!(f.get(ctl).is_some(), "the registered device file keeps the ctl file");
+        assert!(
+            f.get(ctl).is_some(),
+            "the registered device file keeps the ctl file"
+        );
         assert!(f.take_released().is_empty());
         f.drop_ref(dev);
         let gone: Vec<FileId> = f.take_released().into_iter().map(|(id, _)| id).collect();

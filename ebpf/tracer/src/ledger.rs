@@ -155,10 +155,9 @@ impl ContainerLedger {
     ) {
         // An object of a client whose allocation the records never showed: the client is known from now on,
         // on no known file.
-        self.clients.entry(client).or_insert(Client {
-            file: None,
-            owner,
-        });
+        self.clients
+            .entry(client)
+            .or_insert(Client { file: None, owner });
         let obj = RmObject {
             class,
             parent,
@@ -463,13 +462,23 @@ mod tests {
                 },
                 Some(status::NV_OK),
             );
-            alloc(&mut l, client, client, client + 0x100, NV01_MEMORY_LOCAL_USER, Some(4096));
+            alloc(
+                &mut l,
+                client,
+                client,
+                client + 0x100,
+                NV01_MEMORY_LOCAL_USER,
+                Some(4096),
+            );
         }
         assert_eq!(l.release_file(f1), 1, "its memory held state");
         assert_eq!(l.vram_bytes(), 4096);
         assert!(l.object(0xc2, 0xc2).is_some());
         l.release_process(7);
-        assert!(l.holds_gpu_state(), "a client on a known file goes with the file, not the process");
+        assert!(
+            l.holds_gpu_state(),
+            "a client on a known file goes with the file, not the process"
+        );
         assert_eq!(l.release_file(f2), 1);
         assert_eq!(l.release_file(f2), 0, "nothing left on it");
         assert!(!l.holds_gpu_state());

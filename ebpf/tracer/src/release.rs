@@ -351,7 +351,11 @@ mod tests {
     fn a_removal_is_pending_until_its_thread_is_confirmed() {
         let mut r = Releases::default();
         r.removed(11, 10, 5, 1_000, false, &[3]);
-        assert_eq!(r.unconfirmed(5), 0, "a removal that released no GPU state holds nothing back");
+        assert_eq!(
+            r.unconfirmed(5),
+            0,
+            "a removal that released no GPU state holds nothing back"
+        );
         r.freed_state(10, 5, 1_000);
         r.removed(12, 10, 5, 2_000, true, &[]);
         r.freed_state(10, 5, 2_000);

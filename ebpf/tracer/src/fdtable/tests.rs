@@ -20,8 +20,15 @@ fn partial_unmap_trims_and_full_unmap_releases() {
     assert_eq!(t.get(7).unwrap().maps.len(), 2, "a hole in the middle");
     assert!(released(&mut t).is_empty(), "the rest is still mapped");
     assert_eq!(t.unmap(7, 0, 0x100000), 2 * PAGE);
-    assert!(t.get(7).is_none(), "a process with nothing left is forgotten");
-    assert_eq!(released(&mut t), vec![f], "the last range was the file's last reference");
+    assert!(
+        t.get(7).is_none(),
+        "a process with nothing left is forgotten"
+    );
+    assert_eq!(
+        released(&mut t),
+        vec![f],
+        "the last range was the file's last reference"
+    );
 }
 
 #[test]
@@ -44,12 +51,22 @@ fn fork_shares_files_but_not_dontfork_ranges_and_exec_drops_closed_fds() {
     let copied = t.fork(1, 2);
     assert_eq!(copied.len(), 2);
     let child = t.get(2).unwrap();
-    assert_eq!(child.fds[&3].file, ctl, "a forked child shares the open file");
+    assert_eq!(
+        child.fds[&3].file, ctl,
+        "a forked child shares the open file"
+    );
     assert_eq!(child.maps.len(), 1, "the MADV_DONTFORK range is not copied");
     assert_eq!(t.exec(2, &|fd| fd == 3), vec![4]);
-    assert!(t.get(2).unwrap().maps.is_empty(), "no mapping survives exec");
+    assert!(
+        t.get(2).unwrap().maps.is_empty(),
+        "no mapping survives exec"
+    );
     assert!(t.exit(1).is_some());
-    assert_eq!(released(&mut t), vec![dev], "the child still holds the ctl file");
+    assert_eq!(
+        released(&mut t),
+        vec![dev],
+        "the child still holds the ctl file"
+    );
     assert_eq!(t.remove_fd(2, 3).map(|nv| nv.file), Some(ctl));
     assert!(t.get(2).is_none());
     assert_eq!(released(&mut t), vec![ctl]);
@@ -94,7 +111,10 @@ fn map_fixed_over_a_range_ends_what_it_covers() {
     // MapFixed is applied as an unmap of its range.
     assert_eq!(t.unmap(1, 0x100000, 2 * PAGE), 2 * PAGE);
     assert_eq!(t.get(1).unwrap().maps[&0x102000].len, 2 * PAGE);
-    assert!(released(&mut t).is_empty(), "half a mapping still holds the file");
+    assert!(
+        released(&mut t).is_empty(),
+        "half a mapping still holds the file"
+    );
     assert_eq!(t.unmap(1, 0x102000, 2 * PAGE), 2 * PAGE);
     assert_eq!(released(&mut t), vec![f]);
 }
@@ -108,11 +128,23 @@ fn mremap_moves_shrinks_and_grows_ranges() {
     // Moved (MREMAP_MAYMOVE): the file is still mapped, elsewhere.
     let gone = t.mremap(1, 9, (0x100000, 4 * PAGE), (0x900000, 4 * PAGE), 1);
     assert_eq!(gone, 0);
-    assert!(released(&mut t).is_empty(), "a moved mapping still holds its file");
-    let maps: Vec<(u64, u64)> = t.get(1).unwrap().maps.iter().map(|(a, m)| (*a, m.len)).collect();
+    assert!(
+        released(&mut t).is_empty(),
+        "a moved mapping still holds its file"
+    );
+    let maps: Vec<(u64, u64)> = t
+        .get(1)
+        .unwrap()
+        .maps
+        .iter()
+        .map(|(a, m)| (*a, m.len))
+        .collect();
     assert_eq!(maps, vec![(0x900000, 4 * PAGE)]);
     // Shrunk in place: the tail went.
-    assert_eq!(t.mremap(1, 9, (0x900000, 4 * PAGE), (0x900000, PAGE), 0), 3 * PAGE);
+    assert_eq!(
+        t.mremap(1, 9, (0x900000, 4 * PAGE), (0x900000, PAGE), 0),
+        3 * PAGE
+    );
     // Grown in place.
     assert_eq!(t.mremap(1, 9, (0x900000, PAGE), (0x900000, 2 * PAGE), 0), 0);
     assert_eq!(t.get(1).unwrap().maps[&0x900000].len, 2 * PAGE);

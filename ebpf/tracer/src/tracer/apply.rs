@@ -108,7 +108,7 @@ impl Tracer {
                 len,
                 dont_fork,
             } => {
-                if !self.fds.get(pid).is_some_and(|p| !p.maps.is_empty()) {
+                if self.fds.get(pid).is_none_or(|p| p.maps.is_empty()) {
                     return Ok(false);
                 }
                 self.fds.set_dont_fork(pid, *addr, *len, *dont_fork);
@@ -165,7 +165,11 @@ impl Tracer {
         self.ledger
             .container_mut(cg)
             .apply(pid, file, op, io.decoded.status);
-        if io.decoded.status.is_some_and(|s| s != baton_nvidia::status::NV_OK) {
+        if io
+            .decoded
+            .status
+            .is_some_and(|s| s != baton_nvidia::status::NV_OK)
+        {
             return;
         }
         let Some(file) = file else {

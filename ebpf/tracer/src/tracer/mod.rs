@@ -373,7 +373,12 @@ impl Tracer {
             mappings += p.maps.len();
         }
         let (mut opaque_files, mut uvm_gpus) = (0, 0);
-        for (_, f) in self.fds.files().iter().filter(|(_, f)| f.cgroup_id == cgroup_id) {
+        for (_, f) in self
+            .fds
+            .files()
+            .iter()
+            .filter(|(_, f)| f.cgroup_id == cgroup_id)
+        {
             opaque_files += usize::from(f.opaque);
             uvm_gpus += f.uvm_gpus;
         }

@@ -179,7 +179,12 @@ impl Holder {
                 now_ns().to_string()
             }
             "mremap" => {
-                let to = remap(num(1)? as usize, num(2)? as usize, num(3)? as usize, words.get(4) == Some(&"move"))?;
+                let to = remap(
+                    num(1)? as usize,
+                    num(2)? as usize,
+                    num(3)? as usize,
+                    words.get(4) == Some(&"move"),
+                )?;
                 format!("0x{to:x} {}", now_ns())
             }
             "dontfork" => {

@@ -228,13 +228,20 @@ pub fn alloc_gpu_state(fd: RawFd, dev_dir: &Path) -> anyhow::Result<(u32, u32)> 
     let layout = Layout::DEFAULT;
     let form = super::calls::AllocForm::Nvos21;
     let built = (|| {
-        let client = super::calls::rm_alloc(&file, &layout, form, [0; 3], class::NV01_ROOT_CLIENT, None)?;
+        let client =
+            super::calls::rm_alloc(&file, &layout, form, [0; 3], class::NV01_ROOT_CLIENT, None)?;
         if client.status != 0 {
             return Ok((client.handle, client.status));
         }
         let c = client.handle;
-        let device =
-            super::calls::rm_alloc(&file, &layout, form, [c, c, 0x4855_0001], class::NV01_DEVICE_0, None)?;
+        let device = super::calls::rm_alloc(
+            &file,
+            &layout,
+            form,
+            [c, c, 0x4855_0001],
+            class::NV01_DEVICE_0,
+            None,
+        )?;
         if device.status != 0 {
             return Ok((c, device.status));
         }

@@ -82,7 +82,10 @@ impl Core {
             let corrections = match tracer.reconcile(pids) {
                 Ok(c) => c,
                 Err(e) => {
-                    tracing::warn!(id = c.id, "agent: checking the mirror against /proc failed: {e}");
+                    tracing::warn!(
+                        id = c.id,
+                        "agent: checking the mirror against /proc failed: {e}"
+                    );
                     continue;
                 }
             };

@@ -326,8 +326,14 @@ fn frees_state(r: &Record) -> bool {
         return false;
     };
     io.ret == 0
-        && io.decoded.status.is_none_or(|s| s == baton_nvidia::status::NV_OK)
-        && matches!(io.decoded.op, Op::Free { .. } | Op::VidHeapFree { .. } | Op::UvmUnregisterGpu)
+        && io
+            .decoded
+            .status
+            .is_none_or(|s| s == baton_nvidia::status::NV_OK)
+        && matches!(
+            io.decoded.op,
+            Op::Free { .. } | Op::VidHeapFree { .. } | Op::UvmUnregisterGpu
+        )
 }
 
 /// Whether record `r` created GPU state: an allocation the driver answered NV_OK for of a class that is more
@@ -336,7 +342,12 @@ fn creates_state(r: &Record) -> bool {
     let Body::Ioctl(io) = &r.body else {
         return false;
     };
-    if io.ret != 0 || io.decoded.status.is_some_and(|s| s != baton_nvidia::status::NV_OK) {
+    if io.ret != 0
+        || io
+            .decoded
+            .status
+            .is_some_and(|s| s != baton_nvidia::status::NV_OK)
+    {
         return false;
     }
     match io.decoded.op {
