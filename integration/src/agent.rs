@@ -44,11 +44,33 @@ impl AgentProcess {
         log: &Path,
         flags: &[&str],
     ) -> anyhow::Result<Self> {
+        Self::start_program_with_env(baton, socket, log, flags, &[])
+    }
+
+    /// [`AgentProcess::start_with`] with more variables in the agent's environment (the fake NVML's).
+    pub fn start_with_env(
+        socket: &Path,
+        log: &Path,
+        flags: &[&str],
+        env: &[(&str, std::ffi::OsString)],
+    ) -> anyhow::Result<Self> {
+        let baton = workspace_binary("baton", "baton")?;
+        Self::start_program_with_env(&baton, socket, log, flags, env)
+    }
+
+    fn start_program_with_env(
+        baton: &Path,
+        socket: &Path,
+        log: &Path,
+        flags: &[&str],
+        env: &[(&str, std::ffi::OsString)],
+    ) -> anyhow::Result<Self> {
         let log_file = std::fs::File::create(log)?;
         let child = Command::new(baton)
             .args(["agent", "--socket"])
             .arg(socket)
             .args(flags)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log_file.try_clone()?)
             .stderr(log_file)

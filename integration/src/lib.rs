@@ -16,6 +16,7 @@ pub mod containerd;
 pub mod cri;
 pub mod cuda;
 pub mod env;
+pub mod fake_nvml;
 pub mod fifo;
 pub mod gpu_check;
 pub mod holder;

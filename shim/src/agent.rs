@@ -1,7 +1,7 @@
 //! The shim's link to the node's `baton agent`, which owns the probes: the shim registers each container
 //! that sees NVIDIA device files (before its program runs), unregisters it at delete, and turns the
-//! agent's acquired/released events for its containers into containerd events (`/baton/gpu/acquired`,
-//! `/baton/gpu/released`) and log lines.
+//! agent's acquired/released events for its containers, and NVML's cross-check of each release, into
+//! containerd events (`/baton/gpu/acquired`, `/baton/gpu/released`, `/baton/gpu/nvml_check`) and log lines.
 //!
 //! Nothing here can fail or hold up a container for long: registration waits at most
 //! [`REGISTER_TIMEOUT`], and a shim that cannot reach the agent runs its containers as plain runc and says
@@ -565,9 +565,27 @@ impl Link {
                     "confirmed_by": r.confirmed_by,
                     "objects_freed": r.objects_freed,
                     "bytes_freed": r.bytes_freed.to_string(),
-                    "nvml": r.nvml,
                 });
                 self.events.gpu(GPU_RELEASED_TOPIC, &payload).await;
+            }
+            EventBody::NvmlCheck(c) => {
+                tracing::info!(
+                    id,
+                    released_seq = c.released_seq,
+                    nvml = %serde_json::to_string(&c.nvml).unwrap_or_default(),
+                    "gpu: NVML's cross-check of the release"
+                );
+                let payload = serde_json::json!({
+                    "container_id": id,
+                    "namespace": e.container.namespace,
+                    "released_seq": c.released_seq.to_string(),
+                    "t_released_ns": c.t_released_ns.to_string(),
+                    "pids": c.pids,
+                    "t_asked_ns": c.t_asked_ns.to_string(),
+                    "took_ns": c.took_ns.to_string(),
+                    "nvml": c.nvml,
+                });
+                self.events.gpu(GPU_NVML_CHECK_TOPIC, &payload).await;
             }
             EventBody::Unregistered {
                 live_objects,
@@ -580,7 +598,7 @@ impl Link {
                 peak_vram_bytes,
                 "gpu: the agent no longer watches the container"
             ),
-            EventBody::Registered { .. } => {}
+            EventBody::Registered { .. } | EventBody::Other => {}
         }
     }
 }
@@ -589,6 +607,8 @@ impl Link {
 pub const GPU_ACQUIRED_TOPIC: &str = "/baton/gpu/acquired";
 /// containerd topic of the released signal.
 pub const GPU_RELEASED_TOPIC: &str = "/baton/gpu/released";
+/// containerd topic of NVML's cross-check of a release (after `/baton/gpu/released`).
+pub const GPU_NVML_CHECK_TOPIC: &str = "/baton/gpu/nvml_check";
 
 /// The next event on the watch connection, or never without one.
 async fn next_event(

@@ -509,6 +509,12 @@ pub enum EventBody {
     Acquired(Acquired),
     /// The container's CUDA state has left the GPU.
     Released(Released),
+    /// NVML's view after a `released`: the cross-check, taken after that event was published, so that it
+    /// never delays it. Each `released` is followed by one, sooner or later (other events may come between).
+    NvmlCheck(NvmlCheck),
+    /// An event of a kind this build does not know (from a newer agent): skipped, not an error.
+    #[serde(other)]
+    Other,
 }
 
 /// The acquired signal.
@@ -535,8 +541,77 @@ pub struct Released {
     pub objects_freed: usize,
     /// Video memory the release freed, in bytes.
     pub bytes_freed: u64,
-    /// What NVML reports for those pids, or `"unavailable"` without NVML.
-    pub nvml: serde_json::Value,
+}
+
+/// NVML's cross-check of a release (the `nvml_check` event).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NvmlCheck {
+    /// `seq` of the `released` event it checks.
+    pub released_seq: u64,
+    /// That event's `t_released_ns`.
+    pub t_released_ns: u64,
+    /// That event's `pids`: NVML's processes are looked for among them.
+    pub pids: Vec<u32>,
+    /// CLOCK_MONOTONIC ns when the agent began asking NVML (0 when it did not: `dropped`); a query still
+    /// running from an earlier check is waited for first.
+    pub t_asked_ns: u64,
+    /// How long NVML took to answer, ns (the time bound when it did not answer within it; 0 when not asked).
+    pub took_ns: u64,
+    /// What NVML said, or why it said nothing.
+    pub nvml: NvmlView,
+}
+
+/// NVML's answer: an object, or a string saying why there is none.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum NvmlView {
+    /// What NVML listed.
+    Seen(NvmlSeen),
+    /// Why it listed nothing.
+    Missing(NvmlMissing),
+}
+
+/// What NVML listed after a release.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NvmlSeen {
+    /// The compute processes NVML still lists among the released pids (none, after a real release).
+    pub processes: Vec<NvmlProcess>,
+    /// Each device's used memory.
+    pub devices: Vec<NvmlDevice>,
+}
+
+/// A compute process NVML lists on a device.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NvmlProcess {
+    /// NVML's device index.
+    pub device: u32,
+    /// Its pid.
+    pub pid: u32,
+    /// Device memory NVML counts for it, in bytes; `None` when NVML has no figure.
+    pub used_bytes: Option<u64>,
+}
+
+/// A device as NVML reports it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NvmlDevice {
+    /// NVML's device index.
+    pub device: u32,
+    /// Its minor number (N of `/dev/nvidiaN`); `None` when NVML does not say.
+    pub minor: Option<u32>,
+    /// Its used memory, in bytes.
+    pub used_bytes: u64,
+}
+
+/// Why an `nvml_check` carries no view.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NvmlMissing {
+    /// No NVML on this node (no NVIDIA driver, as on the mock), or a query failed.
+    Unavailable,
+    /// NVML did not answer within the agent's time bound.
+    TimedOut,
+    /// Not asked: more releases waited for NVML than the agent keeps (the oldest go first).
+    Dropped,
 }
 
 #[cfg(test)]
@@ -619,6 +694,55 @@ mod tests {
         assert_eq!(v["event"]["pid"], 42);
         let back: EventLine = serde_json::from_value(v).unwrap();
         assert_eq!(back, line);
+    }
+
+    #[test]
+    fn an_nvml_check_carries_nvmls_view_or_why_there_is_none() {
+        let check = |nvml| NvmlCheck {
+            released_seq: 3,
+            t_released_ns: 35_643_870_635,
+            pids: vec![444],
+            t_asked_ns: 35_643_900_000,
+            took_ns: 6_700_000,
+            nvml,
+        };
+        // What NVML said after a release on the H200 (/work/shared/gpu/580.159.04/report.json,
+        // trace.released.nvml): a device with no memory used, no process left.
+        let seen = check(NvmlView::Seen(NvmlSeen {
+            processes: vec![],
+            devices: vec![NvmlDevice {
+                device: 0,
+                minor: Some(0),
+                used_bytes: 0,
+            }],
+        }));
+        let v = serde_json::to_value(EventBody::NvmlCheck(seen.clone())).unwrap();
+        assert_eq!(v["kind"], "nvml_check");
+        assert_eq!(v["released_seq"], 3);
+        assert_eq!(
+            v["nvml"],
+            serde_json::json!({"processes": [], "devices": [{"device": 0, "minor": 0, "used_bytes": 0}]})
+        );
+        assert_eq!(
+            serde_json::from_value::<EventBody>(v).unwrap(),
+            EventBody::NvmlCheck(seen)
+        );
+        let dropped = check(NvmlView::Missing(NvmlMissing::Dropped));
+        let v = serde_json::to_value(EventBody::NvmlCheck(dropped.clone())).unwrap();
+        assert_eq!(v["nvml"], "dropped");
+        assert_eq!(
+            serde_json::from_value::<EventBody>(v).unwrap(),
+            EventBody::NvmlCheck(dropped)
+        );
+    }
+
+    #[test]
+    fn an_event_of_a_kind_this_build_does_not_know_is_read_as_other() {
+        let line =
+            r#"{"v":1,"event":{"seq":9,"t_ns":1,"id":"c","namespace":"n","kind":"later","x":1}}"#;
+        let e: EventLine = serde_json::from_str(line).unwrap();
+        assert_eq!(e.event.body, EventBody::Other);
+        assert_eq!(e.event.seq, 9);
     }
 
     #[test]

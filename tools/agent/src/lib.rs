@@ -75,6 +75,17 @@ pub struct AgentArgs {
     /// container (in the node's mount namespace) never count anyway.
     #[arg(long = "exempt-cgroup", value_name = "PATH")]
     exempt_cgroups: Vec<String>,
+    /// The NVML library for the cross-check of each release (`nvml_check` events) and `status`'s NVML
+    /// column: a path, or a name the dynamic loader finds (default: libnvidia-ml.so.1, NVIDIA's). A node
+    /// setting: where an image mounts the driver's libraries elsewhere (/usr/local/nvidia/lib64).
+    #[arg(long, value_name = "PATH")]
+    nvml_library: Option<PathBuf>,
+    /// How long NVML may take to answer one release's cross-check (ms, 1 to 60000): past it the check says
+    /// `timed_out`, and the next waits for that query within its own bound (NVML is asked one query at a
+    /// time).
+    #[arg(long, default_value_t = nvml::DEFAULT_QUERY_BOUND_MS,
+          value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    nvml_timeout_ms: u64,
 }
 
 impl AgentArgs {
@@ -207,9 +218,14 @@ async fn serve_until_signal(
     bounds: control::Bounds,
     args: &AgentArgs,
 ) -> Result<(), AgentError> {
+    nvml::configure(args.nvml_library.clone());
     nvml::initialise_in_background();
     let (events, _) = broadcast::channel(4096);
     let (commands, rx) = mpsc::channel(64);
+    nvml::start(
+        commands.clone(),
+        std::time::Duration::from_millis(args.nvml_timeout_ms),
+    );
     let controller = control::spawn(bounds, commands.clone());
     let exempt = holders::Exempt {
         cgroups: args.exempt_cgroups.clone(),

@@ -376,5 +376,45 @@ pub fn render_event(e: &Event) -> String {
             r.objects_freed,
             r.bytes_freed
         ),
+        EventBody::NvmlCheck(c) => format!(
+            "{head} nvml_check released_seq={} asked_after_us={:.1} took_us={:.1} nvml={}",
+            c.released_seq,
+            c.t_asked_ns.saturating_sub(c.t_released_ns) as f64 / 1e3,
+            c.took_ns as f64 / 1e3,
+            serde_json::to_string(&c.nvml).unwrap_or_default()
+        ),
+        EventBody::Other => format!("{head} (an event kind this baton does not know)"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use baton_agent_api::{ContainerRef, NvmlCheck, NvmlMissing, NvmlView};
+
+    use super::*;
+
+    #[test]
+    fn an_nvml_check_line_names_the_release_it_checks_and_what_nvml_said() {
+        let e = Event {
+            seq: 8,
+            t_ns: 2_500_000_000,
+            container: ContainerRef {
+                id: "trainer".into(),
+                namespace: "default".into(),
+            },
+            body: EventBody::NvmlCheck(NvmlCheck {
+                released_seq: 7,
+                t_released_ns: 1_000_000,
+                pids: vec![42],
+                t_asked_ns: 1_250_000,
+                took_ns: 7_000_000,
+                nvml: NvmlView::Missing(NvmlMissing::TimedOut),
+            }),
+        };
+        assert_eq!(
+            render_event(&e),
+            "2.500000000 default/trainer nvml_check released_seq=7 asked_after_us=250.0 took_us=7000.0 \
+             nvml=\"timed_out\""
+        );
     }
 }

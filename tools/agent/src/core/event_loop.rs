@@ -99,6 +99,10 @@ impl Core {
                 let _ = answer.send(self.check_peer(peer_pid));
                 acknowledged()
             }
+            What::NvmlChecked(checked) => {
+                self.publish_nvml_check(*checked);
+                acknowledged()
+            }
             What::SetPreemption { container, state } => {
                 let found = self.set_preemption(&container, state);
                 Reply::Unregistered { found }

@@ -46,6 +46,8 @@ pub enum What {
     Metrics(oneshot::Sender<Snapshot>),
     /// Whether the connection's peer may ask anything: a process inside a watched container may not.
     CheckPeer(oneshot::Sender<Result<(), String>>),
+    /// NVML's cross-check of a release, to publish (`nvml_check`).
+    NvmlChecked(Box<crate::nvml::Checked>),
     /// A preemption changed a container's state.
     SetPreemption {
         /// Which container.

@@ -269,7 +269,6 @@ mod tests {
             confirmed_by: "syscall_return".into(),
             objects_freed: 0,
             bytes_freed: 0,
-            nvml: Default::default(),
         };
         m.released(&r, 101_000);
         m.freeze_confirmed(true, 200_000);

@@ -1,10 +1,15 @@
 //! What the registry tells others: each container's transitions as events on the agent's stream (numbered,
-//! the released signal also counted for the metrics), and the watched containers as the co-runner
-//! controller's members.
-use baton_agent_api::{ContainerRef, Event, EventBody};
+//! the released signal also counted for the metrics), each release's NVML cross-check after it (never
+//! before it: see [`crate::nvml`]), and the watched containers as the co-runner controller's members.
+use baton_agent_api::{ContainerRef, Event, EventBody, NvmlView};
 use baton_tracer::now_monotonic_ns;
 
-use crate::{control, core::Core, metrics::events::events};
+use crate::{
+    control,
+    core::Core,
+    metrics::events::events,
+    nvml::{self, Checked, Pending},
+};
 
 /// An event on its way to the watchers, with the pid of the process that registered its container.
 #[derive(Clone, Debug)]
@@ -41,11 +46,51 @@ impl Core {
             container: c.clone(),
             body,
         };
-        if let EventBody::Released(r) = &event.body {
-            events().released(r, event.t_ns);
-        }
+        let check = match &event.body {
+            EventBody::Released(r) => {
+                events().released(r, event.t_ns);
+                Some(Pending {
+                    container: c.clone(),
+                    owner,
+                    released_seq: event.seq,
+                    t_released_ns: r.t_released_ns,
+                    pids: r.pids.clone(),
+                })
+            }
+            _ => None,
+        };
         // No watcher is not an error: the state is in `status`.
         let _ = self.events.send(Published { event, owner });
+        // NVML is asked after the release went out, off this thread; a check dropped to make room goes now.
+        if let Some(dropped) = check.and_then(nvml::check_later) {
+            self.publish_nvml_check(dropped);
+        }
+    }
+
+    /// Publishes NVML's cross-check of a release (`nvml_check`), logging what NVML still lists among the
+    /// released pids: after a release it should list none of them.
+    pub(crate) fn publish_nvml_check(&mut self, checked: Checked) {
+        let (c, owner, check) = checked.into_event();
+        match &check.nvml {
+            NvmlView::Seen(seen) if !seen.processes.is_empty() => tracing::warn!(
+                id = c.id,
+                released_seq = check.released_seq,
+                "agent: NVML still lists released processes {:?} {} us after the release was confirmed",
+                seen.processes,
+                check
+                    .t_asked_ns
+                    .saturating_sub(check.t_released_ns)
+                    .saturating_add(check.took_ns)
+                    / 1_000
+            ),
+            NvmlView::Missing(why) => tracing::debug!(
+                id = c.id,
+                released_seq = check.released_seq,
+                "agent: no NVML cross-check of the release: {why:?}"
+            ),
+            NvmlView::Seen(_) => {}
+        }
+        self.publish(&c, owner, EventBody::NvmlCheck(check));
     }
 
     /// Tells the controller the watched containers, when they changed.

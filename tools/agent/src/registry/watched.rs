@@ -238,7 +238,6 @@ impl Watched {
             confirmed_by,
             objects_freed: self.held_objects.saturating_sub(state.live_objects),
             bytes_freed: self.held_vram.saturating_sub(state.vram_bytes),
-            nvml: crate::nvml::view(&self.holders),
         }
     }
 

@@ -1,0 +1,67 @@
+//! The fake NVML library (`integration/fake-nvml`) for a test's agent: built, copied to
+//! `libnvidia-ml.so.1` in the test's folder (given to `baton agent --nvml-library`), and the environment
+//! that points it at the test's mock driver, slows each call and holds its answers while a file is there.
+use std::{
+    ffi::OsString,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use crate::shim_binary::{build_package, target_dir};
+
+/// The fake library in a test's folder, and how it answers.
+pub struct FakeNvml {
+    /// `<dir>/libnvidia-ml.so.1`.
+    pub library: PathBuf,
+    /// The mock driver's mount folder it answers from.
+    pub mock: PathBuf,
+    /// How long each call takes.
+    pub delay: Duration,
+    /// While this file is there, every device query waits.
+    pub hold: PathBuf,
+}
+
+impl FakeNvml {
+    /// Builds the fake (this binary's profile; cargo does nothing when it is up to date) and copies it into
+    /// `dir`, answering from the mock mounted at `mock` after `delay` per call.
+    pub fn install(dir: &Path, mock: &Path, delay: Duration) -> anyhow::Result<Self> {
+        let release = !cfg!(debug_assertions);
+        let profile = build_package("baton-fake-nvml", release)?;
+        let built = target_dir().join(profile).join("libbaton_fake_nvml.so");
+        anyhow::ensure!(
+            built.is_file(),
+            "fake NVML not found at {}",
+            built.display()
+        );
+        let library = dir.join("libnvidia-ml.so.1");
+        std::fs::copy(&built, &library)?;
+        Ok(Self {
+            library,
+            mock: mock.to_owned(),
+            delay,
+            hold: dir.join("nvml-hold"),
+        })
+    }
+
+    /// The environment the agent loading it needs (the names integration/fake-nvml reads).
+    pub fn env(&self) -> Vec<(&'static str, OsString)> {
+        vec![
+            ("BATON_FAKE_NVML_MOCK", self.mock.clone().into_os_string()),
+            (
+                "BATON_FAKE_NVML_DELAY_US",
+                self.delay.as_micros().to_string().into(),
+            ),
+            ("BATON_FAKE_NVML_HOLD", self.hold.clone().into_os_string()),
+        ]
+    }
+
+    /// NVML answers no device query until [`FakeNvml::answer`].
+    pub fn hold(&self) -> std::io::Result<()> {
+        std::fs::write(&self.hold, b"")
+    }
+
+    /// NVML answers again.
+    pub fn answer(&self) -> std::io::Result<()> {
+        std::fs::remove_file(&self.hold)
+    }
+}
