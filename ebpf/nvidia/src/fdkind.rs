@@ -44,6 +44,16 @@ pub enum FdKind {
 }
 
 impl FdKind {
+    /// Whether a file of this kind can carry GPU state: RM clients live on ctl and device files, UVM state on
+    /// UVM files. A capability file (`/dev/nvidia-caps/nvidia-capN`) carries none: CUDA opens the MIG
+    /// capabilities (cap1, cap2) at init and keeps them open; the driver only checks them when an object is
+    /// allocated (recorded on the H200: /work/shared/gpu/580.159.04/README.md, device numbers 241:1 and
+    /// 241:2, inherited by a forked worker with the rest). So holding one is not holding the GPU.
+    #[inline(always)]
+    pub const fn carries_gpu_state(self) -> bool {
+        !matches!(self, FdKind::Caps | FdKind::Unknown)
+    }
+
     /// The kind stored as `v` (inverse of `as u8`); unknown values map to [`FdKind::Unknown`].
     #[inline(always)]
     pub const fn from_u8(v: u8) -> FdKind {
@@ -208,6 +218,13 @@ pub const fn classify_name(name: &[u8]) -> Option<(FdKind, u8)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn capability_files_carry_no_gpu_state() {
+        assert!(!FdKind::Caps.carries_gpu_state());
+        assert!(FdKind::Ctl.carries_gpu_state() && FdKind::Device.carries_gpu_state());
+        assert!(FdKind::Uvm.carries_gpu_state());
+    }
     use proptest::prelude::*;
 
     #[test]

@@ -179,8 +179,10 @@ impl Watched {
 
     /// What the processes of its cgroup (and the cgroups below) hold, read from /proc (the kernel's word,
     /// whatever the records said), less what the mirror accounts for: an fd it has under that number, of that
-    /// kind, or a mapping range it has at that address. What is left came to its holder in a way the probes
-    /// do not see (SCM_RIGHTS, pidfd_getfd, a shared fd table, io_uring, a device node of another name).
+    /// kind, or a mapping range it has at that address; and files that cannot carry GPU state (the MIG
+    /// capability files CUDA keeps open, which the probes do not follow). What is left came to its holder in a
+    /// way the probes do not see (SCM_RIGHTS, pidfd_getfd, a shared fd table, io_uring, a device node of
+    /// another name).
     fn unaccounted_holders(&self, tracer: &mut Tracer, classifier: &Classifier) -> Vec<Holding> {
         let Some(dir) = tracer.cgroup_dir(self.cgroup_id) else {
             return Vec::new();
@@ -189,7 +191,7 @@ impl Watched {
         classifier
             .holdings_of_all(pids_of_cgroup_tree(&dir))
             .into_iter()
-            .filter(|h| !accounted(table, h))
+            .filter(|h| h.kind.carries_gpu_state() && !accounted(table, h))
             .collect()
     }
 
