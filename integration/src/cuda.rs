@@ -65,6 +65,17 @@ impl Default for Trainer {
     }
 }
 
+impl Trainer {
+    /// The default trainer with a forked worker, as a PyTorch trainer with DataLoader workers runs (what the
+    /// H200 recording shows a park must get past: /work/shared/gpu/580.159.04/README.md, point 5).
+    pub fn with_worker() -> Self {
+        Self {
+            fork_worker: true,
+            ..Self::default()
+        }
+    }
+}
+
 impl CudaRig {
     /// Starts the rig, or `None` after reporting a skip.
     pub fn start(name: &str) -> Option<Self> {

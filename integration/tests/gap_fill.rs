@@ -96,7 +96,7 @@ fn a_server_behind_the_gate_starts_on_the_preemptible_trainers_release_and_the_t
     let Some(rig) = CudaRig::start("gapfill-loop") else {
         return;
     };
-    let mut trainer = rig.run("trainer", &Trainer::default(), &PREEMPTIBLE);
+    let mut trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
     wait_held(&rig, "trainer");
     // `baton status` shows the GPU the trainer sees, the ledger's memory beside NVML's (none on the mock).
     let (out, err, ok) = rig.baton(&["status", "--json"]);
@@ -105,7 +105,7 @@ fn a_server_behind_the_gate_starts_on_the_preemptible_trainers_release_and_the_t
     assert_eq!(
         gpus,
         json!([{"device": "nvidia0", "minor": 0, "containers": 1,
-                "ledger_vram_bytes": Trainer::default().vram_mib << 20, "nvml_used_bytes": null}]),
+                "ledger_vram_bytes": Trainer::with_worker().vram_mib << 20, "nvml_used_bytes": null}]),
         "{out}"
     );
     let (out, _, _) = rig.baton(&["status"]);
@@ -115,7 +115,7 @@ fn a_server_behind_the_gate_starts_on_the_preemptible_trainers_release_and_the_t
         "{out}"
     );
     let mut events = rig.gpu.watch("trainer");
-    let _server = rig.create("server", &Trainer::default(), &SERVER);
+    let _server = rig.create("server", &Trainer::with_worker(), &SERVER);
     let start = start_in_background(&rig, "server");
 
     // Nobody but the agent acts: the server's Start returns once the trainer's GPU state has left the GPU.
@@ -175,13 +175,13 @@ fn a_holder_without_preemptible_keeps_the_gpu_and_the_gates_error_names_it_and_w
         return;
     };
     let co_runner = [("baton.io/role", "co-runner")];
-    let _trainer = rig.run("trainer", &Trainer::default(), &co_runner);
+    let _trainer = rig.run("trainer", &Trainer::with_worker(), &co_runner);
     wait_held(&rig, "trainer");
     let short = [
         ("baton.io/role", "latency-critical"),
         ("baton.io/wait-gpu-free", "1s"),
     ];
-    let _server = rig.create("server", &Trainer::default(), &short);
+    let _server = rig.create("server", &Trainer::with_worker(), &short);
     let err = start_fails(&rig, "server");
     assert!(
         err.contains("still held by container trainer") && err.contains("baton.io/preemptible"),
@@ -197,14 +197,14 @@ fn a_co_runner_behind_the_gate_never_preempts_a_server() {
         return;
     };
     let server = [("baton.io/role", "latency-critical")];
-    let _server = rig.run("server", &Trainer::default(), &server);
+    let _server = rig.run("server", &Trainer::with_worker(), &server);
     wait_held(&rig, "server");
     let co_runner = [
         ("baton.io/role", "co-runner"),
         ("baton.io/preemptible", "park"),
         ("baton.io/wait-gpu-free", "1s"),
     ];
-    let _trainer = rig.create("trainer", &Trainer::default(), &co_runner);
+    let _trainer = rig.create("trainer", &Trainer::with_worker(), &co_runner);
     let err = start_fails(&rig, "trainer");
     assert!(
         err.contains("still held by container server") && err.contains("never preempted"),
@@ -221,11 +221,11 @@ fn a_failed_preemption_fails_the_servers_start_naming_the_co_runner_which_keeps_
     };
     let failing = Trainer {
         extra: vec!["--fail-at".into(), "checkpoint".into()],
-        ..Trainer::default()
+        ..Trainer::with_worker()
     };
     let _trainer: Running = rig.run("trainer", &failing, &PREEMPTIBLE);
     wait_held(&rig, "trainer");
-    let _server = rig.create("server", &Trainer::default(), &SERVER);
+    let _server = rig.create("server", &Trainer::with_worker(), &SERVER);
     let asked = std::time::Instant::now();
     let err = start_fails(&rig, "server");
     assert!(
@@ -250,7 +250,7 @@ fn parked_co_runners_resume_highest_priority_first_and_one_that_finishes_or_is_k
     let small = |extra: &[&str]| Trainer {
         vram_mib: 64,
         extra: extra.iter().map(|e| e.to_string()).collect(),
-        ..Trainer::default()
+        ..Trainer::with_worker()
     };
     let with_priority = |p: &'static str| {
         [
@@ -270,7 +270,7 @@ fn parked_co_runners_resume_highest_priority_first_and_one_that_finishes_or_is_k
         wait_held(&rig, id);
     }
     let mut low_events = rig.gpu.watch("low");
-    let _server = rig.create("server", &Trainer::default(), &SERVER);
+    let _server = rig.create("server", &Trainer::with_worker(), &SERVER);
     let api = rig.gpu.env.api().unwrap();
     api.start("server", "").unwrap();
     for id in ["low", "high", "victim"] {
@@ -343,11 +343,11 @@ fn two_servers_behind_the_gate_both_start_on_one_preemption_and_the_trainer_resu
     let Some(rig) = CudaRig::start("gapfill-two") else {
         return;
     };
-    let mut trainer = rig.run("trainer", &Trainer::default(), &PREEMPTIBLE);
+    let mut trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
     wait_held(&rig, "trainer");
     let mut events = rig.gpu.watch("trainer");
-    let _a = rig.create("server-a", &Trainer::default(), &SERVER);
-    let _b = rig.create("server-b", &Trainer::default(), &SERVER);
+    let _a = rig.create("server-a", &Trainer::with_worker(), &SERVER);
+    let _b = rig.create("server-b", &Trainer::with_worker(), &SERVER);
     let start_a = start_in_background(&rig, "server-a");
     let start_b = start_in_background(&rig, "server-b");
     let released = events.next_of("trainer", "released", WITHIN).unwrap();
@@ -394,12 +394,12 @@ fn a_server_that_exits_by_itself_gives_the_gpu_back_to_the_trainer_it_parked() {
     let Some(rig) = CudaRig::start("gapfill-crash") else {
         return;
     };
-    let mut trainer = rig.run("trainer", &Trainer::default(), &PREEMPTIBLE);
+    let mut trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
     wait_held(&rig, "trainer");
     // A server that stops after a few hundred steps (a crash, as far as the agent can tell): not deleted.
     let short_lived = Trainer {
         steps: 300,
-        ..Trainer::default()
+        ..Trainer::with_worker()
     };
     let _server = rig.create("server", &short_lived, &SERVER);
     rig.gpu.env.api().unwrap().start("server", "").unwrap();
@@ -432,9 +432,9 @@ fn an_agent_restarted_while_the_trainer_is_parked_for_a_server_still_resumes_it_
     let Some(rig) = CudaRig::start("gapfill-agent-restart") else {
         return;
     };
-    let mut trainer = rig.run("trainer", &Trainer::default(), &PREEMPTIBLE);
+    let mut trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
     wait_held(&rig, "trainer");
-    let _server = rig.create("server", &Trainer::default(), &SERVER);
+    let _server = rig.create("server", &Trainer::with_worker(), &SERVER);
     let api = rig.gpu.env.api().unwrap();
     api.start("server", "").unwrap();
     wait_held(&rig, "server");
@@ -483,7 +483,7 @@ fn gpu_row(rig: &CudaRig) -> Value {
 /// A server `id` (with `annotations` and the node's TOML `toml`) starts, parks the trainer and holds the GPU.
 fn server_comes(rig: &CudaRig, id: &str, annotations: &[(&str, &str)], toml: &str) {
     let options = baton_integration::api::runtime_options_toml(toml);
-    let _server = rig.create_with(id, &Trainer::default(), annotations, Some(options));
+    let _server = rig.create_with(id, &Trainer::with_worker(), annotations, Some(options));
     rig.gpu.env.api().unwrap().start(id, "").unwrap();
     wait_held(rig, id);
     assert!(
@@ -511,7 +511,7 @@ fn the_rate_gate_stops_filling_when_preemptions_cost_too_much_and_fills_again_on
     // until it has left the window.
     const WINDOW: Duration = Duration::from_secs(15);
     let toml = "gap_fill_min_share = 0.99\ngap_fill_window = \"15s\"\n";
-    let mut trainer = rig.run("trainer", &Trainer::default(), &PREEMPTIBLE);
+    let mut trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
     wait_held(&rig, "trainer");
     let steps = AgentSteps::start(&rig, "trainer");
 
@@ -594,9 +594,9 @@ fn tell_agent(rig: &CudaRig, line: &str) -> String {
 /// A preemptible trainer runs, an idle server (`IDLE_SERVER`) starts, is parked by the agent after 3 s, and the
 /// trainer is resumed with its weights intact: the trainer and the server.
 fn an_idle_server_parked_for_the_trainer(rig: &CudaRig) -> (Running, Running) {
-    let mut trainer = rig.run("trainer", &Trainer::default(), &PREEMPTIBLE);
+    let mut trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
     wait_held(rig, "trainer");
-    let server = rig.create("server", &Trainer::default(), &IDLE_SERVER);
+    let server = rig.create("server", &Trainer::with_worker(), &IDLE_SERVER);
     rig.gpu.env.api().unwrap().start("server", "").unwrap();
     wait_held(rig, "server");
     assert!(
@@ -724,13 +724,13 @@ fn a_request_that_comes_while_the_idle_server_is_being_parked_hands_the_gpu_back
     let Some(rig) = CudaRig::start("gapfill-park-race") else {
         return;
     };
-    let _trainer = rig.run("trainer", &Trainer::default(), &PREEMPTIBLE);
+    let _trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
     wait_held(&rig, "trainer");
     // A park that takes 4 s: 512 MiB copied at 128 MiB/s.
     let slow = Trainer {
         vram_mib: 512,
         copy_mib_per_s: 128,
-        ..Trainer::default()
+        ..Trainer::with_worker()
     };
     let _server = rig.create("server", &slow, &IDLE_SERVER);
     rig.gpu.env.api().unwrap().start("server", "").unwrap();

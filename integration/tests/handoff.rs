@@ -34,10 +34,10 @@ fn the_gate_holds_a_start_until_the_release_and_fails_past_its_timeout_naming_th
     let Some(rig) = CudaRig::start("gate") else {
         return;
     };
-    let _trainer = rig.run("trainer", &Trainer::default(), &[]);
+    let _trainer = rig.run("trainer", &Trainer::with_worker(), &[]);
     wait_held(&rig, "trainer");
     let gate = [("baton.io/wait-gpu-free", "1m")];
-    let _server = rig.create("server", &Trainer::default(), &gate);
+    let _server = rig.create("server", &Trainer::with_worker(), &gate);
     let api = rig.gpu.env.api().unwrap();
     let socket = rig.gpu.env.containerd().socket();
     let namespace = rig.gpu.env.namespace().to_owned();
@@ -64,7 +64,7 @@ fn the_gate_holds_a_start_until_the_release_and_fails_past_its_timeout_naming_th
 
     // Past its timeout the gate fails the Start, naming the container that holds the GPU.
     let short = [("baton.io/wait-gpu-free", "300ms")];
-    let _late = rig.create("late", &Trainer::default(), &short);
+    let _late = rig.create("late", &Trainer::with_worker(), &short);
     let err = api.start("late", "").unwrap_err().to_string();
     assert!(
         err.contains("still held by container server"),
@@ -79,9 +79,9 @@ fn overlapped_handoff_starts_the_server_on_the_release_sequential_after_the_free
     let Some(rig) = CudaRig::start("handoff") else {
         return;
     };
-    let _trainer = rig.run("trainer", &Trainer::default(), &[]);
+    let _trainer = rig.run("trainer", &Trainer::with_worker(), &[]);
     wait_held(&rig, "trainer");
-    let _server = rig.create("server", &Trainer::default(), &[]);
+    let _server = rig.create("server", &Trainer::with_worker(), &[]);
     let (steps, outcome) = rig.baton_json(&["handoff", "--from", "trainer", "--to", "server"]);
     let released = t_of(&steps, "gpu_released", "trainer");
     let started = t_of(&steps, "started", "server");
@@ -160,10 +160,10 @@ fn an_overlapped_handoff_whose_preemption_fails_after_the_server_started_says_wh
         "BinaryName = \"{}\"\n",
         runc.display()
     ));
-    let _trainer = rig.create_with("trainer", &Trainer::default(), &[], Some(options));
+    let _trainer = rig.create_with("trainer", &Trainer::with_worker(), &[], Some(options));
     rig.gpu.env.api().unwrap().start("trainer", "").unwrap();
     wait_held(&rig, "trainer");
-    let _server = rig.create("server", &Trainer::default(), &[]);
+    let _server = rig.create("server", &Trainer::with_worker(), &[]);
     // Snapshot: the trainer's GPU state goes (the release starts the server), then its dump fails.
     let (out, err, ok) = rig.baton(&[
         "handoff", "--from", "trainer", "--to", "server", "--mode", "snapshot",

@@ -31,14 +31,15 @@ fn main() -> Result<()> {
         bail!("cannot run the demo: a prerequisite is missing (see above)");
     };
     say(
-        "a trainer container takes the mock GPU (2 GiB of device memory, a training step every 300 ms), \
-         with baton.io/preemptible=park: the agent may park it for a server",
+        "a trainer container takes the mock GPU (2 GiB of device memory, a training step every 300 ms, a \
+         DataLoader-like worker forked after CUDA init), with baton.io/preemptible=park: the agent may park it \
+         for a server",
     );
     let trainer_opts = Trainer {
         vram_mib: 2048,
         copy_mib_per_s: 4096,
         step_ms: 300,
-        ..Trainer::default()
+        ..Trainer::with_worker()
     };
     let mut trainer = rig.run(
         "trainer",

@@ -56,6 +56,8 @@ pub enum Input {
     },
     /// The watched containers changed.
     Members(Vec<Member>),
+    /// A hand-back of an idle-parked server to a request began (`true`) or ended (`false`).
+    HandBack(bool),
 }
 
 /// How connections and the core reach the controller.
@@ -79,6 +81,13 @@ impl Handle {
     /// The watched containers are now `members`.
     pub fn members(&self, members: Vec<Member>) {
         let _ = self.tx.send(Input::Members(members));
+    }
+
+    /// A hand-back of an idle-parked server to a request began (`true`) or ended (`false`): the request
+    /// waits, silent, for as long as the co-runners' park and the server's resume take (seconds on a real
+    /// GPU), which the input-silence bound must not take for a dead proxy.
+    pub fn hand_back(&self, active: bool) {
+        let _ = self.tx.send(Input::HandBack(active));
     }
 
     /// What `status` shows of the controller.
@@ -203,6 +212,7 @@ impl Controller {
                 input = inputs.recv() => match input {
                     Some(Input::Request { request, reply }) => self.request(*request, reply),
                     Some(Input::Members(m)) => self.set_members(m),
+                    Some(Input::HandBack(active)) => self.plan.hand_back(active, now_monotonic_ns()),
                     None => return,
                 },
                 Some(report) = self.reports.recv() => self.on_report(report),

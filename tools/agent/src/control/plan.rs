@@ -148,6 +148,8 @@ pub struct Plan {
     pub servers: Vec<Server>,
     /// Times silence dropped the open requests.
     pub silence_thaws: u64,
+    /// Hand-backs of idle-parked servers in progress: the input-silence bound waits while there are any.
+    pub handing_back: u32,
 }
 
 /// What a co-runner is to be, and why it is frozen.
@@ -165,6 +167,20 @@ impl Plan {
             co: BTreeMap::new(),
             servers: Vec::new(),
             silence_thaws: 0,
+            handing_back: 0,
+        }
+    }
+
+    /// A hand-back began (`active`) or ended at `now`. The silence bound counts again from the end of the
+    /// last one: a request that waited for it was silent for a reason.
+    pub fn hand_back(&mut self, active: bool, now: u64) {
+        if active {
+            self.handing_back += 1;
+        } else {
+            self.handing_back = self.handing_back.saturating_sub(1);
+            if self.handing_back == 0 {
+                self.last_input_ns = self.last_input_ns.max(now);
+            }
         }
     }
 
@@ -191,7 +207,7 @@ impl Plan {
     pub fn decide(&mut self, now: u64) -> (Vec<Decision>, Option<u64>) {
         let mut next: Option<u64> = None;
         let mut at = |t: u64| next = Some(next.map_or(t, |n| n.min(t)));
-        if !self.requests.is_empty() {
+        if !self.requests.is_empty() && self.handing_back == 0 {
             let silent_at = self.last_input_ns + self.bounds.input_silence_ns;
             if now >= silent_at {
                 tracing::warn!(
@@ -404,6 +420,37 @@ mod tests {
                 .unwrap_err()
                 .contains("unknown request id")
         );
+    }
+
+    #[test]
+    fn silence_waits_for_a_hand_back_and_counts_again_from_its_end() {
+        let mut p = plan();
+        p.requests.insert(
+            "r".into(),
+            Live {
+                server: None,
+                first_token_ns: None,
+                last_token_ns: None,
+            },
+        );
+        p.last_input_ns = 0;
+        p.hand_back(true, 0);
+        p.decide(10 * p.bounds.input_silence_ns);
+        assert_eq!(
+            p.requests.len(),
+            1,
+            "a request waiting for a hand-back is kept"
+        );
+        let end = 10 * p.bounds.input_silence_ns;
+        p.hand_back(false, end);
+        p.decide(end + p.bounds.input_silence_ns - 1);
+        assert_eq!(
+            p.requests.len(),
+            1,
+            "silence counts from the hand-back's end"
+        );
+        p.decide(end + p.bounds.input_silence_ns);
+        assert!(p.requests.is_empty());
     }
 
     #[test]

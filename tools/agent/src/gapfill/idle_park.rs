@@ -138,6 +138,7 @@ impl Core {
     /// A hand-back's resume of server `c` ended.
     pub(crate) fn idle_resumed(&mut self, c: &ContainerRef, result: &Result<Outcome, String>) {
         self.idle.busy.remove(c);
+        self.controller.hand_back(false);
         self.idle.last.insert(c.clone(), Instant::now());
         match result {
             Ok(o) => {
@@ -202,6 +203,7 @@ impl Core {
             "agent: idle park: a request for the parked server: handing the GPU back"
         );
         self.idle.busy.insert(c.clone());
+        self.controller.hand_back(true);
         let (reply, answer) = oneshot::channel();
         self.waiters.push(Waiter {
             container: c.clone(),

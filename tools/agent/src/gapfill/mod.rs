@@ -769,7 +769,7 @@ impl Core {
         let held = |w: &Watched| {
             seen.borrow_mut()
                 .entry(w.cgroup_id)
-                .or_insert_with(|| gate::devices_held(tracer, w.cgroup_id))
+                .or_insert_with(|| gate::devices_holding(tracer, w))
                 .clone()
         };
         self.gapfill

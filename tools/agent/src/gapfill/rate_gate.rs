@@ -306,7 +306,7 @@ impl Core {
             Some(t) => self
                 .watched
                 .iter()
-                .map(|(c, w)| (c.clone(), gate::devices_held(t, w.cgroup_id)))
+                .map(|(c, w)| (c.clone(), gate::devices_holding(t, w)))
                 .collect(),
             None => Vec::new(),
         };

@@ -125,6 +125,20 @@ pub fn devices_held(tracer: &Tracer, cgroup_id: u64) -> BTreeSet<DeviceKey> {
     out
 }
 
+/// The GPU devices watched container `w` holds the GPU on now: none while it holds no GPU state (a parked
+/// container whose forked worker keeps the inherited device files holds none), else the devices of its open
+/// device files (none known when its state is kept by a ctl file or a mapping alone).
+pub fn devices_holding(
+    tracer: &Tracer,
+    w: &crate::registry::watched::Watched,
+) -> BTreeSet<DeviceKey> {
+    if w.is_held() {
+        devices_held(tracer, w.cgroup_id)
+    } else {
+        BTreeSet::new()
+    }
+}
+
 /// A Start waiting for its GPU.
 pub struct Waiter {
     /// The container about to start.

@@ -101,7 +101,14 @@ impl Core {
                 let kept = server
                     .and_then(|s| gapfill::why_kept(s, h))
                     .map_or_else(String::new, |y| format!(" ({y})"));
-                format!("container {} (namespace {}){why}{kept}", c.id, c.namespace)
+                let what = self
+                    .tracer
+                    .as_ref()
+                    .map_or_else(String::new, |t| describe_state(&t.gpu_state(h.cgroup_id)));
+                format!(
+                    "container {} (namespace {}){why}{kept}{what}",
+                    c.id, c.namespace
+                )
             })
             .collect();
         if !watched.is_empty() {
@@ -198,6 +205,38 @@ impl Core {
         } else {
             format!("the GPU was not free within {waited:?}")
         }
+    }
+}
+
+/// What a holder holds, for the gate's messages: ` (holding N objects that are more than handles, ...)`.
+fn describe_state(s: &baton_tracer::GpuState) -> String {
+    let mut parts = Vec::new();
+    if s.state_objects > 0 {
+        parts.push(format!(
+            "{} object(s) that are more than handles ({} MiB of video memory)",
+            s.state_objects,
+            s.vram_bytes >> 20
+        ));
+    }
+    if s.uvm_gpus > 0 {
+        parts.push(format!("{} GPU(s) registered with UVM", s.uvm_gpus));
+    }
+    if s.opaque_files > 0 {
+        parts.push(format!(
+            "{} NVIDIA file(s) whose contents the probes never saw",
+            s.opaque_files
+        ));
+    }
+    if s.unconfirmed > 0 {
+        parts.push(format!(
+            "{} release(s) the kernel has not finished",
+            s.unconfirmed
+        ));
+    }
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!(" (holding {})", parts.join(", "))
     }
 }
 
