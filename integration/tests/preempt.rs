@@ -977,3 +977,83 @@ fn park_and_resume_go_through_the_driver_api_where_the_library_has_it() {
     let line = crashing.wait_line("restored checksum");
     assert!(line.ends_with("intact"), "{line}");
 }
+
+/// A trainer that forked a worker after CUDA init (a DataLoader worker: the H200 recording's point 5) is
+/// parked through the program and through the driver API: only the process that owns CUDA state is locked,
+/// checkpointed and restored (the agent sends its pid alone; the shim's get-state leaves the worker alone,
+/// which the driver answers CUDA_ERROR_NOT_INITIALIZED for), the worker is frozen with the container and
+/// keeps its inherited NVIDIA fds throughout, and the release comes although it holds them.
+#[test]
+fn a_forked_worker_is_left_alone_and_the_park_releases_the_gpu_while_it_keeps_its_fds() {
+    let Some(rig) = CudaRig::start("preempt-worker") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let library = baton_integration::trace_env::fake_libcuda_in(dir.path()).unwrap();
+    for (id, options) in [
+        ("by-program", None),
+        ("by-api", api_only_options(&library, "")),
+    ] {
+        let mut trainer = rig.create_with(id, &Trainer::with_worker(), &[], options);
+        rig.gpu.env.api().unwrap().start(id, "").unwrap();
+        let forked = trainer.wait_line("phase worker-forked");
+        let in_container: u32 = forked.rsplit(' ').next().unwrap().trim().parse().unwrap();
+        // The parent and its worker, both holding NVIDIA fds; the worker's host pid is the one whose last
+        // NSpid (its pid in the container) the workload printed.
+        wait_held(&rig, id, 2);
+        let pids = pids_of(&rig, id);
+        let worker = *pids
+            .iter()
+            .find(|p| ns_pid(**p) == Some(in_container))
+            .unwrap_or_else(|| panic!("no pid of {pids:?} is {in_container} in the container"));
+        let parent = *pids.iter().find(|p| **p != worker).unwrap();
+        let mut w = rig.gpu.watch(id);
+
+        let (steps, outcome) = rig.baton_json(&["preempt", id]);
+        assert_eq!(outcome["preemption"]["state"], json!("parked"), "{outcome}");
+        assert_eq!(
+            outcome["preemption"]["pids"],
+            json!([parent]),
+            "only the CUDA process is parked: {outcome}"
+        );
+        assert!(
+            t_of(&steps, "gpu_released", None) < t_of(&steps, "frozen", None),
+            "{steps:?}"
+        );
+        let released = w.next_transition(id, WITHIN).unwrap();
+        assert_eq!(released["kind"], json!("released"), "{released}");
+        let status = rig.gpu.status(id);
+        let worker_fds = status["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["pid"] == json!(worker))
+            .map(|p| p["fds"].as_u64().unwrap())
+            .unwrap_or(0);
+        assert!(worker_fds > 0, "the worker keeps its fds: {status}");
+        assert_eq!(status["gpu"], json!("released"), "{status}");
+        assert_eq!(rig.task_status(id).as_deref(), Some("PAUSED"));
+
+        let (steps, outcome) = rig.baton_json(&["resume", id]);
+        assert_eq!(outcome["preemption"], Value::Null, "{outcome}: {steps:?}");
+        let line = trainer.wait_line("restored checksum");
+        assert!(line.ends_with("intact"), "{line}");
+        assert_eq!(
+            w.next_transition(id, WITHIN).unwrap()["kind"],
+            json!("acquired")
+        );
+        assert_eq!(rig.task_status(id).as_deref(), Some("RUNNING"));
+    }
+}
+
+/// The pid of host process `pid` in its own pid namespace (the last field of `NSpid` in /proc/PID/status).
+fn ns_pid(pid: u32) -> Option<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))?
+        .split_whitespace()
+        .last()?
+        .parse()
+        .ok()
+}
