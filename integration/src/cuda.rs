@@ -335,6 +335,45 @@ impl CudaRig {
     }
 }
 
+/// The two ways a shim parks, as node TOMLs: the `cuda-checkpoint` program (the driver API turned off), and the
+/// driver API through `library` (the fake libcuda) with no program at all.
+pub fn checkpoint_ways(library: &std::path::Path) -> [(&'static str, String); 2] {
+    [
+        ("program", "cuda_driver_path = \"\"\n".to_owned()),
+        (
+            "driver API",
+            format!(
+                "cuda_driver_path = \"{}\"\ncuda_checkpoint_path = \"/nonexistent/cuda-checkpoint\"\n",
+                library.display()
+            ),
+        ),
+    ]
+}
+
+/// The container id of a way of [`checkpoint_ways`] (`driver API` -> `driver-API`).
+pub fn way_id(way: &str) -> String {
+    way.replace(' ', "-")
+}
+
+/// Creates and starts trainer `t` once per way of `ways` (its id: [`way_id`]), and waits until each holds the
+/// GPU.
+pub fn start_per_way(
+    rig: &CudaRig,
+    ways: &[(&'static str, String)],
+    t: &Trainer,
+    within: Duration,
+) -> anyhow::Result<Vec<Running>> {
+    let mut running = Vec::new();
+    for (name, toml) in ways {
+        let id = way_id(name);
+        let options = crate::api::runtime_options_toml(toml);
+        running.push(rig.create_with(&id, t, &[], Some(options)));
+        rig.gpu.env.api()?.start(&id, "")?;
+        rig.wait_gpu(&id, "held", within)?;
+    }
+    Ok(running)
+}
+
 /// When step `phase` of container `id` happened in a `baton ... --json` run's `steps` (CLOCK_MONOTONIC ns; 0
 /// when it is not there).
 pub fn step_t_ns(steps: &[Value], phase: &str, id: &str) -> u64 {

@@ -16,7 +16,9 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use baton_integration::cuda::{CudaRig, Trainer, step_t_ns};
+use baton_integration::cuda::{
+    CudaRig, Trainer, checkpoint_ways, start_per_way, step_t_ns, way_id,
+};
 
 const WITHIN: Duration = Duration::from_secs(120);
 
@@ -37,24 +39,8 @@ fn main() -> Result<()> {
         copy_mib_per_s: rate,
         ..Trainer::default()
     };
-    let ways = [
-        ("program", "cuda_driver_path = \"\"\n".to_owned()),
-        (
-            "driver API",
-            format!(
-                "cuda_driver_path = \"{}\"\ncuda_checkpoint_path = \"/nonexistent/cuda-checkpoint\"\n",
-                library.display()
-            ),
-        ),
-    ];
-    let mut running = Vec::new();
-    for (name, toml) in &ways {
-        let id = name.replace(' ', "-");
-        let options = baton_integration::api::runtime_options_toml(toml);
-        running.push(rig.create_with(&id, &trainer, &[], Some(options)));
-        rig.gpu.env.api()?.start(&id, "")?;
-        rig.wait_gpu(&id, "held", WITHIN)?;
-    }
+    let ways = checkpoint_ways(&library);
+    let running = start_per_way(&rig, &ways, &trainer, WITHIN)?;
     println!(
         "park + resume of one mock CUDA process ({mib} MiB copied at {rate} MiB/s), {rounds} rounds each way, \
          alternating (medians, ms)"
@@ -63,7 +49,7 @@ fn main() -> Result<()> {
     let mut first_api = None;
     for round in 0..=rounds {
         for (i, (name, _)) in ways.iter().enumerate() {
-            let id = name.replace(' ', "-");
+            let id = way_id(name);
             let (park, resume) = park_and_resume(&rig, &id)?;
             if round == 0 {
                 // The first round of each way warms up; the API's also starts the helper.

@@ -13,7 +13,9 @@
 use std::{collections::BTreeMap, time::Duration};
 
 use anyhow::{Context, Result, bail};
-use baton_integration::cuda::{CudaRig, Trainer, step_t_ns};
+use baton_integration::cuda::{
+    CudaRig, Trainer, checkpoint_ways, start_per_way, step_t_ns, way_id,
+};
 use serde_json::Value;
 
 const WITHIN: Duration = Duration::from_secs(120);
@@ -42,24 +44,8 @@ fn main() -> Result<()> {
         copy_mib_per_s: rate,
         ..Trainer::with_worker()
     };
-    let ways = [
-        ("program", "cuda_driver_path = \"\"\n".to_owned()),
-        (
-            "driver API",
-            format!(
-                "cuda_driver_path = \"{}\"\ncuda_checkpoint_path = \"/nonexistent/cuda-checkpoint\"\n",
-                library.display()
-            ),
-        ),
-    ];
-    let mut running = Vec::new();
-    for (name, toml) in &ways {
-        let id = name.replace(' ', "-");
-        let options = baton_integration::api::runtime_options_toml(toml);
-        running.push(rig.create_with(&id, &trainer, &[], Some(options)));
-        rig.gpu.env.api()?.start(&id, "")?;
-        rig.wait_gpu(&id, "held", WITHIN)?;
-    }
+    let ways = checkpoint_ways(&library);
+    let running = start_per_way(&rig, &ways, &trainer, WITHIN)?;
     eprintln!(
         "baton-park-release-bench: {rounds} parks per way of a mock trainer with a forked worker ({mib} MiB \
          copied at {rate} MiB/s) ..."
@@ -67,7 +53,7 @@ fn main() -> Result<()> {
     let mut parks: Vec<Vec<Park>> = vec![Vec::new(), Vec::new()];
     for round in 0..=rounds {
         for (i, (name, _)) in ways.iter().enumerate() {
-            let id = name.replace(' ', "-");
+            let id = way_id(name);
             let park = park_and_resume(&rig, &id)?;
             // The first round of each way warms up (the API's starts the helper).
             if round > 0 {

@@ -1,6 +1,7 @@
-//! The GPU-free gate (`wait_gpu_free`): a container's Start waits until no other watched container holds a
-//! file of the NVIDIA GPU device(s) it sees. Devices are told apart by device number where the files are
-//! character devices (the real driver), and by name where they are not (the FUSE mock).
+//! The GPU-free gate (`wait_gpu_free`): a container's Start waits until no other watched container holds the
+//! GPU (its GPU state, or a release not confirmed yet) on the NVIDIA GPU device(s) it sees, and no process in
+//! a container holds a file of them that the probes do not follow. Devices are told apart by device number
+//! where the files are character devices (the real driver), and by name where they are not (the FUSE mock).
 mod waiters;
 
 use std::{
