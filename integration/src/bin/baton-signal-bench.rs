@@ -106,6 +106,12 @@ fn main() -> Result<()> {
         lat.fast.push(t_fast.saturating_sub(returned));
         lat.proc_fds.push(t_proc.saturating_sub(returned));
         lat.gap.push(t_released.saturating_sub(t_last));
+        // Where the watch subscriber's time goes: the close's return to the kernel seen past its release, to
+        // the agent publishing the event, to the subscriber reading it.
+        let t_published = e["t_ns"].as_u64().unwrap_or(0);
+        lat.confirm.push(t_released.saturating_sub(returned));
+        lat.publish.push(t_published.saturating_sub(t_released));
+        lat.deliver.push(t_watch.saturating_sub(t_published));
         if (i + 1) % 50 == 0 {
             eprintln!("  {} cycles", i + 1);
         }
@@ -136,6 +142,9 @@ struct Latencies {
     fast: Vec<u64>,
     proc_fds: Vec<u64>,
     gap: Vec<u64>,
+    confirm: Vec<u64>,
+    publish: Vec<u64>,
+    deliver: Vec<u64>,
 }
 
 impl Latencies {
@@ -159,6 +168,28 @@ impl Latencies {
             let (p50, p99, max) = (pct(v, 50.0), pct(v, 99.0), v.last().copied().unwrap_or(0));
             p50s.push(p50);
             println!("| {name} | {} | {} | {} |", us(p50), us(p99), us(max));
+        }
+        println!("where (a)'s time goes:");
+        println!("| part | p50 | p99 | max |");
+        println!("|---|---|---|---|");
+        for (name, v) in [
+            (
+                "the close's return -> the kernel seen past its release (t_released_ns)",
+                &mut self.confirm,
+            ),
+            (
+                "-> the agent publishing `released` (its t_ns)",
+                &mut self.publish,
+            ),
+            ("-> the subscriber reading it", &mut self.deliver),
+        ] {
+            v.sort_unstable();
+            println!(
+                "| {name} | {} | {} | {} |",
+                us(pct(v, 50.0)),
+                us(pct(v, 99.0)),
+                us(v.last().copied().unwrap_or(0))
+            );
         }
         self.gap.sort_unstable();
         println!(

@@ -57,15 +57,15 @@ impl Tracer {
                 pids.extend(self.cgroup_pids(id).into_iter().map(|p| p as u32));
             }
         }
+        // Records were lost, whose they were the ring does not say: calls made meanwhile (allocations among
+        // them) may be missing from the ledger of every container traced.
+        let mut cgroups: BTreeSet<u64> = self.watched.iter().copied().collect();
+        cgroups.extend(self.fds.iter().map(|(_, p)| p.cgroup_id));
         for pid in pids {
-            let cgroup = self.fds.get(pid).map(|p| p.cgroup_id);
-            let c = self.reseed_pid(pid)?;
-            // Records were lost: calls made meanwhile (allocations among them) are missing from the ledger of
-            // every container whose processes the resync looked at.
-            let cgroup = self.fds.get(pid).map(|p| p.cgroup_id).or(cgroup);
-            if let Some(cg) = cgroup.filter(|_| !c.is_empty() || self.fds.get(pid).is_some()) {
-                self.ledger.container_mut(cg).partial = true;
-            }
+            self.reseed_pid(pid)?;
+        }
+        for cg in cgroups {
+            self.ledger.container_mut(cg).partial = true;
         }
         Ok(())
     }

@@ -20,6 +20,13 @@ impl Core {
     /// then the gates.
     pub(super) fn recheck(&mut self) {
         self.recheck_due = None;
+        // The records still in the ring first: /proc is compared with everything the probes saw.
+        if let Some(tracer) = self.tracer.as_mut() {
+            match tracer.drain_now() {
+                Ok(records) if records.is_empty() => {}
+                other => self.on_batch(other),
+            }
+        }
         let mut out = Vec::new();
         if let Some(tracer) = self.tracer.as_mut() {
             for (c, w) in self
@@ -27,7 +34,7 @@ impl Core {
                 .iter_mut()
                 .filter(|(_, w)| w.awaits_hidden_holders())
             {
-                for body in w.update(tracer, &[], &self.classifier) {
+                for body in w.update_after_drain(tracer, &self.classifier) {
                     out.push((c.clone(), w.owner, body));
                 }
             }

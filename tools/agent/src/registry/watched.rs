@@ -47,6 +47,11 @@ pub struct Watched {
     /// Processes of its cgroup that /proc shows holding NVIDIA files the records never showed them take:
     /// its release waits for them.
     hidden: BTreeSet<u32>,
+    /// /proc showed files the mirror did not account for, looked at before the records still in the ring were
+    /// applied: looked at again once they are (see [`Watched::update_after_drain`]) before any is adopted.
+    suspected: bool,
+    /// Set while [`Watched::update_after_drain`] runs.
+    drained: bool,
 }
 
 impl Watched {
@@ -99,6 +104,8 @@ impl Watched {
             held_objects: 0,
             held_vram: 0,
             hidden: BTreeSet::new(),
+            suspected: false,
+            drained: false,
         };
         if tracer.gpu_state(cgroup_id).holds_state() {
             w.gpu = GpuHold::Held;
@@ -153,11 +160,13 @@ impl Watched {
             return out;
         }
         if state.holds_state() {
+            self.suspected = false;
             self.note_holders(tracer);
         } else if state.unconfirmed == 0 {
             let hidden = self.unaccounted_holders(tracer, classifier);
             if hidden.is_empty() {
                 self.hidden.clear();
+                self.suspected = false;
                 let freed_at = mine().filter(|r| frees_state(r)).map(|r| r.ts_ns).max();
                 let how = match (confirmed_by_proc, freed_at) {
                     (true, _) => Ended::Proc,
@@ -165,16 +174,33 @@ impl Watched {
                     (false, None) => Ended::Removed,
                 };
                 out.push(EventBody::Released(self.released(tracer, &state, how)));
-            } else {
+            } else if self.drained || !self.hidden.is_empty() {
                 self.follow_hidden(tracer, &hidden);
+            } else {
+                // /proc is ahead of the records not yet read from the ring (an open, a fork): adopting now
+                // would move this mirror past them. Held until a look after the ring was drained.
+                self.suspected = true;
             }
         }
         out
     }
 
+    /// [`Watched::update`] right after the core applied every record still in the ring: what /proc shows and
+    /// the mirror still does not account for is a hidden holder now, followed from then on.
+    pub fn update_after_drain(
+        &mut self,
+        tracer: &mut Tracer,
+        classifier: &Classifier,
+    ) -> Vec<EventBody> {
+        self.drained = true;
+        let out = self.update_as(tracer, &[], classifier, false);
+        self.drained = false;
+        out
+    }
+
     /// Whether its release waits for holders only /proc showed (the agent looks again until they let go).
     pub fn awaits_hidden_holders(&self) -> bool {
-        !self.hidden.is_empty()
+        !self.hidden.is_empty() || self.suspected
     }
 
     /// What the processes of its cgroup (and the cgroups below) hold, read from /proc (the kernel's word,
