@@ -109,34 +109,17 @@ impl Classifier {
                 });
             }
         }
-        for m in proc.maps().into_iter().flatten() {
-            let procfs::process::MMapPath::Path(target) = &m.pathname else {
-                continue;
-            };
-            // Device memory is mapped shared; a private mapping is looked at only when its name is an
-            // NVIDIA device's (a library's private mappings, most of a process's, cost nothing here).
-            let shared = m.perms.contains(procfs::process::MMPermissions::SHARED);
-            let named = fdkind::classify_name(
-                target
-                    .file_name()
-                    .map(|n| n.as_encoded_bytes())
-                    .unwrap_or_default(),
-            )
-            .is_some();
-            if m.inode == 0 || !(shared || named) {
-                continue;
-            }
-            let dev = nix::sys::stat::makedev(m.dev.0 as u64, m.dev.1 as u64);
-            let classified = cache.entry((dev, m.inode)).or_insert_with(|| {
-                let link = format!("/proc/{pid}/map_files/{:x}-{:x}", m.address.0, m.address.1);
-                DeviceKey::classify(Path::new(&link), &target.to_string_lossy(), self.uvm_major)
+        for m in mappings_worth_a_look(pid) {
+            let classified = cache.entry((m.dev, m.inode)).or_insert_with(|| {
+                let link = format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end);
+                DeviceKey::classify(Path::new(&link), &m.path, self.uvm_major)
             });
             if let Some((kind, key)) = classified.clone() {
                 out.push(Holding {
                     pid,
                     kind,
                     key,
-                    via: Via::Map(m.address.0),
+                    via: Via::Map(m.start),
                 });
             }
         }
@@ -150,6 +133,57 @@ impl Classifier {
             .flat_map(|pid| self.holdings_cached(pid, &mut cache))
             .collect()
     }
+}
+
+/// One line of /proc/PID/maps worth classifying.
+#[derive(Debug, PartialEq, Eq)]
+struct MapLine {
+    start: u64,
+    end: u64,
+    /// The mapped file's device (`makedev` of the line's `MM:mm`) and inode.
+    dev: u64,
+    inode: u64,
+    path: String,
+}
+
+/// The file mappings of `pid` that may be NVIDIA device memory: device memory is mapped shared, and a private
+/// mapping is looked at only when its name is an NVIDIA device's (a library's private mappings, most of a
+/// process's, cost nothing). Read with one read of /proc/PID/maps and a parse of only those lines: on the
+/// release's path (the procfs crate's full parse took about as long as the rest of the check).
+fn mappings_worth_a_look(pid: u32) -> Vec<MapLine> {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .map(|text| text.lines().filter_map(parse_map_line).collect())
+        .unwrap_or_default()
+}
+
+/// A maps line (`start-end perms offset MM:mm inode path`) if it maps a file and is shared or named as an
+/// NVIDIA device.
+fn parse_map_line(line: &str) -> Option<MapLine> {
+    let mut f = line.splitn(6, ' ');
+    let (range, perms, _offset, dev, inode) =
+        (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
+    let path = f.next()?.trim_start();
+    let inode: u64 = inode.parse().ok()?;
+    if inode == 0 || !path.starts_with('/') {
+        return None;
+    }
+    let shared = perms.as_bytes().get(3) == Some(&b's');
+    let base = path.rsplit('/').next().unwrap_or(path);
+    if !shared && fdkind::classify_name(base.as_bytes()).is_none() {
+        return None;
+    }
+    let (start, end) = range.split_once('-')?;
+    let (major, minor) = dev.split_once(':')?;
+    Some(MapLine {
+        start: u64::from_str_radix(start, 16).ok()?,
+        end: u64::from_str_radix(end, 16).ok()?,
+        dev: nix::sys::stat::makedev(
+            u64::from_str_radix(major, 16).ok()?,
+            u64::from_str_radix(minor, 16).ok()?,
+        ),
+        inode,
+        path: path.to_owned(),
+    })
 }
 
 /// The NVIDIA files registered in io_uring instance `fd` of `pid` (its fdinfo lists them under `UserFiles:`,
@@ -207,6 +241,15 @@ pub fn pids_of_cgroup_tree(dir: &Path) -> Vec<u32> {
     while let Some(d) = todo.pop() {
         if let Ok(text) = std::fs::read_to_string(d.join("cgroup.procs")) {
             out.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+        }
+        // A container's cgroup rarely has cgroups below it: `cgroup.stat` says so in one small read, where
+        // listing the folder (dozens of control files) took most of this function's time.
+        let leaf = std::fs::read_to_string(d.join("cgroup.stat")).is_ok_and(|t| {
+            t.lines()
+                .any(|l| l.split_whitespace().eq(["nr_descendants", "0"]))
+        });
+        if leaf {
+            continue;
         }
         for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
             if entry.file_type().is_ok_and(|t| t.is_dir()) {
@@ -295,6 +338,27 @@ pub fn node_gpu_holders(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_shared_or_nvidia_named_file_mappings_are_looked_at() {
+        let shared =
+            "7f00a000-7f00b000 rw-s 00000000 00:2d 42                         /dev/nvidia0";
+        let m = parse_map_line(shared).unwrap();
+        assert_eq!((m.start, m.end, m.inode), (0x7f00_a000, 0x7f00_b000, 42));
+        assert_eq!(m.dev, nix::sys::stat::makedev(0, 0x2d));
+        assert_eq!(m.path, "/dev/nvidia0");
+        let named = "1000-2000 r--p 00000000 00:05 7 /tmp/mock/nvidiactl";
+        assert!(parse_map_line(named).is_some());
+        let library = "1000-2000 r-xp 00000000 fd:00 99 /usr/lib/libc.so.6";
+        assert!(parse_map_line(library).is_none());
+        let anonymous = "1000-2000 ---p 00000000 00:00 0 ";
+        assert!(parse_map_line(anonymous).is_none());
+        let spaced = "1000-2000 rw-s 00000000 00:2d 43 /dev/shm/a name with spaces";
+        assert_eq!(
+            parse_map_line(spaced).unwrap().path,
+            "/dev/shm/a name with spaces"
+        );
+    }
 
     #[test]
     fn the_uvm_major_is_read_from_the_character_devices() {
