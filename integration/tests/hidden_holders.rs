@@ -1,7 +1,8 @@
 //! Holders the probes cannot see, end to end (real containerd, runc, the Baton shim and agent, the FUSE mock
 //! driver, the kernel): a file passed over a unix socket with SCM_RIGHTS, a file taken with pidfd_getfd, an fd
 //! table shared with clone(CLONE_FILES), a file registered in io_uring, a mapping kept after its fd was
-//! closed, and a container Baton does not watch. Each keeps the container
+//! closed, and a container Baton does not watch; and one that is not hidden: a dup of an fd number reused
+//! for another device while the agent was behind. Each keeps the container
 //! "held" (no `released` event) or the GPU-free gate shut until the hidden holder lets go; then the release
 //! comes, or the gate opens. The agent reads /proc before it publishes a release or opens a gate.
 #![allow(
@@ -341,4 +342,32 @@ fn the_gate_opens_on_the_confirmed_release_not_when_the_close_begins() {
             (t_released - opened) / 1_000_000
         );
     });
+}
+
+#[test]
+fn a_dup_of_an_fd_number_reused_for_another_device_is_not_taken_for_a_hidden_holder() {
+    // The process runs ahead of the agent: while the agent applies the open of nvidiactl under a number, the
+    // process has closed it and opened nvidia0 under the same number and dups that. Each dup is nvidia0's
+    // file, with no GPU state: when the client is freed the container is released at once (CI once saw such
+    // a dup taken for nvidiactl's file, and the release waited for a "hidden" holder).
+    let Some(rig) = Rig::start("reuse-dup") else {
+        return;
+    };
+    let mut h = rig.holder("reuser");
+    let mut w = rig.watch("reuser");
+    let ctl = h.num("open nvidiactl").unwrap();
+    let alloc = h.cmd(&format!("alloc {ctl}")).unwrap();
+    assert_eq!(alloc[1], "0", "{alloc:?}");
+    expect_transition(&mut w, "reuser", "acquired");
+    let kept = h.num("reuse-dup nvidiactl nvidia0 60 8").unwrap();
+    assert_eq!(kept, 480);
+    let before = h.num("stamp").unwrap();
+    let t = h.num(&format!("close {ctl}")).unwrap();
+    let e = expect_transition(&mut w, "reuser", "released");
+    let last = e["t_last_close_ns"].as_u64().unwrap();
+    assert!(
+        last >= before && last <= t,
+        "released by the close of the client's file ({before}..{t}), the dups hold nothing: {e}"
+    );
+    h.finish().unwrap();
 }

@@ -179,11 +179,17 @@ impl FdTable {
         kind: FdKind,
         minor: u8,
     ) {
-        let file = match self.file_of(tgid, old_fd) {
-            Some(f) => f,
-            None => self.files.create(kind, minor, cgroup_id, true),
+        // The mirror's own entry for `old_fd` is the file the dup shares, kind and all: records are applied
+        // in order, so it is what `old_fd` was when the dup ran.
+        let nv = match self.procs.get(&tgid).and_then(|p| p.fds.get(&old_fd)) {
+            Some(nv) => *nv,
+            None => NvFd {
+                kind,
+                minor,
+                file: self.files.create(kind, minor, cgroup_id, true),
+            },
         };
-        self.set_fd(tgid, cgroup_id, fd, NvFd { kind, minor, file });
+        self.set_fd(tgid, cgroup_id, fd, nv);
     }
 
     /// `tgid` holds `fd`, a device file of unknown identity (read from /proc).

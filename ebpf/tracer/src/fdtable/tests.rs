@@ -88,6 +88,25 @@ fn dup_shares_the_file_and_close_range_forgets_only_its_range() {
 }
 
 #[test]
+fn a_dup_is_the_file_the_mirror_has_under_the_old_number_whatever_kind_the_record_says() {
+    // The record's kind came from the kernel map, which user space may have overwritten with an older
+    // file's kind for a reused fd number; the mirror, applied in order, knows what the number was.
+    let mut t = FdTable::default();
+    let dev = t.open(1, 9, 10, FdKind::Device, 0);
+    t.dup(1, 9, 11, 10, FdKind::Ctl, 255);
+    let nv = t.get(1).unwrap().fds[&11];
+    assert_eq!((nv.kind, nv.minor, nv.file), (FdKind::Device, 0, dev));
+    t.dup(1, 9, 12, 5, FdKind::Ctl, 255);
+    let unknown = t.get(1).unwrap().fds[&12];
+    assert_eq!(
+        unknown.kind,
+        FdKind::Ctl,
+        "a dup of a number the mirror never saw takes the record's kind"
+    );
+    assert_ne!(unknown.file, dev);
+}
+
+#[test]
 fn a_registered_device_file_keeps_its_ctl_file() {
     let mut t = FdTable::default();
     let ctl = t.open(1, 9, 3, FdKind::Ctl, 255);

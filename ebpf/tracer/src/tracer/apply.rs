@@ -1,6 +1,6 @@
 //! Applying the probes' records to the fd mirror, the kernel maps, the ledgers and the release tracker.
 use baton_nvidia::{decode::Op, fdkind::FdKind};
-use baton_probe_common::{FdInfo, FdKey};
+use baton_probe_common::FdKey;
 
 use super::{Tracer, TracerError};
 use crate::{
@@ -203,9 +203,9 @@ impl Tracer {
 
     /// `pid` has NVIDIA fd `fd` now (an open or a dup): the kernel map has it, the launch probes look at it.
     fn opened(&mut self, pid: u32, fd: i32, kind: FdKind, minor: u8) -> Result<(), TracerError> {
-        // The probe made the kernel entry; made again in case handling an earlier close_range or exec of
-        // this process removed it after the fd number was reused.
-        self.kernel_track(pid, fd, kind, minor)?;
+        // The probe made the kernel entry; made again (unless the probe has a newer one) in case handling an
+        // earlier close_range or exec of this process removed it after the fd number was reused.
+        self.kernel_restore(pid, fd, kind, minor)?;
         if !self.launch_libs.looked_at(pid) {
             self.probe_launches_of(pid);
         }
@@ -278,28 +278,6 @@ impl Tracer {
 
     /// Copies an inherited fd into the kernel map unless the child already has an entry for that fd.
     fn kernel_inherit(&mut self, child: u32, fd: i32, nv: NvFd) -> Result<(), TracerError> {
-        const BPF_NOEXIST: u64 = 1;
-        let key = FdKey {
-            tgid: child,
-            fd: fd as u32,
-        };
-        let info = FdInfo {
-            kind: nv.kind as u8,
-            minor: nv.minor,
-            _pad: [0; 2],
-        };
-        match self.probes.nv_fds.insert(key, info, BPF_NOEXIST) {
-            Ok(()) => Ok(()),
-            Err(aya::maps::MapError::SyscallError(e))
-                if e.io_error.raw_os_error() == Some(nix::errno::Errno::EEXIST as i32) =>
-            {
-                Ok(())
-            }
-            Err(e) => Err(TracerError::MapUpdate {
-                map: "NV_FDS",
-                pid: child,
-                detail: e.to_string(),
-            }),
-        }
+        self.kernel_fd_entry(child, fd, nv.kind, nv.minor, super::BPF_NOEXIST)
     }
 }

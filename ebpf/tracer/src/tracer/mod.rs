@@ -77,6 +77,9 @@ pub enum TracerError {
     },
 }
 
+/// `bpf_map_update_elem` flag: only add, keep an entry that is there.
+const BPF_NOEXIST: u64 = 1;
+
 /// What a container holds in the driver right now, for release detection.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GpuState {
@@ -268,6 +271,53 @@ impl Tracer {
         kind: baton_nvidia::fdkind::FdKind,
         minor: u8,
     ) -> Result<(), TracerError> {
+        self.kernel_insert(tgid, fd, kind, minor, 0)
+    }
+
+    /// [`Tracer::kernel_track`] that leaves an entry the probes made alone: the process runs ahead of this
+    /// consumer, so by the time a record is applied the probe may have put a newer file under that number
+    /// (a close and an open of another device since), and overwriting it with the record's kind would
+    /// give the process's later calls on it the old file's kind (seen: a dup of a reused fd number taken for
+    /// nvidiactl while it was nvidia0).
+    fn kernel_restore(
+        &mut self,
+        tgid: u32,
+        fd: i32,
+        kind: baton_nvidia::fdkind::FdKind,
+        minor: u8,
+    ) -> Result<(), TracerError> {
+        self.kernel_insert(tgid, fd, kind, minor, BPF_NOEXIST)
+    }
+
+    fn kernel_insert(
+        &mut self,
+        tgid: u32,
+        fd: i32,
+        kind: baton_nvidia::fdkind::FdKind,
+        minor: u8,
+        flags: u64,
+    ) -> Result<(), TracerError> {
+        self.kernel_fd_entry(tgid, fd, kind, minor, flags)?;
+        self.probes
+            .nv_procs
+            .insert(tgid, 1, 0)
+            .map_err(|e| TracerError::MapUpdate {
+                map: "NV_PROCS",
+                pid: tgid,
+                detail: e.to_string(),
+            })
+    }
+
+    /// Puts `fd` of `tgid` in the kernel's fd map; with [`BPF_NOEXIST`], an entry already there is kept
+    /// and that is not an error.
+    fn kernel_fd_entry(
+        &mut self,
+        tgid: u32,
+        fd: i32,
+        kind: baton_nvidia::fdkind::FdKind,
+        minor: u8,
+        flags: u64,
+    ) -> Result<(), TracerError> {
         let key = FdKey {
             tgid,
             fd: fd as u32,
@@ -277,21 +327,20 @@ impl Tracer {
             minor,
             _pad: [0; 2],
         };
-        let err = |map| {
-            move |e: aya::maps::MapError| TracerError::MapUpdate {
-                map,
+        match self.probes.nv_fds.insert(key, info, flags) {
+            Ok(()) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(e))
+                if flags & BPF_NOEXIST != 0
+                    && e.io_error.raw_os_error() == Some(nix::errno::Errno::EEXIST as i32) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(TracerError::MapUpdate {
+                map: "NV_FDS",
                 pid: tgid,
                 detail: e.to_string(),
-            }
-        };
-        self.probes
-            .nv_fds
-            .insert(key, info, 0)
-            .map_err(err("NV_FDS"))?;
-        self.probes
-            .nv_procs
-            .insert(tgid, 1, 0)
-            .map_err(err("NV_PROCS"))
+            }),
+        }
     }
 
     fn kernel_forget(&mut self, tgid: u32, fd: i32) {

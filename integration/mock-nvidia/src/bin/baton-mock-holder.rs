@@ -16,7 +16,8 @@
 //! program; `forge FD` (fakes a successful RM_FREE of its client in params the driver refuses, unmaps an
 //! anonymous mapping, closes a non-NVIDIA fd) -> `ok`; `stamp` -> `ok T`; `exit CODE`; `openat2 NAME` ->
 //! `ok FD`; `flash-threads N` (N threads that exit at once, one after the other) -> `ok`; `flood FD N` (N
-//! ioctls), `flood-dup FD N` (N dups of FD, each closed) -> `ok`; `fork-receiver` (a child forked before
+//! ioctls), `flood-dup FD N` (N dups of FD, each closed) -> `ok`; `reuse-dup FIRST THEN ROUNDS KEEP` (each
+//! round opens and closes FIRST, opens THEN under the same number, keeps KEEP dups of it) -> `ok KEPT`; `fork-receiver` (a child forked before
 //! any open, driven over a socket pair: `workload::receiver`) -> `ok PID`; `send-fd PID FD` (FD passed to it
 //! with SCM_RIGHTS) -> `ok N`; `child-open PID NAME` and `child-open-state PID NAME` (GPU state allocated through it, as
 //! `alloc` does) -> `ok FD` (of the child); `child-close PID` (the child
@@ -147,6 +148,9 @@ impl Holder {
                 }
                 String::new()
             }
+            "reuse-dup" => self
+                .reuse_dup(arg(1)?, arg(2)?, num(3)? as usize, num(4)? as usize)?
+                .to_string(),
             "flood" => {
                 let (fd, n) = (num(1)? as RawFd, num(2)?);
                 let cmd = ioc::iowr(ioc::NV_IOCTL_MAGIC, escape::RM_CONTROL, nvos00::SIZE);
@@ -331,6 +335,31 @@ impl Holder {
         let fd = open(&path, flags, Mode::empty())
             .with_context(|| format!("open {}", path.display()))?;
         Ok(fd.into_raw_fd())
+    }
+
+    /// `rounds` times: opens `first` and closes it, opens `then` (which gets the same fd number), keeps `keep`
+    /// dups of it and closes it: the kernel reuses the number at once, while the agent is still applying the
+    /// records of the number's earlier file. Answers how many dups are kept (all of file `then`).
+    fn reuse_dup(
+        &self,
+        first: &str,
+        then: &str,
+        rounds: usize,
+        keep: usize,
+    ) -> anyhow::Result<usize> {
+        let mut kept = 0;
+        for _ in 0..rounds {
+            nix::unistd::close(self.open(first, true)?)?;
+            let fd = self.open(then, true)?;
+            for _ in 0..keep {
+                // SAFETY: `fd` is open until the close below; the dup is kept, as a raw number.
+                let copy = dup(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) })?;
+                let _ = copy.into_raw_fd();
+                kept += 1;
+            }
+            nix::unistd::close(fd)?;
+        }
+        Ok(kept)
     }
 
     /// An RM root client on `fd` (nvidiactl), with a device and 1 MiB of video memory under it: GPU state in

@@ -226,11 +226,18 @@ impl Watched {
     fn follow_hidden(&mut self, tracer: &mut Tracer, hidden: &[Holding]) {
         let pids: BTreeSet<u32> = hidden.iter().map(|h| h.pid).collect();
         for h in hidden.iter().filter(|h| !self.hidden.contains(&h.pid)) {
+            let mut known: Vec<(i32, baton_nvidia::fdkind::FdKind)> = tracer
+                .fd_table()
+                .get(h.pid)
+                .map(|p| p.fds.iter().map(|(fd, nv)| (*fd, nv.kind)).collect())
+                .unwrap_or_default();
+            known.sort_unstable();
             tracing::warn!(
                 id = self.registration.container.id,
                 "agent: {h} holds an NVIDIA file the probes never saw it take (passed over a unix socket, \
                  taken with pidfd_getfd, a shared fd table, io_uring or a device node of another name): the \
-                 release waits for it"
+                 release waits for it (the probes knew its NVIDIA fds {known:?}; /proc shows {:?})",
+                h.kind
             );
         }
         for &pid in pids.difference(&self.hidden) {
