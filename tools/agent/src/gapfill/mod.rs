@@ -467,7 +467,9 @@ impl GapFill {
     /// Container `c` is no longer watched.
     pub fn gone(&mut self, c: &ContainerRef) {
         self.claims.remove(c);
-        if self.parked.contains_key(c) {
+        // One whose resume is in flight is left to that resume's answer: it says how the process ended (a
+        // job that exits at its restore is deleted by containerd before the answer comes).
+        if self.parked.get(c).is_some_and(|p| !p.resuming) {
             self.finish(c, "its container was deleted while parked".to_owned());
         }
     }
