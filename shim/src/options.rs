@@ -21,7 +21,7 @@ use containerd_shim_protos::{
 };
 
 use baton_agent_api::{
-    DURATION_SYNTAX, MAX_WAIT_GPU_FREE, PreemptMode, Role, RoleSpec, parse_duration,
+    DURATION_SYNTAX, MAX_WAIT_GPU_FREE, PreemptMode, Role, RoleSpec, limits, parse_duration,
 };
 
 use crate::errors::{Result, ShimError};
@@ -316,16 +316,15 @@ impl BatonSettings {
                     .min_share = share;
             }
             "park-when-idle" => {
-                self.park_when_idle = Some(
-                    parse_duration(value)
-                        .filter(|d| !d.is_zero())
-                        .ok_or_else(|| invalid(DURATION_SYNTAX))?,
-                );
+                let after = parse_duration(value)
+                    .filter(|d| limits::check_park_when_idle(*d).is_ok())
+                    .ok_or_else(|| invalid(&format!("{DURATION_SYNTAX} of at most 7 days")))?;
+                self.park_when_idle = Some(after);
             }
             "gap_fill_window" => {
                 let window = parse_duration(value)
-                    .filter(|d| !d.is_zero())
-                    .ok_or_else(|| invalid(DURATION_SYNTAX))?;
+                    .filter(|d| !d.is_zero() && *d <= limits::MAX_RATE_WINDOW)
+                    .ok_or_else(|| invalid(&format!("{DURATION_SYNTAX} of at most a week")))?;
                 self.rate_gate.get_or_insert_with(Default::default).window_s = window.as_secs_f64();
             }
             _ => return Ok(false),
@@ -1056,13 +1055,15 @@ mod tests {
             ..s
         };
         assert_eq!(co.role_spec().unwrap().park_when_idle_ms, None);
-        let bad: HashMap<String, String> =
-            [("baton.io/park-when-idle".to_string(), "0s".to_string())].into();
-        assert!(
-            BatonSettings::default()
+        for value in ["0s", "8days", "100000000000000h"] {
+            let bad: HashMap<String, String> =
+                [("baton.io/park-when-idle".to_string(), value.to_string())].into();
+            let e = BatonSettings::default()
                 .with_annotations(&bad, "container")
-                .is_err()
-        );
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("at most 7 days"), "{value}: {e}");
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@ pub mod devices;
 pub mod driver_helper;
 pub mod duration;
 pub mod gapfill;
+pub mod limits;
 pub mod lines;
 pub mod option_keys;
 pub mod preempt;

@@ -121,6 +121,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         return Err(AgentError::NotRoot);
     }
     let bounds = args.bounds()?;
+    exit_on_panic();
     adopt_node_cgroup_paths();
     let socket = args
         .socket
@@ -242,6 +243,25 @@ async fn serve_until_signal(
     };
     core.abort();
     result
+}
+
+/// The agent's exit status after a panic (sysexits' EX_SOFTWARE).
+const EXIT_AFTER_PANIC: i32 = 70;
+
+/// A panic in any task or thread of the agent ends the agent. Left to tokio, a panic ends only its task: the
+/// core's, and every shim of the node was answered "the agent is stopping" from then on. A dead agent loses
+/// its lock with its process; the shims reconnect, start a fresh agent and register their containers again,
+/// and the new agent rebuilds their files and mappings from /proc.
+fn exit_on_panic() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        tracing::error!(
+            "agent: {info}: this is a bug (please report it with the lines above); the agent exits and the \
+             next shim or client starts a fresh one"
+        );
+        std::process::exit(EXIT_AFTER_PANIC);
+    }));
 }
 
 /// Resolves at `t`, or never without one: a `select!` branch for an optional deadline (the gate's, the

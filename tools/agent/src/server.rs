@@ -252,7 +252,8 @@ fn stopping() -> Reply {
     }
 }
 
-/// A request line, or the error to answer it with.
+/// A request line whose durations and counts are within the agent's bounds
+/// ([`baton_agent_api::limits`]), or the error to answer it with.
 fn parse(line: &str) -> Result<Request, String> {
     let value: serde_json::Value =
         serde_json::from_str(line).map_err(|e| format!("not a JSON line ({e}): {line}"))?;
@@ -265,9 +266,11 @@ fn parse(line: &str) -> Result<Request, String> {
         }
         None => return Err(format!("missing \"v\": {PROTOCOL_VERSION} in {line}")),
     }
-    serde_json::from_value::<RequestLine>(value)
+    let request = serde_json::from_value::<RequestLine>(value)
         .map(|l| l.request)
-        .map_err(|e| format!("not a request ({e}): {line}"))
+        .map_err(|e| format!("not a request ({e}): {line}"))?;
+    request.check()?;
+    Ok(request)
 }
 
 pub async fn send_reply(write: &mut OwnedWriteHalf, reply: Reply) -> std::io::Result<()> {

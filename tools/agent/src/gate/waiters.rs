@@ -28,7 +28,9 @@ impl Core {
             return;
         };
         let devices = devices_seen(w.registration.init_pid, &w.registration.devices);
-        let timeout = std::time::Duration::from_millis(request.timeout_ms);
+        // The socket's check refused a longer one; kept in bounds here too, as the deadline's sum panics.
+        let timeout = std::time::Duration::from_millis(request.timeout_ms)
+            .min(baton_agent_api::MAX_WAIT_GPU_FREE);
         let cgroup = w.registration.cgroup.clone();
         self.waiters.push(Waiter {
             container: request.container,
