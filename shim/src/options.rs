@@ -71,7 +71,7 @@ pub struct BatonSettings {
     /// Start the agent (the `baton` binary beside the shim, else on PATH) when nothing answers on its
     /// socket (`agent_autostart`, default true; a DaemonSet-run agent makes it unnecessary).
     pub agent_autostart: bool,
-    /// How long cuda-checkpoint's lock of each process may take (`cuda_lock_timeout`, e.g. "10s").
+    /// How long cuda-checkpoint's lock of each process may take (`cuda_lock_timeout`, e.g. "10s"; node only).
     pub cuda_lock_timeout: std::time::Duration,
     /// How long any one cuda-checkpoint run (a checkpoint or a restore of a process) may take before the
     /// shim stops it and rolls back (`cuda_checkpoint_timeout`, e.g. "10m").
@@ -1016,17 +1016,21 @@ mod tests {
     }
 
     #[test]
-    fn the_cuda_checkpoint_timeout_comes_from_the_node_only() {
-        let tenant: HashMap<String, String> = [(
-            "baton.io/cuda_checkpoint_timeout".to_string(),
-            "1ms".to_string(),
-        )]
-        .into();
-        let err = BatonSettings::default()
-            .with_annotations(&tenant, "container")
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("baton.io/cuda_checkpoint_timeout"), "{err}");
+    fn the_cuda_checkpoint_and_lock_timeouts_come_from_the_node_only() {
+        for key in ["cuda_checkpoint_timeout", "cuda_lock_timeout"] {
+            let tenant: HashMap<String, String> =
+                [(format!("baton.io/{key}"), "1ms".to_string())].into();
+            let err = BatonSettings::default()
+                .with_annotations(&tenant, "container")
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(&format!("baton.io/{key}")), "{err}");
+        }
+        let cfg = parse_toml_options("cuda_lock_timeout = \"3s\"\n").unwrap();
+        assert_eq!(
+            cfg.baton.cuda_lock_timeout,
+            std::time::Duration::from_secs(3)
+        );
         let cfg = parse_toml_options("cuda_checkpoint_timeout = \"90s\"\n").unwrap();
         assert_eq!(
             cfg.baton.cuda_checkpoint_timeout,

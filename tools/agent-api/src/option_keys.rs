@@ -30,7 +30,8 @@ pub const TRACE_PREFIX: &str = "trace_prefix";
 pub const AGENT_SOCKET: &str = "agent_socket";
 /// Start an agent when nothing answers on its socket (node only; false where systemd or a DaemonSet runs it).
 pub const AGENT_AUTOSTART: &str = "agent_autostart";
-/// How long cuda-checkpoint's lock of each process may take.
+/// How long cuda-checkpoint's lock of each process may take (node only: a tenant's 1 ms made its container
+/// impossible to preempt, and failed the Start of a server waiting for its GPU).
 pub const CUDA_LOCK_TIMEOUT: &str = "cuda_lock_timeout";
 /// How long each cuda-checkpoint run (a checkpoint, a restore) may take before the shim stops it and rolls back
 /// (node only: a tiny one would make a tenant's container impossible to preempt).
@@ -91,7 +92,7 @@ pub const BATON_KEYS: [&str; 20] = [
 /// container's gate sees, and distinct prefixes would use up the probe set's few slots for the whole node), or
 /// bound a preemption (a tiny `cuda_checkpoint_timeout` would make a container impossible to preempt), or
 /// concern every container of the node (gap-fill's rate gate).
-pub const NODE_ONLY_KEYS: [&str; 11] = [
+pub const NODE_ONLY_KEYS: [&str; 12] = [
     CUDA_CHECKPOINT_PATH,
     CUDA_DRIVER_PATH,
     CRIU_PATH,
@@ -101,6 +102,7 @@ pub const NODE_ONLY_KEYS: [&str; 11] = [
     EBPF,
     TRACE_PREFIX,
     CUDA_CHECKPOINT_TIMEOUT,
+    CUDA_LOCK_TIMEOUT,
     GAP_FILL_MIN_SHARE,
     GAP_FILL_WINDOW,
 ];
