@@ -134,7 +134,22 @@ fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
 /// spinners would use 50 ms of CPU. The kernel counts a task frozen just before it switches out, and a frozen
 /// task can be woken spuriously and go straight back into the freezer: one such schedule of microseconds per
 /// thread, and two more, are tolerated. In v1 the threads sit in the refrigerator (state D).
+///
+/// The window starts once every thread is off its CPU (their CPU time unchanged for longer than a
+/// scheduler tick, which is how often schedstat's figure moves for a running thread): a thread that was
+/// running when it entered the freezer has the time since the scheduler's last update of it added when it
+/// switches out, after the freezer already says FROZEN (seen in CI: 0 new schedules, 1.4 ms). Threads that
+/// keep running never get there, and the wait fails.
 fn assert_stopped(pid: u32, version: CgroupVersion) {
+    const LONGER_THAN_A_TICK: Duration = Duration::from_millis(12);
+    let (mut last, mut since) = (progress(pid).0, Instant::now());
+    wait_until("the frozen threads are off their CPUs", || {
+        let now = progress(pid).0;
+        if now != last {
+            (last, since) = (now, Instant::now());
+        }
+        since.elapsed() > LONGER_THAN_A_TICK
+    });
     let (ns, runs) = progress(pid);
     let tolerated = threads(pid).len() as u64 + 2;
     let start = Instant::now();
