@@ -109,7 +109,8 @@ impl Request {
 fn check_window(what: &str, window_ms: u64) -> Result<(), String> {
     if window_ms == 0 || window_ms > MAX_CONTROL_WINDOW_MS {
         return Err(format!(
-            "{what}: window_ms {window_ms} is not from 1 to {MAX_CONTROL_WINDOW_MS} (the seeds use 200)"
+            "{what}: window_ms must be > 0 and at most {MAX_CONTROL_WINDOW_MS} (the seeds use 200), not \
+             {window_ms}"
         ));
     }
     Ok(())
