@@ -49,6 +49,8 @@ pub struct Trainer {
     /// the inherited NVIDIA fds and mappings, has no CUDA state (cuda-checkpoint and the driver API answer
     /// `CUDA_ERROR_NOT_INITIALIZED` for it), and dies with its parent.
     pub fork_worker: bool,
+    /// The container's memory limit (bytes), when it has one: a park's host copy is charged to it.
+    pub memory_limit_bytes: Option<u64>,
 }
 
 impl Default for Trainer {
@@ -61,6 +63,7 @@ impl Default for Trainer {
             steps: 0,
             step_ms: 5,
             fork_worker: false,
+            memory_limit_bytes: None,
         }
     }
 }
@@ -118,9 +121,24 @@ impl CudaRig {
     /// Runs `t` in container `id` with `ctr run` (its stdout comes back through ctr), with the mock devices
     /// and a private /tmp (where the workload's control socket goes).
     pub fn run(&self, id: &str, t: &Trainer, annotations: &[(&str, &str)]) -> Running {
+        self.run_with(id, t, annotations, &[])
+    }
+
+    /// [`CudaRig::run`] with more `ctr run` flags (`--memory-limit BYTES`, ...).
+    pub fn run_with(
+        &self,
+        id: &str,
+        t: &Trainer,
+        annotations: &[(&str, &str)],
+        more: &[&str],
+    ) -> Running {
         let mut flags = device_mounts_at(self.gpu.mock_dir.path(), "/dev");
         flags.push("--mount".into());
         flags.push("type=tmpfs,src=tmpfs,dst=/tmp,options=rw".into());
+        if let Some(bytes) = t.memory_limit_bytes {
+            flags.extend(["--memory-limit".to_owned(), bytes.to_string()]);
+        }
+        flags.extend(more.iter().map(|f| f.to_string()));
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         let command = self.command(t);
         let command: Vec<&str> = command.iter().map(String::as_str).collect();
@@ -143,7 +161,11 @@ impl CudaRig {
             lines: Some(read_lines(out)),
             file: None,
         };
-        r.wait_line("phase setup-done");
+        // Each workload process says so once its CUDA state is allocated (a park names the processes that
+        // own some: one not set up yet would be left out).
+        for _ in 0..t.processes.max(1) {
+            r.wait_line("phase setup-done");
+        }
         r
     }
 
@@ -214,6 +236,17 @@ impl CudaRig {
         let command: Vec<&str> = command.iter().map(String::as_str).collect();
         let mut spec = rootfs::spec(env.namespace(), id, &command, None, &annotations)
             .unwrap_or_else(|e| panic!("spec: {e}"));
+        if let Some(bytes) = t.memory_limit_bytes {
+            let memory = oci_spec::runtime::LinuxMemoryBuilder::default()
+                .limit(i64::try_from(bytes).unwrap_or(i64::MAX))
+                .build()
+                .unwrap_or_else(|e| panic!("memory limit: {e}"));
+            let mut linux = spec.linux().clone().unwrap_or_default();
+            let mut resources = linux.resources().clone().unwrap_or_default();
+            resources.set_memory(Some(memory));
+            linux.set_resources(Some(resources));
+            spec.set_linux(Some(linux));
+        }
         let mut mounts = spec.mounts().clone().unwrap_or_default();
         for name in ["nvidiactl", "nvidia0", "nvidia-uvm", "nvidia-uvm-tools"] {
             mounts.push(mount(

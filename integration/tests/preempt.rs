@@ -206,6 +206,14 @@ fn two_processes_are_both_locked_before_either_checkpoints_and_release_once_both
     };
     let _trainer = rig.run("pair", &t, &[]);
     wait_held(&rig, "pair", 2);
+    // Both processes' device memory is in the ledger: each owns CUDA state, so the park names both.
+    assert!(
+        baton_integration::agent::wait_until(WITHIN, || {
+            rig.gpu.status("pair")["vram_bytes"] == json!((2 * t.vram_mib) << 20)
+        }),
+        "{}",
+        rig.gpu.status("pair")
+    );
     let mut w = rig.gpu.watch("pair");
     let (steps, _) = rig.baton_json(&["preempt", "pair"]);
     let checkpointed: Vec<u64> = steps

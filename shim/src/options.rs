@@ -21,7 +21,8 @@ use containerd_shim_protos::{
 };
 
 use baton_agent_api::{
-    DURATION_SYNTAX, MAX_WAIT_GPU_FREE, PreemptMode, Role, RoleSpec, limits, parse_duration,
+    DURATION_SYNTAX, MAX_WAIT_GPU_FREE, ParkMemory, PreemptMode, Role, RoleSpec, limits,
+    parse_duration,
 };
 
 use crate::errors::{Result, ShimError};
@@ -76,6 +77,9 @@ pub struct BatonSettings {
     /// How long any one cuda-checkpoint run (a checkpoint or a restore of a process) may take before the
     /// shim stops it and rolls back (`cuda_checkpoint_timeout`, e.g. "10m").
     pub cuda_checkpoint_timeout: std::time::Duration,
+    /// What a park does when the container's memory cgroup has no room for the host copy of its device
+    /// memory (`park_memory`, node only; default raise).
+    pub park_memory: ParkMemory,
     /// Start waits until no other container holds the NVIDIA devices this one sees, at most this long
     /// (`wait-gpu-free`, e.g. "20s"; `baton.io/wait-gpu-free` on a pod or container). `None`: no wait.
     pub wait_gpu_free: Option<std::time::Duration>,
@@ -150,6 +154,7 @@ impl Default for BatonSettings {
             agent_autostart: true,
             cuda_lock_timeout: std::time::Duration::from_secs(10),
             cuda_checkpoint_timeout: DEFAULT_CUDA_CHECKPOINT_TIMEOUT,
+            park_memory: ParkMemory::Raise,
             wait_gpu_free: None,
             role: None,
             yields_to: Vec::new(),
@@ -314,6 +319,13 @@ impl BatonSettings {
                 self.rate_gate
                     .get_or_insert_with(Default::default)
                     .min_share = share;
+            }
+            "park_memory" => {
+                self.park_memory = match value.trim() {
+                    "raise" => ParkMemory::Raise,
+                    "refuse" => ParkMemory::Refuse,
+                    _ => return Err(invalid("\"raise\" or \"refuse\"")),
+                };
             }
             "park-when-idle" => {
                 let after = parse_duration(value)

@@ -1,10 +1,11 @@
-//! cgroup v2 ids and paths, the container names derived from them, whether a process is gone, and the cgroup
-//! freezer ([`freezer`]).
+//! cgroup v2 ids and paths, the container names derived from them, whether a process is gone, the cgroup
+//! freezer ([`freezer`]) and a process's memory limit ([`memory`]).
 //!
 //! `bpf_get_current_cgroup_id()` returns the kernfs id of the task's cgroup v2 directory, which is that
 //! directory's inode number. On a hybrid host the v2 tree is mounted at /sys/fs/cgroup/unified; on a pure v2
 //! host at /sys/fs/cgroup. The root is found from /proc/self/mountinfo unless the caller names one.
 pub mod freezer;
+pub mod memory;
 
 use std::{
     collections::HashMap,

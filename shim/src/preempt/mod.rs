@@ -17,6 +17,7 @@
 pub mod cuda;
 mod driver_api;
 mod gpu_checkpoint;
+mod host_memory;
 mod presence;
 mod rollback;
 pub mod state;
@@ -184,6 +185,7 @@ impl Container {
         mode: PreemptMode,
         image: Option<String>,
         parked_for: Option<ContainerRef>,
+        vram_bytes: Option<u64>,
         steps: &mut Steps,
     ) -> Result<PreemptState> {
         let image = match mode {
@@ -204,6 +206,9 @@ impl Container {
         }
         let sorted = self.sort_by_cuda_state(&cuda, pids, "preempt").await?;
         self.refuse_without_cuda_state(&sorted)?;
+        let raised = self
+            .make_room_for_host_copy(self.init_pid().await, vram_bytes)
+            .await?;
         let since_ns = now_monotonic_ns();
         let mut state = PreemptState {
             state: PreemptPhase::Preempting,
@@ -212,9 +217,12 @@ impl Container {
             since_ns,
             image_path: None,
             parked_for,
+            host_copy_bytes: vram_bytes.filter(|v| *v > 0),
+            raised_limit: raised,
         };
         self.set_preemption(Some(state.clone()));
         if let Err(e) = self.release_gpu(&mut op, &cuda, &sorted, steps).await {
+            self.put_back_limit(raised).await;
             self.set_preemption(None);
             return Err(e);
         }
@@ -227,6 +235,7 @@ impl Container {
             }
         };
         if let Err(e) = done {
+            self.put_back_limit(raised).await;
             self.set_preemption(None);
             return Err(e);
         }
@@ -440,8 +449,11 @@ impl Container {
             .restore_and_unlock_each(&cuda, &parked.pids, true, steps)
             .await;
         if failures.is_empty() {
+            // Every process was restored: the host copy is freed, the limit a park raised goes back.
+            let limit = self.put_back_limit(parked.raised_limit).await;
             self.set_preemption(None);
-            steps.emit(Phase::Done, None, "resumed");
+            let detail = limit.map_or_else(|| "resumed".to_owned(), |l| format!("resumed; {l}"));
+            steps.emit(Phase::Done, None, detail);
             return Ok(());
         }
         // The processes that were not given their GPU back stay parked (a second resume retries them); the

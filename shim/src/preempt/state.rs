@@ -62,6 +62,11 @@ mod tests {
             since_ns: 9,
             image_path: None,
             parked_for: None,
+            host_copy_bytes: Some(1 << 30),
+            raised_limit: Some(baton_agent_api::RaisedLimit {
+                was_bytes: 1 << 29,
+                raised_to_bytes: 3 << 29,
+            }),
         };
         save(dir.path(), Some(&state)).unwrap();
         assert_eq!(load(dir.path()), Some(state));

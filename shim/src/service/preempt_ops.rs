@@ -81,7 +81,14 @@ impl TaskService {
         let c = self.target(&r.target)?;
         let mut steps = Steps::new(self.container_ref(&c.id), Some(tx));
         let state = c
-            .preempt(&r.pids, r.mode, r.image_path, r.parked_for, &mut steps)
+            .preempt(
+                &r.pids,
+                r.mode,
+                r.image_path,
+                r.parked_for,
+                r.vram_bytes,
+                &mut steps,
+            )
             .await?;
         let topic = match r.mode {
             baton_agent_api::PreemptMode::Park => PARKED_TOPIC,

@@ -61,9 +61,12 @@ pub const GAP_FILL_MIN_SHARE: &str = "gap_fill_min_share";
 /// Gap-fill's rate gate (node only): the sliding window over which the agent counts preemptions per GPU (a
 /// duration, default [`crate::gapfill::DEFAULT_WINDOW`]).
 pub const GAP_FILL_WINDOW: &str = "gap_fill_window";
+/// What a park does when the container's memory cgroup has no room for the host copy of its device memory:
+/// "raise" (its limit, while parked) or "refuse" (node only; [`crate::ParkMemory`]).
+pub const PARK_MEMORY: &str = "park_memory";
 
 /// Every Baton key, in TOML and (prefixed with [`ANNOTATION_PREFIX`]) in annotations.
-pub const BATON_KEYS: [&str; 20] = [
+pub const BATON_KEYS: [&str; 21] = [
     EBPF,
     CUDA_CHECKPOINT_PATH,
     CUDA_DRIVER_PATH,
@@ -84,6 +87,7 @@ pub const BATON_KEYS: [&str; 20] = [
     GAP_FILL_MIN_SHARE,
     GAP_FILL_WINDOW,
     PARK_WHEN_IDLE,
+    PARK_MEMORY,
 ];
 
 /// The keys only the node's TOML may set, as annotations come from whoever writes the pod spec: they name
@@ -92,7 +96,7 @@ pub const BATON_KEYS: [&str; 20] = [
 /// container's gate sees, and distinct prefixes would use up the probe set's few slots for the whole node), or
 /// bound a preemption (a tiny `cuda_checkpoint_timeout` would make a container impossible to preempt), or
 /// concern every container of the node (gap-fill's rate gate).
-pub const NODE_ONLY_KEYS: [&str; 12] = [
+pub const NODE_ONLY_KEYS: [&str; 13] = [
     CUDA_CHECKPOINT_PATH,
     CUDA_DRIVER_PATH,
     CRIU_PATH,
@@ -103,6 +107,7 @@ pub const NODE_ONLY_KEYS: [&str; 12] = [
     TRACE_PREFIX,
     CUDA_CHECKPOINT_TIMEOUT,
     CUDA_LOCK_TIMEOUT,
+    PARK_MEMORY,
     GAP_FILL_MIN_SHARE,
     GAP_FILL_WINDOW,
 ];

@@ -78,6 +78,11 @@ pub struct PreemptRequest {
     /// drops it from a client's request (what an operator preempts, an operator resumes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parked_for: Option<ContainerRef>,
+    /// The container's device memory in the agent's ledger, bytes: what the checkpoint copies into host
+    /// memory charged to the container's memory cgroup (the shim makes room for it, or refuses). The agent
+    /// fills it before it forwards the request to the container's shim; a client leaves it out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vram_bytes: Option<u64>,
 }
 
 /// Where snapshot images go when neither the request nor the node's `snapshot_dir` names a place: on disk,
@@ -265,6 +270,35 @@ pub struct PreemptState {
     /// when no such container needs its GPU any more, after a restart of the agent too).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parked_for: Option<ContainerRef>,
+    /// The host memory its park charged to its memory cgroup (the device memory copied, as the agent's
+    /// ledger counted it), bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_copy_bytes: Option<u64>,
+    /// The memory limit the park raised to make room for that copy, put back at the resume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub raised_limit: Option<RaisedLimit>,
+}
+
+/// A container's memory limit raised while it is parked (`park_memory = "raise"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RaisedLimit {
+    /// Its limit before the park, bytes.
+    pub was_bytes: u64,
+    /// Its limit while parked, bytes.
+    pub raised_to_bytes: u64,
+}
+
+/// What a park does when the container's memory cgroup has no room for the host copy of its device memory
+/// (`park_memory`, node only).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ParkMemory {
+    /// Raise the limit by what is missing while it is parked, if the node has that much available; put it
+    /// back at the resume.
+    #[default]
+    Raise,
+    /// Refuse the park, naming the numbers.
+    Refuse,
 }
 
 /// What a `preempt`, `resume`, `start` or `handoff` did.
@@ -300,6 +334,7 @@ mod tests {
                 pids: vec![],
                 image_path: None,
                 parked_for: None,
+                vram_bytes: None,
             })
         );
         let handoff: RequestLine = serde_json::from_str(

@@ -232,6 +232,7 @@ pub async fn preempt(
         target: Target::exact(&a.container),
         pids: a.pids.clone(),
         parked_for: None,
+        vram_bytes: Some(a.vram_bytes),
         ..r.clone()
     });
     let mut call = match ShimCall::start(&a, request) {
@@ -533,6 +534,7 @@ pub async fn handoff(
             pids: a.pids.clone(),
             image_path: None,
             parked_for: None,
+            vram_bytes: Some(a.vram_bytes),
         });
         let (b_go, go) = oneshot::channel();
         let b_prepared =

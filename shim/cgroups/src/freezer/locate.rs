@@ -16,6 +16,8 @@ const MOUNTINFO: &str = "/proc/self/mountinfo";
 pub struct Roots {
     /// The v1 freezer hierarchy (`/sys/fs/cgroup/freezer`), if mounted.
     pub v1_freezer: Option<PathBuf>,
+    /// The v1 memory hierarchy (`/sys/fs/cgroup/memory`), if mounted (see [`crate::memory`]).
+    pub v1_memory: Option<PathBuf>,
     /// The cgroup2 hierarchy (`/sys/fs/cgroup/unified` on a hybrid host, `/sys/fs/cgroup` on a v2 one).
     pub v2: Option<PathBuf>,
 }
@@ -30,12 +32,14 @@ impl Roots {
         })?;
         let mut roots = Self::from_mountinfo(&text);
         roots.v1_freezer = roots.v1_freezer.filter(|p| is_fs(p, CGROUP_SUPER_MAGIC));
+        roots.v1_memory = roots.v1_memory.filter(|p| is_fs(p, CGROUP_SUPER_MAGIC));
         roots.v2 = roots.v2.filter(|p| is_fs(p, CGROUP2_SUPER_MAGIC));
         Ok(roots)
     }
 
-    /// The roots named in mountinfo `text` (not checked against the file system): the v1 mount whose super
-    /// options name `freezer` and the shortest cgroup2 mount point, each mounted at its hierarchy's root.
+    /// The roots named in mountinfo `text` (not checked against the file system): the v1 mounts whose super
+    /// options name `freezer` and `memory` and the shortest cgroup2 mount point, each mounted at its
+    /// hierarchy's root.
     pub fn from_mountinfo(text: &str) -> Self {
         let mut roots = Self::default();
         for line in text.lines() {
@@ -52,12 +56,17 @@ impl Roots {
                 continue;
             }
             let point = PathBuf::from(point);
-            match *fstype {
-                "cgroup"
-                    if post
+            let v1_has = |controller: &str| {
+                *fstype == "cgroup"
+                    && post
                         .get(2)
-                        .is_some_and(|opts| opts.split(',').any(|o| o == "freezer")) =>
-                {
+                        .is_some_and(|opts| opts.split(',').any(|o| o == controller))
+            };
+            if v1_has("memory") {
+                roots.v1_memory.get_or_insert(point.clone());
+            }
+            match *fstype {
+                "cgroup" if v1_has("freezer") => {
                     roots.v1_freezer.get_or_insert(point);
                 }
                 "cgroup2"

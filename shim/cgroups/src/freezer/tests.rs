@@ -11,6 +11,7 @@ const HYBRID: &str = "\
 31 30 0:27 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw,nsdelegate
 35 30 0:31 / /sys/fs/cgroup/freezer rw,nosuid - cgroup cgroup rw,freezer
 36 30 0:32 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct
+37 30 0:33 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory
 ";
 
 fn cg(hierarchy: u32, controllers: &[&str], path: &str) -> ProcessCGroup {
@@ -47,6 +48,10 @@ fn mountinfo_names_the_v1_freezer_and_the_shortest_cgroup2() {
         roots.v2.as_deref(),
         Some(Path::new("/sys/fs/cgroup/unified"))
     );
+    assert_eq!(
+        roots.v1_memory.as_deref(),
+        Some(Path::new("/sys/fs/cgroup/memory"))
+    );
     // A private mount namespace that mounted cgroup2 over /sys/fs/cgroup: the new mount is the shorter one.
     let over = format!("{HYBRID}90 30 0:27 / /sys/fs/cgroup rw - cgroup2 none rw\n");
     assert_eq!(
@@ -63,6 +68,7 @@ fn a_runc_container_on_a_hybrid_host_uses_the_v1_freezer() {
     let dir = tempfile::tempdir().unwrap();
     let roots = Roots {
         v1_freezer: Some(dir.path().join("freezer")),
+        v1_memory: None,
         v2: Some(dir.path().join("unified")),
     };
     cgroup_dir(
@@ -92,6 +98,7 @@ fn roots_and_cgroups_without_a_freezer_are_refused_by_name() {
     let cgroups = [cg(0, &[], "/")];
     let roots = Roots {
         v1_freezer: None,
+        v1_memory: None,
         v2: Some(dir.path().to_path_buf()),
     };
     // The v2 root has no cgroup.freeze.

@@ -133,6 +133,8 @@ pub struct Resolved {
     pub pids: Vec<u32>,
     /// Its preemption state.
     pub preemption: Option<PreemptState>,
+    /// Its device memory in the ledger, bytes (what a park copies into its host memory).
+    pub vram_bytes: u64,
 }
 
 /// A request from a connection.

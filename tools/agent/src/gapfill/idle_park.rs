@@ -108,6 +108,7 @@ impl Core {
             pids: r.pids.clone(),
             image_path: None,
             parked_for: None,
+            vram_bytes: Some(r.vram_bytes),
         });
         let done = self.gapfill.done_sender();
         let container = c.clone();

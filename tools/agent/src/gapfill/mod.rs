@@ -255,6 +255,7 @@ impl GapFill {
             pids: r.pids.clone(),
             image_path: None,
             parked_for: Some(server.clone()),
+            vram_bytes: Some(r.vram_bytes),
         });
         let done = self.done_tx.clone();
         let container = pick.container.clone();
@@ -908,6 +909,8 @@ mod tests {
                 since_ns: 1,
                 image_path: None,
                 parked_for: Some(c("server")),
+                host_copy_bytes: None,
+                raised_limit: None,
             }),
             steps: vec![],
         };

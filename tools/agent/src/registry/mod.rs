@@ -166,6 +166,11 @@ impl Core {
             control_socket: w.registration.control_socket.clone(),
             pids: self.cuda_pids(w.cgroup_id),
             preemption: w.preemption.clone(),
+            vram_bytes: self
+                .tracer
+                .as_ref()
+                .and_then(|t| t.ledger().container(w.cgroup_id))
+                .map_or(0, |l| l.vram_bytes()),
         })
     }
 
