@@ -138,6 +138,42 @@ pub fn view(pids: &BTreeSet<u32>) -> NvmlView {
     NvmlView::Seen(seen)
 }
 
+/// The pids NVML lists as running on a GPU: its compute processes, and its graphics ones where the library
+/// has that call; each has a context or device memory there. `None` without NVML, or when a device's
+/// compute processes cannot be read (then open files decide, see [`crate::gate::gpu_users`]). Blocking.
+pub fn gpu_users() -> Option<BTreeSet<u32>> {
+    let mut users = BTreeSet::new();
+    for (_, device) in devices()? {
+        let compute = device.running_compute_processes().ok()?;
+        users.extend(compute.into_iter().map(|p| p.pid));
+        if let Ok(graphics) = device.running_graphics_processes() {
+            users.extend(graphics.into_iter().map(|p| p.pid));
+        }
+    }
+    Some(users)
+}
+
+/// The core, for answers it asked for ([`ask_gpu_users`]); set by [`start`].
+static CORE: OnceLock<mpsc::Sender<Command>> = OnceLock::new();
+
+/// Asks NVML for [`gpu_users`] on a blocking thread; the answer goes to the core (`What::GpuUsers`, with
+/// `asked_ns`). False when no checker runs (a core in a unit test).
+pub fn ask_gpu_users(asked_ns: u64) -> bool {
+    let Some(core) = CORE.get().cloned() else {
+        return false;
+    };
+    tokio::task::spawn_blocking(move || {
+        let users = gpu_users();
+        let (reply, _) = oneshot::channel();
+        let _ = core.blocking_send(Command {
+            what: What::GpuUsers { asked_ns, users },
+            peer_pid: 0,
+            reply,
+        });
+    });
+    true
+}
+
 /// A published release whose cross-check is to come.
 #[derive(Clone, Debug)]
 pub struct Pending {
@@ -245,6 +281,7 @@ static CHECKER: OnceLock<Checker> = OnceLock::new();
 /// Starts the agent's checker on the current runtime, each query bounded by `bound`: each cross-check goes
 /// to the core (`core`), which publishes it. NVML is loaded from the library [`configure`] named.
 pub fn start(core: mpsc::Sender<Command>, bound: Duration) {
+    let _ = CORE.set(core.clone());
     let deliver = move |checked| {
         let core = core.clone();
         async move {

@@ -103,6 +103,11 @@ impl Core {
                 self.publish_nvml_check(*checked);
                 acknowledged()
             }
+            What::GpuUsers { asked_ns, users } => {
+                self.gpu_users.answered(asked_ns, users);
+                self.check_gates();
+                acknowledged()
+            }
             What::SetPreemption { container, state } => {
                 let found = self.set_preemption(&container, state);
                 Reply::Unregistered { found }

@@ -48,6 +48,13 @@ pub enum What {
     CheckPeer(oneshot::Sender<Result<(), String>>),
     /// NVML's cross-check of a release, to publish (`nvml_check`).
     NvmlChecked(Box<crate::nvml::Checked>),
+    /// NVML's answer to which processes use a GPU, asked at `asked_ns` (`None`: NVML cannot tell).
+    GpuUsers {
+        /// When it was asked (CLOCK_MONOTONIC ns).
+        asked_ns: u64,
+        /// The pids NVML lists.
+        users: Option<std::collections::BTreeSet<u32>>,
+    },
     /// A preemption changed a container's state.
     SetPreemption {
         /// Which container.

@@ -71,6 +71,8 @@ pub struct Core {
     pub(crate) recheck_every: std::time::Duration,
     /// When the held containers' mirror is next checked against /proc (see `reconcile`).
     pub(crate) reconcile_at: Option<tokio::time::Instant>,
+    /// NVML's latest word on which processes use a GPU (the gate's unwatched holders).
+    pub(crate) gpu_users: crate::gate::gpu_users::GpuUsers,
 }
 
 impl Core {
@@ -99,6 +101,7 @@ impl Core {
             recheck_due: None,
             recheck_every: recheck::RECHECK_FIRST,
             reconcile_at: None,
+            gpu_users: Default::default(),
             gapfill: GapFill::default(),
             idle: Default::default(),
         }

@@ -2,6 +2,7 @@
 //! GPU (its GPU state, or a release not confirmed yet) on the NVIDIA GPU device(s) it sees, and no process in
 //! a container holds a file of them that the probes do not follow. Devices are told apart by device number
 //! where the files are character devices (the real driver), and by name where they are not (the FUSE mock).
+pub(crate) mod gpu_users;
 mod waiters;
 
 use std::{

@@ -87,8 +87,10 @@ impl Core {
     /// Who keeps waiter `w` from starting: the other watched containers that hold the GPU on one of its
     /// devices (their release not published yet) and, once those are gone, every process /proc shows holding
     /// one of its device files that the probes do not follow in a watched container (in any container: a
-    /// file passed over a socket, a container Baton does not watch). Both empty when its GPU is free.
-    fn gate_holders(&self, w: &Waiter) -> (Vec<String>, Vec<Holding>) {
+    /// file passed over a socket, a container Baton does not watch) and that uses the GPU by NVML's word
+    /// where the node has NVML ([`super::gpu_users`]). Both empty when its GPU is free; and whether NVML is to
+    /// be asked about those holders.
+    fn gate_holders(&self, w: &Waiter) -> (Vec<String>, Vec<Holding>, bool) {
         let server = self.watched.get(&w.container);
         let watched: Vec<String> = self
             .holders(&w.container, &w.devices)
@@ -114,19 +116,20 @@ impl Core {
             })
             .collect();
         if !watched.is_empty() {
-            return (watched, Vec::new());
+            return (watched, Vec::new(), false);
         }
         // A container whose GPU devices could not be resolved (its root not set up yet, under a hook) waits
         // for the watched holders only: "any GPU on the node" would make it wait for every other GPU.
         if w.devices.is_empty() {
-            return (watched, Vec::new());
+            return (watched, Vec::new(), false);
         }
         let hidden: Vec<Holding> =
             node_gpu_holders(&self.classifier, &self.exempt, &w.devices, Some(&w.cgroup))
                 .into_iter()
                 .filter(|h| !self.followed(h))
                 .collect();
-        (watched, hidden)
+        let (hidden, ask) = self.gpu_users.using(hidden, now_monotonic_ns());
+        (watched, hidden, ask)
     }
 
     /// Answers every waiter whose devices nobody else holds now.
@@ -136,8 +139,10 @@ impl Core {
         }
         let waiters = std::mem::take(&mut self.waiters);
         let mut hidden_wait = false;
+        let mut ask_nvml = false;
         for mut w in waiters {
-            let (watched, hidden) = self.gate_holders(&w);
+            let (watched, hidden, ask) = self.gate_holders(&w);
+            ask_nvml |= ask;
             // A co-runner preempted for it lets it through on its release signal (confirmed), not before.
             let unreleased = self.gapfill.awaits_release(&w.devices);
             if watched.is_empty() && hidden.is_empty() && !unreleased {
@@ -153,6 +158,13 @@ impl Core {
         }
         if hidden_wait {
             self.schedule_recheck();
+        }
+        if ask_nvml {
+            let now = now_monotonic_ns();
+            if self.gpu_users.ask(now) && !crate::nvml::ask_gpu_users(now) {
+                // No NVML task (a core without one): files decided this round, and will.
+                self.gpu_users.answered(now, None);
+            }
         }
     }
 
@@ -192,7 +204,7 @@ impl Core {
 
     /// Why waiter `w`'s GPU is not free at its deadline.
     fn still_held(&self, w: &Waiter) -> String {
-        let (watched, hidden) = self.gate_holders(w);
+        let (watched, hidden, _) = self.gate_holders(w);
         let waited = std::time::Duration::from_nanos(now_monotonic_ns().saturating_sub(w.asked_ns));
         if !watched.is_empty() {
             format!(
