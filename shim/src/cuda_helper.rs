@@ -11,8 +11,11 @@
 use std::{
     ffi::{CStr, OsStr, c_char, c_int, c_uint, c_void},
     io::{BufRead, Write},
+    path::PathBuf,
     sync::{Arc, Mutex, PoisonError},
 };
+
+use crate::driver_library;
 
 use baton_agent_api::driver_helper::{Answer, Call, HELPER_ARG, Ready};
 use baton_nvidia::cuda_checkpoint::{
@@ -36,13 +39,32 @@ struct DriverLibrary {
 }
 
 impl DriverLibrary {
-    /// Loads `path` (a bare name through the dynamic loader's search), finds the calls and runs `cuInit(0)`.
-    fn load(path: &OsStr) -> Result<Self, String> {
+    /// Loads `path` (a bare name through the dynamic loader's search, then the known folders: see
+    /// [`crate::driver_library`]), checks its version against the kernel module's, finds the calls and runs
+    /// `cuInit(0)`. Also returns the file it loaded.
+    fn load(path: &OsStr) -> Result<(Self, PathBuf), String> {
         let shown = path.to_string_lossy();
-        // SAFETY: loading runs the library's initialisers; the library is the node's CUDA driver library,
-        // named by the node's administrator (never by a container), which is what it is there for.
-        let library = unsafe { libloading::Library::new(path) }
-            .map_err(|e| format!("cannot load {shown}: {e}"))?;
+        let mut failures = Vec::new();
+        let mut loaded = None;
+        for candidate in driver_library::candidates(path, &driver_library::DRIVER_DIRS) {
+            // SAFETY: loading runs the library's initialisers; the library is the node's CUDA driver library,
+            // named by the node's administrator (never by a container), or the file of that name in a folder
+            // where the driver's installs put it, which is what it is there for.
+            match unsafe { libloading::Library::new(&candidate) } {
+                Ok(l) => {
+                    loaded = Some((l, candidate));
+                    break;
+                }
+                Err(e) => failures.push(format!("{}: {e}", candidate.display())),
+            }
+        }
+        let Some((library, candidate)) = loaded else {
+            return Err(format!(
+                "cannot load {shown} (looked in the loader's path and {}): {}",
+                driver_library::DRIVER_DIRS.join(", "),
+                failures.join("; ")
+            ));
+        };
         let symbol = |name: &[u8]| {
             String::from_utf8_lossy(name.strip_suffix(b"\0").unwrap_or(name)).into_owned()
         };
@@ -79,6 +101,14 @@ impl DriverLibrary {
                     .map(|s| *s),
             )
         };
+        let file = loaded_file(init as *const c_void).unwrap_or(candidate);
+        let kernel = std::fs::read_to_string(driver_library::KERNEL_VERSION_FILE)
+            .ok()
+            .and_then(|t| driver_library::kernel_version(&t));
+        let user = driver_library::library_version(&file);
+        if let Some(why) = driver_library::mismatch(&file, user.as_deref(), kernel.as_deref()) {
+            return Err(why);
+        }
         let this = Self {
             _library: library,
             actions,
@@ -89,9 +119,13 @@ impl DriverLibrary {
         // SAFETY: cuInit takes its flags by value.
         let code = unsafe { init(0) };
         if code != cu::CUDA_SUCCESS {
-            return Err(format!("cuInit failed: {}", this.describe(code)));
+            return Err(format!(
+                "cuInit of {} failed: {}",
+                file.display(),
+                this.describe(code)
+            ));
         }
-        Ok(this)
+        Ok((this, file))
     }
 
     /// `NAME: description` of `code`, as the library says it.
@@ -189,6 +223,27 @@ fn send(out: &Mutex<std::io::Stdout>, value: &impl serde::Serialize) {
     let _ = out.write_all(&line).and_then(|()| out.flush());
 }
 
+/// The file the loaded object holding `symbol` came from (the dynamic loader's word, whichever search found
+/// it).
+fn loaded_file(symbol: *const c_void) -> Option<PathBuf> {
+    let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
+    // SAFETY: dladdr only reads the loader's tables and writes `info`, which lives for the call; the name it
+    // points to is the loader's, read at once while the library is loaded.
+    unsafe {
+        if libc::dladdr(symbol, info.as_mut_ptr()) == 0 {
+            return None;
+        }
+        let info = info.assume_init();
+        if info.dli_fname.is_null() {
+            return None;
+        }
+        let name = CStr::from_ptr(info.dli_fname)
+            .to_string_lossy()
+            .into_owned();
+        Some(PathBuf::from(name))
+    }
+}
+
 /// The helper's main: returns its exit code.
 pub fn serve(args: &[std::ffi::OsString]) -> i32 {
     // It never outlives the shim that started it (the shim is its parent).
@@ -199,18 +254,27 @@ pub fn serve(args: &[std::ffi::OsString]) -> i32 {
         return 2;
     };
     let library = match DriverLibrary::load(library) {
-        Ok(l) => Arc::new(l),
+        Ok((l, file)) => {
+            send(
+                &out,
+                &Ready {
+                    unavailable: None,
+                    library: Some(file.display().to_string()),
+                },
+            );
+            Arc::new(l)
+        }
         Err(why) => {
             send(
                 &out,
                 &Ready {
                     unavailable: Some(why),
+                    library: None,
                 },
             );
             return 3;
         }
     };
-    send(&out, &Ready { unavailable: None });
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         let call: Call = match serde_json::from_str(&line) {

@@ -10,6 +10,7 @@ mod console;
 mod container;
 mod control;
 mod cuda_helper;
+mod driver_library;
 mod errors;
 mod events;
 #[cfg(test)]

@@ -30,6 +30,9 @@ use baton_agent_api::driver_helper::{Answer, Call, HELPER_ARG, Ready};
 
 use crate::reaper;
 
+/// The shim's own program, whatever its path became.
+const SELF_EXE: &str = "/proc/self/exe";
+
 /// How long a helper may take to load the library and initialise it.
 const START_LIMIT: Duration = Duration::from_secs(60);
 /// How much of what a dead helper printed on stderr the error keeps.
@@ -207,9 +210,9 @@ impl DriverApi {
     }
 
     async fn start(&self) -> Result<Arc<Helper>, ApiError> {
-        let exe = std::env::current_exe()
-            .map_err(|e| ApiError::Unavailable(format!("the shim's own path: {e}")))?;
-        let mut child = Command::new(exe)
+        // The shim's own program as the kernel has it: `baton install` may have replaced the file since the
+        // shim started (its path then reads "... (deleted)"), and the helper must be this shim's.
+        let mut child = Command::new(SELF_EXE)
             .arg(HELPER_ARG)
             .arg(&self.library)
             .stdin(Stdio::piped())
@@ -277,6 +280,12 @@ impl DriverApi {
         if let Some(why) = ready.unavailable {
             return Err(ApiError::Unavailable(why));
         }
+        tracing::info!(
+            library = %self.library,
+            loaded = ready.library.as_deref().unwrap_or("?"),
+            "the CUDA driver helper loaded {}",
+            ready.library.as_deref().unwrap_or(&self.library)
+        );
         let helper = Arc::new(Helper {
             pid,
             pidfd,

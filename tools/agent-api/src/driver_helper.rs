@@ -13,6 +13,9 @@ pub const HELPER_ARG: &str = "cuda-driver-helper";
 pub struct Ready {
     /// `None`: the library is loaded and `cuInit` succeeded.
     pub unavailable: Option<String>,
+    /// The file the helper loaded (the loader's search or a known folder found it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub library: Option<String>,
 }
 
 /// One call the shim asks for.
