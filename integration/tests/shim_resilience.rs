@@ -142,7 +142,9 @@ fn start_counter(
         &[
             "/bin/sh",
             "-c",
-            "i=0; while :; do i=$((i+1)); echo $i > /out/count; sleep 0.1; done",
+            // Written aside and renamed: a kill between the truncation and the write of `>` left an empty
+            // count (CI), which the test read as no count at all.
+            "i=0; while :; do i=$((i+1)); echo $i > /out/count.new; mv /out/count.new /out/count; sleep 0.1; done",
         ],
         None,
         &Default::default(),
