@@ -338,7 +338,7 @@ fn parked_co_runners_resume_highest_priority_first_and_one_that_finishes_or_is_k
 }
 
 #[test]
-fn two_servers_behind_the_gate_both_start_on_one_preemption_and_the_trainer_resumes_once_neither_needs_the_gpu()
+fn two_servers_behind_the_gate_start_one_at_a_time_on_one_preemption_and_the_trainer_resumes_once_neither_needs_the_gpu()
  {
     let Some(rig) = CudaRig::start("gapfill-two") else {
         return;
@@ -352,33 +352,47 @@ fn two_servers_behind_the_gate_both_start_on_one_preemption_and_the_trainer_resu
     let start_b = start_in_background(&rig, "server-b");
     let released = events.next_of("trainer", "released", WITHIN).unwrap();
     let released_ns = released["t_released_ns"].as_u64().unwrap();
-    for (id, start) in [("server-a", start_a), ("server-b", start_b)] {
-        let (result, returned_ns) = start.join().unwrap();
-        result.unwrap_or_else(|e| panic!("{id}'s Start: {e}"));
-        assert!(returned_ns > released_ns, "{id} started after the release");
-        wait_held(&rig, id);
-    }
-    // One preemption served both: the trainer was parked once and is not preempted again.
+    // One Start per GPU at a time: the release lets one server through, and the other waits while it holds
+    // the GPU (before, both went through together and shared the GPU each was to have alone).
     assert!(
-        wait_until(WITHIN, || preemption(&rig, "trainer")["state"]
-            == json!("parked")),
-        "{}",
-        rig.gpu.status("trainer")
+        wait_until(WITHIN, || start_a.is_finished() || start_b.is_finished()),
+        "the release let a server through"
     );
+    let ((first, first_start), (second, second_start)) = if start_a.is_finished() {
+        (("server-a", start_a), ("server-b", start_b))
+    } else {
+        (("server-b", start_b), ("server-a", start_a))
+    };
+    let (result, returned_ns) = first_start.join().unwrap();
+    result.unwrap_or_else(|e| panic!("{first}'s Start: {e}"));
+    assert!(
+        returned_ns > released_ns,
+        "{first} started after the release"
+    );
+    wait_held(&rig, first);
+    assert!(
+        !wait_until(Duration::from_millis(500), || second_start.is_finished()),
+        "{second} waits while {first} holds the GPU"
+    );
+    // One preemption served both: the trainer was parked once and is not preempted again.
+    assert_eq!(preemption(&rig, "trainer")["state"], json!("parked"));
     let g = gap_fill(&rig);
     assert_eq!(g["parked"].as_array().unwrap().len(), 1, "{g}");
     assert_eq!(g["preempting"], json!([]), "{g}");
 
-    // One server goes: the other still holds the GPU, so the trainer stays parked. The other is parked by
-    // an operator: no server needs the GPU any more, and the trainer resumes by itself.
+    // The first server goes: the second starts, and the trainer stays parked while it holds the GPU. The
+    // second is parked by an operator: no server needs the GPU any more, and the trainer resumes by itself.
     let api = rig.gpu.env.api().unwrap();
-    delete_task(&api, "server-b");
+    delete_task(&api, first);
+    let (result, _) = second_start.join().unwrap();
+    result.unwrap_or_else(|e| panic!("{second}'s Start: {e}"));
+    wait_held(&rig, second);
     assert!(
         !wait_until(Duration::from_millis(500), || preemption(&rig, "trainer")
             .is_null()),
-        "the trainer was resumed while server-a held its GPU"
+        "the trainer was resumed while {second} held its GPU"
     );
-    rig.baton_json(&["preempt", "server-a"]);
+    rig.baton_json(&["preempt", second]);
     let line = trainer.wait_line("restored checksum");
     assert!(line.ends_with("intact"), "{line}");
     assert!(
@@ -386,7 +400,7 @@ fn two_servers_behind_the_gate_both_start_on_one_preemption_and_the_trainer_resu
         "{}",
         rig.gpu.status("trainer")
     );
-    assert_eq!(preemption(&rig, "server-a")["state"], json!("parked"));
+    assert_eq!(preemption(&rig, second)["state"], json!("parked"));
 }
 
 #[test]

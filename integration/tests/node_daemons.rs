@@ -57,6 +57,8 @@ fn an_unwatched_daemon_with_open_device_files_does_not_shut_the_gate_and_one_wit
     daemon.num("open nvidia0").unwrap();
     let mut first = start_behind_gate(&rig, "first").unwrap();
     first.num("stamp").unwrap();
+    // It goes (a Start let through holds its GPU's gate for it until it allocates, or goes).
+    first.finish().unwrap();
 
     // The daemon makes a context (a client with device memory): now it holds the GPU.
     let alloc = daemon.cmd(&format!("alloc {ctl}")).unwrap();

@@ -44,6 +44,8 @@ impl Core {
                 () = sleep_until_opt(gap_fill_due) => {
                     self.gapfill.expire();
                     self.show_rate_gate_changes();
+                    // A lapsed claim lets the next waiter through.
+                    self.check_gates();
                 }
                 _ = rescan_tick(self.traces.values().any(TraceSession::has_names)) => {
                     self.refresh_trace_names();

@@ -43,8 +43,9 @@ use crate::{
 };
 use baton_tracer::now_monotonic_ns;
 
-/// How long a latency-critical container whose gate opened counts as holding its GPU before it opens it:
-/// parked co-runners are not resumed into the gap between its gate and its first CUDA call.
+/// How long a container whose gate opened counts as holding its GPU before it holds GPU state there: no
+/// other waiter is let onto that GPU, and no parked co-runner is resumed onto it, in the gap between its gate
+/// and its first allocation.
 pub const CLAIM: std::time::Duration = std::time::Duration::from_secs(30);
 /// How long after a failed resume the agent tries that co-runner again (a failing restore must not spin).
 pub const RETRY_RESUME: std::time::Duration = std::time::Duration::from_secs(5);
@@ -118,7 +119,7 @@ struct Parked {
     retry_at: Option<Instant>,
 }
 
-/// A server whose gate opened and that has not opened the GPU yet.
+/// A container whose gate opened and that holds no GPU state there yet.
 struct Claim {
     devices: BTreeSet<DeviceKey>,
     until: Instant,
@@ -475,21 +476,41 @@ impl GapFill {
         }
     }
 
-    /// Server `c`'s gate opened: it claims `devices` until it opens the GPU (or [`CLAIM`] passes).
+    /// Container `c`'s gate opened: it claims `devices` until it holds GPU state there (or [`CLAIM`] passes,
+    /// or it is gone). Meanwhile the gate lets no other waiter onto those devices (two Starts let through by
+    /// one release would share the GPU each was to have alone), and gap-fill resumes no co-runner onto them.
     pub fn claim(&mut self, c: &ContainerRef, devices: &BTreeSet<DeviceKey>) {
-        if !self.parked.is_empty() || !self.preempting.is_empty() {
-            self.claims.insert(
-                c.clone(),
-                Claim {
-                    devices: devices.clone(),
-                    until: Instant::now() + CLAIM,
-                },
-            );
-        }
+        self.claims.insert(
+            c.clone(),
+            Claim {
+                devices: devices.clone(),
+                until: Instant::now() + CLAIM,
+            },
+        );
     }
 
-    /// Drops the claims of the servers that hold a GPU device now (`holds`): their hold counts instead. Not
-    /// on the acquire event, which the first NVIDIA file (`nvidiactl`, held by every CUDA process) causes.
+    /// Another container's live claim on one of `devices` (any device when either side names none).
+    pub fn claimed_by(
+        &self,
+        me: &ContainerRef,
+        devices: &BTreeSet<DeviceKey>,
+    ) -> Option<&ContainerRef> {
+        let now = Instant::now();
+        self.claims
+            .iter()
+            .filter(|(c, cl)| *c != me && cl.until > now)
+            .find(|(_, cl)| {
+                devices.is_empty()
+                    || cl.devices.is_empty()
+                    || cl
+                        .devices
+                        .iter()
+                        .any(|d| devices.iter().any(|w| w.same_device(d)))
+            })
+            .map(|(c, _)| c)
+    }
+
+    /// Drops the claims of the containers that hold GPU state now (`holds`): their hold counts instead.
     pub fn settle_claims(&mut self, holds: impl Fn(&ContainerRef) -> bool) {
         self.claims.retain(|c, _| !holds(c));
     }
@@ -776,7 +797,7 @@ impl Core {
                 .clone()
         };
         self.gapfill
-            .settle_claims(|c| watched.get(c).is_some_and(|w| !held(w).is_empty()));
+            .settle_claims(|c| watched.get(c).is_some_and(Watched::is_held));
         let mut waiting: Vec<(ContainerRef, BTreeSet<DeviceKey>)> = self
             .waiters
             .iter()

@@ -118,6 +118,16 @@ impl Core {
         if !watched.is_empty() {
             return (watched, Vec::new(), false);
         }
+        // One gate at a time per GPU: a container let through that holds no GPU state yet keeps the others
+        // out until it does (then its hold counts), or its claim lapses.
+        if let Some(c) = self.gapfill.claimed_by(&w.container, &w.devices) {
+            let claimed = format!(
+                "container {} (namespace {}) (let through the gate before it: it has not allocated on the \
+                 GPU yet)",
+                c.id, c.namespace
+            );
+            return (vec![claimed], Vec::new(), false);
+        }
         // A container whose GPU devices could not be resolved (its root not set up yet, under a hook) waits
         // for the watched holders only: "any GPU on the node" would make it wait for every other GPU.
         if w.devices.is_empty() {
@@ -137,6 +147,10 @@ impl Core {
         if self.waiters.is_empty() {
             return;
         }
+        // A claim ends once its container holds GPU state: its hold counts from then on.
+        let watched = &self.watched;
+        self.gapfill
+            .settle_claims(|c| watched.get(c).is_some_and(Watched::is_held));
         let waiters = std::mem::take(&mut self.waiters);
         let mut hidden_wait = false;
         let mut ask_nvml = false;
@@ -168,20 +182,15 @@ impl Core {
         }
     }
 
-    /// Lets waiter `w` start: its GPU is free (a server's GPU is claimed for it, against gap-fill).
+    /// Lets waiter `w` start: its GPU is free, and claimed for it until it holds GPU state there (against the
+    /// other waiters and gap-fill).
     fn open_gate(&mut self, w: Waiter) {
         let now = now_monotonic_ns();
         tracing::info!(
             id = w.container.id,
             "agent: the GPU is free: the gate opens"
         );
-        if self
-            .watched
-            .get(&w.container)
-            .is_some_and(gapfill::is_server)
-        {
-            self.gapfill.claim(&w.container, &w.devices);
-        }
+        self.gapfill.claim(&w.container, &w.devices);
         let _ = w.reply.send(Reply::GpuFree {
             waited_ns: now.saturating_sub(w.asked_ns),
             t_free_ns: now,
