@@ -510,7 +510,8 @@ impl GapFill {
             .map(|(c, _)| c)
     }
 
-    /// Drops the claims of the containers that hold GPU state now (`holds`): their hold counts instead.
+    /// Drops the claims of the containers that hold GPU state now, or are gone (`holds`): a hold counts
+    /// instead.
     pub fn settle_claims(&mut self, holds: impl Fn(&ContainerRef) -> bool) {
         self.claims.retain(|c, _| !holds(c));
     }
@@ -797,7 +798,7 @@ impl Core {
                 .clone()
         };
         self.gapfill
-            .settle_claims(|c| watched.get(c).is_some_and(Watched::is_held));
+            .settle_claims(|c| watched.get(c).is_none_or(Watched::is_held));
         let mut waiting: Vec<(ContainerRef, BTreeSet<DeviceKey>)> = self
             .waiters
             .iter()

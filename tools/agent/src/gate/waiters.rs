@@ -147,10 +147,10 @@ impl Core {
         if self.waiters.is_empty() {
             return;
         }
-        // A claim ends once its container holds GPU state: its hold counts from then on.
+        // A claim ends once its container holds GPU state (its hold counts from then on) or is not watched.
         let watched = &self.watched;
         self.gapfill
-            .settle_claims(|c| watched.get(c).is_some_and(Watched::is_held));
+            .settle_claims(|c| watched.get(c).is_none_or(Watched::is_held));
         let waiters = std::mem::take(&mut self.waiters);
         let mut hidden_wait = false;
         let mut ask_nvml = false;
@@ -179,6 +179,23 @@ impl Core {
                 // No NVML task (a core without one): files decided this round, and will.
                 self.gpu_users.answered(now, None);
             }
+        }
+    }
+
+    /// The Starts of container `c`, no longer watched, waiting at the gate get an error: a gate that opened
+    /// for it later would claim a GPU for a container that is gone.
+    pub(crate) fn drop_waiters_of(&mut self, c: &ContainerRef) {
+        let (gone, kept): (Vec<Waiter>, Vec<Waiter>) = std::mem::take(&mut self.waiters)
+            .into_iter()
+            .partition(|w| w.container == *c);
+        self.waiters = kept;
+        for w in gone {
+            let _ = w.reply.send(Reply::Error {
+                error: format!(
+                    "container {} is no longer watched (unregistered): its wait for a free GPU ends",
+                    c.id
+                ),
+            });
         }
     }
 

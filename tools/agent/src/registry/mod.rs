@@ -110,6 +110,7 @@ impl Core {
         self.publish(c, w.owner, body);
         self.gapfill.gone(c);
         self.idle_gone(c);
+        self.drop_waiters_of(c);
         self.free_unused_prefixes();
         self.drop_tracer_if_unused();
         self.check_gates();
