@@ -13,7 +13,8 @@ use serde_json::{Value, json};
 
 use crate::{
     agent::{
-        AgentConn, AgentWatch, container_status, device_mounts_at, install_mock_binary, read_lines,
+        AgentConn, AgentWatch, container_status_when, device_mounts_at, install_mock_binary,
+        read_lines,
     },
     env::TestEnv,
     skip,
@@ -75,12 +76,14 @@ impl GpuRig {
             .unwrap_or_else(|e| panic!("watching {id}: {e}"))
     }
 
-    /// The agent's status of container `id`; panics when it is not watched.
+    /// The agent's status of container `id`, once it is watched; panics when it is not within [`WITHIN`].
+    /// A container can start before the agent watches it: Create waits a few seconds for an agent that is
+    /// still starting (loading its probes on a loaded machine), then the shim registers it once it answers.
     pub fn status(&self, id: &str) -> Value {
-        container_status(&self.env.containerd().agent_socket(), id)
-            .ok()
-            .flatten()
-            .unwrap_or_else(|| panic!("container {id} is not watched"))
+        container_status_when(&self.env.containerd().agent_socket(), id, WITHIN, |s| {
+            !s.is_null()
+        })
+        .unwrap_or_else(|_| panic!("container {id} is not watched"))
     }
 
     /// The agent's node status.
@@ -91,6 +94,10 @@ impl GpuRig {
             .unwrap_or_else(|e| panic!("agent status: {e:#}"))
     }
 }
+
+/// How long a container may take to be watched once its holder answers (an agent loading its probes on a
+/// loaded CI machine included).
+const WITHIN: Duration = Duration::from_secs(60);
 
 /// How long one command may take (a loaded CI machine included).
 const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
