@@ -8,6 +8,7 @@
 //! state, unmounts and removes the cgroups, even when the test panicked.
 
 pub mod agent;
+pub mod agent_steps;
 pub mod analog;
 pub mod api;
 pub mod browser;

@@ -14,10 +14,10 @@ use std::{path::Path, time::Duration};
 
 use baton_integration::{
     agent::wait_until,
+    agent_steps::{AgentSteps, tell_agent},
     analog::rig::{Binaries, Proxy},
     api::Api,
     cuda::{CudaRig, Running, Trainer, WITHIN},
-    trace_env::{BatonTrace, workspace_binary},
 };
 use serde_json::{Value, json};
 
@@ -594,17 +594,6 @@ fn the_rate_gate_stops_filling_when_preemptions_cost_too_much_and_fills_again_on
     steps.wait_for_matching("on", |d| d.ends_with(" >= 0.99"));
 }
 
-/// Sends `line` (one request of the agent's protocol) to the agent, as a request proxy does: its reply.
-fn tell_agent(rig: &CudaRig, line: &str) -> String {
-    use std::io::{BufRead, Write};
-    let socket = rig.gpu.env.containerd().agent_socket();
-    let mut s = std::os::unix::net::UnixStream::connect(&socket).unwrap();
-    s.write_all(format!("{line}\n").as_bytes()).unwrap();
-    let mut reply = String::new();
-    std::io::BufReader::new(s).read_line(&mut reply).unwrap();
-    reply
-}
-
 /// A preemptible trainer runs, an idle server (`IDLE_SERVER`) starts, is parked by the agent after 3 s, and the
 /// trainer is resumed with its weights intact: the trainer and the server.
 fn an_idle_server_parked_for_the_trainer(rig: &CudaRig) -> (Running, Running) {
@@ -664,72 +653,6 @@ fn an_idle_server_is_parked_for_the_trainer_and_a_request_for_it_hands_the_gpu_b
             .is_null()),
         "the server was parked with a request in flight"
     );
-}
-
-/// The agent's own steps on container `id`, as `baton trace --json --container ID` shows them: (phase, detail).
-struct AgentSteps {
-    jsonl: std::path::PathBuf,
-    trace: Option<BatonTrace>,
-    _dir: tempfile::TempDir,
-}
-
-impl AgentSteps {
-    fn start(rig: &CudaRig, id: &str) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let jsonl = dir.path().join("trace.jsonl");
-        let mut command = std::process::Command::new(workspace_binary("baton", "baton").unwrap());
-        command
-            .args(["trace", "--json", "--container", id, "-o"])
-            .arg(&jsonl)
-            .env(
-                baton_agent_api::SOCKET_ENV,
-                rig.gpu.env.containerd().agent_socket(),
-            );
-        let trace = Some(BatonTrace::start(command, WITHIN).unwrap());
-        Self {
-            jsonl,
-            trace,
-            _dir: dir,
-        }
-    }
-
-    fn seen(&self) -> Vec<(String, String)> {
-        std::fs::read_to_string(&self.jsonl)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .filter(|o| o["event"] == "preemption" || o["event"] == "gap_fill")
-            .map(|o| {
-                let text = |k: &str| o[k].as_str().unwrap_or_default().to_owned();
-                (text("phase"), text("detail"))
-            })
-            .collect()
-    }
-
-    /// Waits until step `phase` with `detail` shows.
-    fn wait_for(&self, phase: &str, detail: &str) {
-        self.wait_for_matching(phase, |d| d == detail);
-    }
-
-    /// Waits until a step `phase` whose detail matches shows.
-    fn wait_for_matching(&self, phase: &str, detail: impl Fn(&str) -> bool) {
-        assert!(
-            wait_until(WITHIN, || self
-                .seen()
-                .iter()
-                .any(|(p, d)| p == phase && detail(d))),
-            "{phase} in the trace: {:?}",
-            self.seen()
-        );
-    }
-}
-
-impl Drop for AgentSteps {
-    fn drop(&mut self) {
-        if let Some(t) = self.trace.take() {
-            let _ = t.stop();
-        }
-    }
 }
 
 #[test]

@@ -78,7 +78,7 @@ impl Agent {
         registration: Registration,
     ) -> Result<ContainerStatus, AgentError> {
         match self
-            .call(Request::Register(registration), CALL_TIMEOUT)
+            .call(Request::Register(Box::new(registration)), CALL_TIMEOUT)
             .await?
         {
             Reply::Registered { container } => Ok(container),

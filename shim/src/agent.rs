@@ -446,7 +446,7 @@ impl Link {
         let Some(client) = self.control.as_mut() else {
             return Err("not connected".to_owned());
         };
-        match client.call(Request::Register(reg.clone())).await {
+        match client.call(Request::Register(Box::new(reg.clone()))).await {
             Ok(Reply::Registered { container }) => {
                 tracing::info!(
                     id = reg.container.id,

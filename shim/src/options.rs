@@ -363,6 +363,9 @@ impl BatonSettings {
                 .park_when_idle
                 .filter(|_| !co_runner)
                 .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            wait_gpu_free_ms: self
+                .wait_gpu_free
+                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
         })
     }
 

@@ -76,6 +76,10 @@ pub struct RoleSpec {
     /// (`baton.io/park-when-idle`), ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub park_when_idle_ms: Option<u64>,
+    /// How long its Start waits at the GPU-free gate (`baton.io/wait-gpu-free`), ms: a latency-critical
+    /// container the agent idle-parked waits as long for its GPU to be handed back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_gpu_free_ms: Option<u64>,
 }
 
 fn is_zero(p: &i32) -> bool {

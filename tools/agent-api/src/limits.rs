@@ -47,6 +47,14 @@ impl Request {
                 if let Some(ms) = r.role.as_ref().and_then(|r| r.park_when_idle_ms) {
                     check_park_when_idle(Duration::from_millis(ms))?;
                 }
+                if let Some(ms) = r.role.as_ref().and_then(|r| r.wait_gpu_free_ms) {
+                    let most = MAX_WAIT_GPU_FREE.as_millis();
+                    if ms == 0 || u128::from(ms) > most {
+                        return Err(format!(
+                            "register: wait_gpu_free_ms {ms} is not from 1 to {most} (a day)"
+                        ));
+                    }
+                }
                 if let Some(g) = r.settings.rate_gate.as_deref() {
                     check_rate_gate(g)?;
                 }

@@ -24,7 +24,7 @@ pub enum Request {
     /// Is the agent there?
     Ping,
     /// Watch a container's calls into the NVIDIA driver.
-    Register(Registration),
+    Register(Box<Registration>),
     /// Stop watching a container.
     Unregister(ContainerRef),
     /// A shim's container changed its preemption state (parked, snapshotted, resumed, killed): the shim

@@ -20,7 +20,7 @@ impl Core {
             }),
             R::Register(reg) => {
                 self.prune_orphans();
-                self.register_reply(reg, peer)
+                self.register_reply(*reg, peer)
             }
             R::Unregister(c) => Reply::Unregistered {
                 found: self.unregister(&c),

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use baton_agent_api::{
-    ContainerRef, Outcome, PreemptMode, PreemptRequest, Reply, Request, Role, Target,
+    ContainerRef, Outcome, Phase, PreemptMode, PreemptRequest, Reply, Request, Role, Step, Target,
 };
 use tokio::{sync::oneshot, time::Instant};
 
@@ -19,7 +19,8 @@ use crate::{
 };
 use baton_tracer::now_monotonic_ns;
 
-/// How long a hand-back waits for the co-runners' release before resuming the server anyway.
+/// How long a hand-back waits for the GPU to be free when the server has no `baton.io/wait-gpu-free` of its
+/// own (a server registered by an older shim). Past it (or its own wait), the server stays parked.
 pub const HAND_BACK_WITHIN: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// The idle-park state of the agent.
@@ -147,7 +148,10 @@ impl Core {
                 self.idle.parked.remove(c);
                 tracing::info!(id = c.id, "agent: idle park: server resumed for a request");
             }
-            Err(e) => tracing::warn!(id = c.id, "agent: idle park: resume failed: {e}"),
+            Err(e) => tracing::warn!(
+                id = c.id,
+                "agent: idle park: the server was not resumed: {e}"
+            ),
         }
     }
 
@@ -205,6 +209,13 @@ impl Core {
         );
         self.idle.busy.insert(c.clone());
         self.controller.hand_back(true);
+        // As long as the server's own Start would wait at the gate.
+        let within = w
+            .registration
+            .role
+            .as_ref()
+            .and_then(|r| r.wait_gpu_free_ms)
+            .map_or(HAND_BACK_WITHIN, std::time::Duration::from_millis);
         let (reply, answer) = oneshot::channel();
         self.waiters.push(Waiter {
             container: c.clone(),
@@ -212,18 +223,37 @@ impl Core {
             hidden_logged: false,
             devices: gate::devices_seen(w.registration.init_pid, &w.registration.devices),
             asked_ns: now_monotonic_ns(),
-            deadline: Instant::now() + HAND_BACK_WITHIN,
+            deadline: Instant::now() + within,
             reply,
         });
         let r = self.resolve(&Target::exact(c));
         let done = self.gapfill.done_sender();
         let container = c.clone();
         tokio::spawn(async move {
-            if let Ok(Reply::Error { error }) = answer.await {
-                tracing::warn!(
-                    id = container.id,
-                    "agent: idle park: {error}; resuming the server anyway"
+            // A gate that fails leaves the server parked: resumed onto a GPU that another container still
+            // holds, it would fail its restore or run short of device memory beside it.
+            let gate = match answer.await {
+                Ok(Reply::Error { error }) => Err(error),
+                Ok(_) => Ok(()),
+                Err(_) => Err("the agent is stopping".to_owned()),
+            };
+            if let Err(error) = gate {
+                let detail = format!(
+                    "the GPU was not handed back: {error}; it stays parked, and the next request for it \
+                     tries again"
                 );
+                show_step(&done)(&Step {
+                    t_ns: now_monotonic_ns(),
+                    container: container.clone(),
+                    phase: Phase::StillParked,
+                    pid: None,
+                    detail: detail.clone(),
+                });
+                let _ = done.send(Done::ServerResumed {
+                    container,
+                    result: Err(detail),
+                });
+                return;
             }
             let result = match r {
                 Ok(r) => {

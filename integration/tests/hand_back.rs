@@ -1,0 +1,120 @@
+//! The hand-back of an idle-parked server is what its gate says (issue 30, item 6): a request for a server the
+//! agent parked for idleness puts it behind the GPU-free gate, and when the gate fails (a container the agent
+//! may not preempt holds the GPU past the server's `baton.io/wait-gpu-free`) the server stays parked, says
+//! why in its trace, and the next request hands the GPU back once it is free. Before, the server was resumed
+//! "anyway", beside the container that still held the GPU. Real containerd, runc, the Baton shim and agent,
+//! the FUSE mock driver, the mock CUDA workload and the cuda-checkpoint stand-in.
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers fail the test by panicking"
+)]
+use baton_integration::{
+    agent::{container_status, wait_until},
+    agent_steps::{AgentSteps, tell_agent},
+    cuda::{CudaRig, Trainer, WITHIN},
+};
+use serde_json::{Value, json};
+
+/// A server the agent parks after 3 s without a request event, whose Start (and hand-back) waits 5 s at the
+/// gate.
+const IDLE_SERVER: [(&str, &str); 3] = [
+    ("baton.io/role", "latency-critical"),
+    ("baton.io/wait-gpu-free", "5s"),
+    ("baton.io/park-when-idle", "3s"),
+];
+const PREEMPTIBLE: [(&str, &str); 2] = [
+    ("baton.io/role", "co-runner"),
+    ("baton.io/preemptible", "park"),
+];
+const REQUEST: &str = r#"{"v":1,"op":"request_start","id":"r1","server":"server"}"#;
+
+fn wait_held(rig: &CudaRig, id: &str) {
+    assert!(
+        wait_until(WITHIN, || rig.gpu.status(id)["gpu"] == json!("held")),
+        "{id} holds the GPU: {}",
+        rig.gpu.status(id)
+    );
+}
+
+fn preemption(rig: &CudaRig, id: &str) -> Value {
+    rig.gpu.status(id)["preemption"].clone()
+}
+
+#[test]
+fn a_hand_back_whose_gate_fails_leaves_the_server_parked_and_the_next_request_hands_the_gpu_back() {
+    let Some(rig) = CudaRig::start("hand-back-fails") else {
+        return;
+    };
+    let mut trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
+    wait_held(&rig, "trainer");
+    let _server = rig.create("server", &Trainer::with_worker(), &IDLE_SERVER);
+    rig.gpu.env.api().unwrap().start("server", "").unwrap();
+    wait_held(&rig, "server");
+    assert!(
+        wait_until(WITHIN, || preemption(&rig, "server")["state"]
+            == json!("parked")),
+        "the idle server was parked: {}",
+        rig.gpu.status("server")
+    );
+    let line = trainer.wait_line("restored checksum");
+    assert!(line.ends_with("intact"), "{line}");
+
+    // A co-runner that did not opt in to preemption takes GPU memory beside the trainer.
+    let mut squatter = rig.run(
+        "squatter",
+        &Trainer::default(),
+        &[("baton.io/role", "co-runner")],
+    );
+    wait_held(&rig, "squatter");
+    let steps = AgentSteps::start(&rig, "server");
+
+    // A request: the gate cannot free the GPU within the server's 5 s, and the server stays parked.
+    let reply = tell_agent(&rig, REQUEST);
+    assert!(reply.contains("\"ok\":true"), "{reply}");
+    steps.wait_for_matching("still parked", |d| {
+        d.starts_with("the GPU was not handed back: ") && d.contains("squatter")
+    });
+    assert_eq!(
+        preemption(&rig, "server")["state"],
+        json!("parked"),
+        "{}",
+        rig.gpu.status("server")
+    );
+    assert!(
+        !wait_until(std::time::Duration::from_secs(3), || preemption(
+            &rig, "server"
+        )
+        .is_null()),
+        "the server was resumed although its gate failed: {}; its steps: {:?}",
+        rig.gpu.status("server"),
+        steps.seen()
+    );
+    assert_eq!(rig.task_status("server").as_deref(), Some("PAUSED"));
+    assert_eq!(rig.gpu.status("squatter")["gpu"], json!("held"));
+
+    // The squatter goes (`ctr run --rm` deletes it): the next request hands the GPU back.
+    rig.gpu
+        .env
+        .api()
+        .unwrap()
+        .kill("squatter", "", 9, true)
+        .unwrap();
+    assert_eq!(squatter.exit_code(), Some(137), "the squatter was killed");
+    let socket = rig.gpu.env.containerd().agent_socket();
+    assert!(
+        wait_until(WITHIN, || container_status(&socket, "squatter")
+            .is_ok_and(|s| s.is_none_or(|s| s["gpu"] != json!("held")))),
+        "the squatter let go of the GPU: {}",
+        rig.gpu.node_status()
+    );
+    let reply = tell_agent(&rig, REQUEST);
+    assert!(reply.contains("\"ok\":true"), "{reply}");
+    assert!(
+        wait_until(WITHIN, || preemption(&rig, "server").is_null()),
+        "the server was handed the GPU back: {}; its steps: {:?}",
+        rig.gpu.status("server"),
+        steps.seen()
+    );
+    wait_held(&rig, "server");
+    assert_eq!(rig.task_status("server").as_deref(), Some("RUNNING"));
+}
