@@ -13,7 +13,8 @@
 //! done, through the program and the driver API alike (`rollback.rs`: thaw after a call that got no answer,
 //! ask where such a process got to, restore what was checkpointed, unlock what was locked, follow up a
 //! process that does not answer) and the error names the pid and the call. A resume that fails for some
-//! processes leaves those parked (a second resume retries them) and the others running.
+//! processes leaves those parked (a second resume retries them) and the others running; one that gave no
+//! process its GPU back freezes the container again, parked as it was.
 pub mod cuda;
 mod driver_api;
 mod gpu_checkpoint;
@@ -438,7 +439,8 @@ impl Container {
         }));
         // The hold, if any, ends; a container left running by a resume that failed part-way is not frozen.
         self.end_hold_for("a resume").await;
-        if self.procs.lock().await.init.state == State::Paused {
+        let was_frozen = self.procs.lock().await.init.state == State::Paused;
+        if was_frozen {
             if let Err(e) = self.set_paused(false).await {
                 self.set_preemption(Some(parked));
                 return Err(e);
@@ -462,6 +464,24 @@ impl Container {
             steps.emit(Phase::StillParked, Some(*pid), e.clone());
         }
         let failed: Vec<u32> = failures.iter().map(|(pid, _)| *pid).collect();
+        // None was given its GPU back: the container is parked as before, frozen again (its threads would
+        // otherwise run against a locked CUDA, and a watchdog among them end the job). When some were
+        // restored, those run and the container stays thawed.
+        let none_restored = parked.pids.iter().all(|p| failed.contains(p));
+        if was_frozen && none_restored {
+            match self.set_paused(true).await {
+                Ok(()) => steps.emit(
+                    Phase::Frozen,
+                    None,
+                    "frozen again: no process was given its GPU back",
+                ),
+                Err(e) => steps.emit(
+                    Phase::RollingBack,
+                    None,
+                    format!("freezing it again failed: {e}"),
+                ),
+            }
+        }
         self.set_preemption(Some(PreemptState {
             state: PreemptPhase::Parked,
             pids: failed.clone(),

@@ -121,6 +121,17 @@ pub struct ParkedCoRunner {
     /// Whether its resume is under way.
     #[serde(default)]
     pub resuming: bool,
+    /// Its resumes that failed in a row: the agent waits longer before each next one (5 s, doubling, up
+    /// to 10 minutes); `baton resume` tries at once.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failed_resumes: u32,
+    /// Why its last resume failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume_error: Option<String>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A co-runner being preempted by the agent.

@@ -167,6 +167,12 @@ fn render_gap_fill(g: &baton_agent_api::GapFillStatus) -> String {
             p.parked_for.id,
             if p.resuming { " (resuming)" } else { "" }
         ));
+        if let Some(e) = &p.resume_error {
+            out.push_str(&format!(
+                "     {} resume(s) failed in a row, the last: {e}\n",
+                p.failed_resumes
+            ));
+        }
     }
     for p in &g.preempting {
         out.push_str(&format!(

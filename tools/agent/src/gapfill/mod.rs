@@ -47,8 +47,18 @@ use baton_tracer::now_monotonic_ns;
 /// other waiter is let onto that GPU, and no parked co-runner is resumed onto it, in the gap between its gate
 /// and its first allocation.
 pub const CLAIM: std::time::Duration = std::time::Duration::from_secs(30);
-/// How long after a failed resume the agent tries that co-runner again (a failing restore must not spin).
+/// How long after a failed resume the agent tries that co-runner again (a failing restore must not spin);
+/// the wait doubles with each failure in a row, up to [`MAX_RETRY_RESUME`].
 pub const RETRY_RESUME: std::time::Duration = std::time::Duration::from_secs(5);
+/// The longest wait between two resumes of a co-runner whose resumes keep failing: an operator's `baton
+/// resume` tries at once.
+pub const MAX_RETRY_RESUME: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// The wait before the next resume of a co-runner after `failed` failed resumes in a row (1 or more).
+pub fn retry_resume_after(failed: u32) -> std::time::Duration {
+    let doubled = RETRY_RESUME.saturating_mul(1 << failed.saturating_sub(1).min(16));
+    doubled.min(MAX_RETRY_RESUME)
+}
 /// How long a co-runner registered parked by the agent (after the agent restarted) waits before the agent
 /// may resume it: the other shims, a server's among them, register their containers again meanwhile.
 pub const ADOPT_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
@@ -117,6 +127,9 @@ struct Parked {
     resuming: bool,
     /// After a failed resume: not before then.
     retry_at: Option<Instant>,
+    /// Its resumes that failed in a row, and why the last one did.
+    failed_resumes: u32,
+    resume_error: Option<String>,
 }
 
 /// A container whose gate opened and that holds no GPU state there yet.
@@ -339,6 +352,8 @@ impl GapFill {
                         requested_ns: f.requested_ns,
                         resuming: false,
                         retry_at: None,
+                        failed_resumes: 0,
+                        resume_error: None,
                     },
                 );
             }
@@ -377,14 +392,19 @@ impl GapFill {
                 }
             }
             Err(e) => {
+                let Some(p) = self.parked.get_mut(c) else {
+                    return;
+                };
+                p.resuming = false;
+                p.failed_resumes = p.failed_resumes.saturating_add(1);
+                let wait = retry_resume_after(p.failed_resumes);
+                p.retry_at = Some(Instant::now() + wait);
+                p.resume_error = Some(e.clone());
                 tracing::warn!(
                     id = c.id,
-                    "agent: gap-fill: resume failed ({e}); tried again later"
+                    failed_resumes = p.failed_resumes,
+                    "agent: gap-fill: resume failed ({e}); it stays parked, tried again in {wait:?}"
                 );
-                if let Some(p) = self.parked.get_mut(c) {
-                    p.resuming = false;
-                    p.retry_at = Some(Instant::now() + RETRY_RESUME);
-                }
             }
         }
     }
@@ -462,6 +482,8 @@ impl GapFill {
                 requested_ns: p.since_ns,
                 resuming: false,
                 retry_at: Some(Instant::now() + ADOPT_GRACE),
+                failed_resumes: 0,
+                resume_error: None,
             },
         );
     }
@@ -622,6 +644,8 @@ impl GapFill {
                         effective_priority: effective_priority(p.priority, parked_ns),
                         parked_for: p.server.clone(),
                         resuming: p.resuming,
+                        failed_resumes: p.failed_resumes,
+                        resume_error: p.resume_error.clone(),
                     }
                 })
                 .collect(),
@@ -822,156 +846,4 @@ impl Core {
 }
 
 #[cfg(test)]
-mod tests {
-    use baton_agent_api::PreemptState;
-
-    use super::*;
-
-    fn c(id: &str) -> ContainerRef {
-        ContainerRef {
-            id: id.into(),
-            namespace: "n".into(),
-        }
-    }
-
-    fn park(g: &mut GapFill, id: &str, priority: i32, parked_s_ago: u64) {
-        g.parked.insert(
-            c(id),
-            Parked {
-                server: c("server"),
-                mode: PreemptMode::Park,
-                priority,
-                devices: BTreeSet::new(),
-                since_ns: now_monotonic_ns().saturating_sub(parked_s_ago * 1_000_000_000),
-                requested_ns: 0,
-                resuming: false,
-                retry_at: None,
-            },
-        );
-    }
-
-    fn step(phase: Phase, detail: &str) -> Step {
-        Step {
-            t_ns: 1,
-            container: c("t"),
-            phase,
-            pid: Some(42),
-            detail: detail.into(),
-        }
-    }
-
-    #[tokio::test]
-    async fn the_resume_order_is_the_priority_aged_by_the_time_parked_and_one_resumes_at_a_time() {
-        let mut g = GapFill::default();
-        park(&mut g, "fresh-high", 5, 0);
-        park(&mut g, "old-low", 0, 200);
-        park(&mut g, "fresh-low", 0, 0);
-        let order: Vec<String> = g
-            .status()
-            .parked
-            .iter()
-            .map(|p| p.container.id.clone())
-            .collect();
-        // 0 + 0.1 * 200 s = 20 > 5 > 0.
-        assert_eq!(order, ["old-low", "fresh-high", "fresh-low"]);
-        assert_eq!(g.next_resume(|_, _| false), Some(c("old-low")));
-        // One a server still needs is skipped; the next goes first.
-        assert_eq!(
-            g.next_resume(|co, _| *co == c("old-low")),
-            Some(c("fresh-high"))
-        );
-        g.parked.get_mut(&c("old-low")).unwrap().resuming = true;
-        assert_eq!(g.next_resume(|_, _| false), None, "one resume at a time");
-    }
-
-    #[tokio::test]
-    async fn a_failed_resume_waits_before_its_retry_and_a_snapshotted_co_runner_is_not_resumed() {
-        let mut g = GapFill::default();
-        park(&mut g, "snap", 9, 0);
-        g.parked.get_mut(&c("snap")).unwrap().mode = PreemptMode::Snapshot;
-        park(&mut g, "t", 0, 0);
-        g.parked.get_mut(&c("t")).unwrap().resuming = true;
-        g.resumed(&c("t"), &[], &Err("injected at restore".into()));
-        assert!(g.has_parked());
-        assert_eq!(g.next_resume(|_, _| false), None);
-        let due = g.next_due().unwrap();
-        assert!(due > Instant::now() + RETRY_RESUME / 2, "a retry later");
-        g.parked.get_mut(&c("t")).unwrap().retry_at = Some(Instant::now());
-        g.expire();
-        assert_eq!(g.next_resume(|_, _| false), Some(c("t")));
-    }
-
-    #[tokio::test]
-    async fn a_failed_preemption_is_told_once_and_a_co_runner_that_finishes_at_its_resume_is_never_resumed()
-     {
-        let mut g = GapFill::default();
-        let in_flight = || InFlight {
-            server: c("server"),
-            mode: PreemptMode::Park,
-            priority: 0,
-            devices: BTreeSet::new(),
-            requested_ns: 0,
-            released: false,
-        };
-        g.preempting.insert(c("t"), in_flight());
-        g.preempted(&c("t"), &[], &Err("pid 42: injected at checkpoint".into()));
-        let failures = g.take_failures();
-        assert_eq!(failures.len(), 1);
-        assert!(failures[0].1.contains("co-runner t") && failures[0].1.contains("injected"));
-        assert!(g.take_failures().is_empty());
-        assert!(g.parked.is_empty());
-
-        g.preempting.insert(c("t"), in_flight());
-        let parked = Outcome {
-            container: c("t"),
-            preemption: Some(PreemptState {
-                state: PreemptPhase::Parked,
-                mode: PreemptMode::Park,
-                pids: vec![42],
-                since_ns: 1,
-                image_path: None,
-                parked_for: Some(c("server")),
-                host_copy_bytes: None,
-                raised_limit: None,
-            }),
-            steps: vec![],
-        };
-        g.preempted(&c("t"), &[], &Ok(parked));
-        assert!(g.has_parked());
-        let steps = [step(Phase::Finished, "exit status 7")];
-        g.resumed(&c("t"), &steps, &Err("pid 42 exited".into()));
-        assert!(!g.has_parked());
-        let s = g.status();
-        assert_eq!(s.finished.len(), 1);
-        assert_eq!(s.finished[0].detail, "pid 42: exit status 7");
-    }
-
-    #[tokio::test]
-    async fn a_co_runner_resumed_by_an_operator_killed_or_deleted_is_no_longer_the_agents_to_resume()
-     {
-        let mut g = GapFill::default();
-        park(&mut g, "resumed", 0, 0);
-        park(&mut g, "deleted", 0, 0);
-        park(&mut g, "killed", 0, 0);
-        g.state_pushed(&c("killed"), Some(PreemptPhase::Parked), None);
-        assert!(
-            g.status().finished[0]
-                .detail
-                .contains("killed while parked")
-        );
-        g.state_pushed(&c("resumed"), Some(PreemptPhase::Resuming), None);
-        assert!(!g.parked.contains_key(&c("resumed")));
-        assert_eq!(
-            g.status().finished.len(),
-            1,
-            "a resume by someone else is no finish"
-        );
-        g.gone(&c("deleted"));
-        assert!(!g.has_parked());
-        assert!(
-            g.status().finished[1]
-                .detail
-                .contains("deleted while parked")
-        );
-    }
-}
+mod tests;
