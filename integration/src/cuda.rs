@@ -51,7 +51,13 @@ pub struct Trainer {
     pub fork_worker: bool,
     /// The container's memory limit (bytes), when it has one: a park's host copy is charged to it.
     pub memory_limit_bytes: Option<u64>,
+    /// One more workload process starts once [`LATE_GO`] exists in the container's /tmp
+    /// ([`CudaRig::start_late_process`]): a CUDA process that appears while a preemption runs.
+    pub late_process: bool,
 }
+
+/// The file in the container's /tmp whose creation starts a [`Trainer::late_process`].
+pub const LATE_GO: &str = "baton-late-go";
 
 impl Default for Trainer {
     fn default() -> Self {
@@ -64,6 +70,7 @@ impl Default for Trainer {
             step_ms: 5,
             fork_worker: false,
             memory_limit_bytes: None,
+            late_process: false,
         }
     }
 }
@@ -105,16 +112,15 @@ impl CudaRig {
             if t.fork_worker { " --fork-worker" } else { "" },
             t.extra.join(" ")
         );
-        let script = match t.processes {
-            1 => format!("exec {one}"),
-            n => {
-                let mut s = String::new();
-                for _ in 1..n {
-                    s.push_str(&format!("{one} & "));
-                }
-                format!("{s}exec {one}")
-            }
+        let mut script = if t.late_process {
+            format!("(while [ ! -e /tmp/{LATE_GO} ]; do sleep 0.05; done; exec {one}) & ")
+        } else {
+            String::new()
         };
+        for _ in 1..t.processes.max(1) {
+            script.push_str(&format!("{one} & "));
+        }
+        script.push_str(&format!("exec {one}"));
         vec!["/bin/sh".into(), "-c".into(), script]
     }
 
@@ -167,6 +173,15 @@ impl CudaRig {
             r.wait_line("phase setup-done");
         }
         r
+    }
+
+    /// Starts the [`Trainer::late_process`] of running container `id` (its init's /tmp gets [`LATE_GO`]).
+    pub fn start_late_process(&self, id: &str) {
+        let init = self.gpu.status(id)["init_pid"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no init_pid of {id}"));
+        let go = PathBuf::from(format!("/proc/{init}/root/tmp/{LATE_GO}"));
+        std::fs::write(&go, b"").unwrap_or_else(|e| panic!("creating {}: {e}", go.display()));
     }
 
     /// Creates (not starts) container `id` running `t` through containerd's API, its stdout in a file.

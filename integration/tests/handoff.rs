@@ -9,7 +9,9 @@
 )]
 use baton_integration::{
     agent::wait_until,
+    agent_steps::AgentSteps,
     cuda::{CudaRig, Trainer, WITHIN},
+    trace_env::workspace_binary,
 };
 use serde_json::{Value, json};
 
@@ -180,4 +182,58 @@ fn an_overlapped_handoff_whose_preemption_fails_after_the_server_started_says_wh
     // The trainer was rolled back: running, its GPU state restored.
     assert_eq!(rig.task_status("trainer").as_deref(), Some("RUNNING"));
     wait_held(&rig, "trainer");
+}
+
+#[test]
+fn a_handoff_whose_preemption_leaves_gpu_state_behind_never_starts_the_server_and_resumes_the_trainer()
+ {
+    let Some(rig) = CudaRig::start("handoff-unreleased") else {
+        return;
+    };
+    // Each lock takes 4 s: a second CUDA process starts in the trainer while its first one is being locked,
+    // after the agent named the processes to preempt.
+    let trainer = Trainer {
+        extra: vec!["--lock-delay-ms".into(), "4000".into()],
+        late_process: true,
+        ..Trainer::with_worker()
+    };
+    let mut running = rig.run("trainer", &trainer, &[]);
+    wait_held(&rig, "trainer");
+    let _server = rig.create("server", &Trainer::with_worker(), &[]);
+    let steps = AgentSteps::start(&rig, "trainer");
+    let handoff = {
+        let socket = rig.gpu.env.containerd().agent_socket();
+        std::thread::spawn(move || {
+            let baton = workspace_binary("baton", "baton").unwrap();
+            std::process::Command::new(baton)
+                .args(["handoff", "--from", "trainer", "--to", "server"])
+                .env(baton_agent_api::SOCKET_ENV, socket)
+                .output()
+                .unwrap()
+        })
+    };
+    steps.wait_for_matching("asked", |d| d.contains("-> server"));
+    rig.start_late_process("trainer");
+    running.wait_line("phase setup-done");
+    let out = handoff.join().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the handoff failed: {err}");
+    // Before, the agent made up a release 2 s after the preemption and started the server beside it.
+    assert!(
+        err.contains("trainer was parked, but its GPU state did not leave within")
+            && err.contains("still hold GPU state there")
+            && err.contains("server was not started, and it was resumed"),
+        "the answer says what holds the GPU and where both are: {err}"
+    );
+    assert_eq!(rig.task_status("server").as_deref(), Some("CREATED"));
+    assert_eq!(rig.task_status("trainer").as_deref(), Some("RUNNING"));
+    assert_eq!(rig.gpu.status("trainer")["preemption"], Value::Null);
+    assert!(
+        !steps
+            .seen()
+            .iter()
+            .any(|(phase, _)| phase == "GPU released"),
+        "no release was made up: {:?}",
+        steps.seen()
+    );
 }

@@ -26,6 +26,9 @@ use baton_tracer::now_monotonic_ns;
 
 /// How long after a preemption completed the agent waits for the release signal it has not seen yet.
 const RELEASE_GRACE: Duration = Duration::from_secs(2);
+/// How long a handoff waits for the release once the first container's preemption completed: past it, the
+/// second container is not started, and the first is resumed.
+const HANDOFF_RELEASE_WAIT: Duration = Duration::from_secs(10);
 /// How long a handoff waits for the second container to open the GPU once started.
 const ACQUIRE_WAIT: Duration = Duration::from_secs(10);
 
@@ -463,6 +466,8 @@ struct Handoff {
     acquired: bool,
     acquire_deadline: Option<tokio::time::Instant>,
     release_deadline: Option<tokio::time::Instant>,
+    /// `a` was preempted, and no release came within [`HANDOFF_RELEASE_WAIT`].
+    unreleased: bool,
 }
 
 impl Handoff {
@@ -482,8 +487,51 @@ impl Handoff {
         let b_pending = self.b_call.is_some() && self.b_outcome.is_none();
         let a_done = self.a_outcome.is_some() && self.released;
         (a_failed && !b_pending)
+            || self.unreleased
             || b_failed
             || (a_done && self.b_outcome.is_some() && self.acquired)
+    }
+
+    /// `a` was preempted but its GPU state did not leave: resumes it (`b` was never started), and returns the
+    /// reply's error, naming what still holds the GPU and where `a` is.
+    async fn roll_back_unreleased(
+        &mut self,
+        ctx: &Ctx<'_>,
+        timeline: &mut Timeline<'_>,
+    ) -> std::io::Result<String> {
+        let (a, b) = (self.a.container.clone(), self.b.container.clone());
+        let held = match ctx.resolve(&Target::exact(&a)).await {
+            Ok(r) if !r.pids.is_empty() => format!(
+                "pid(s) {:?} still hold GPU state there (processes the preemption did not checkpoint: \
+                 started after it was asked, or with no CUDA state the driver can checkpoint)",
+                r.pids
+            ),
+            _ => "the agent saw no release".to_owned(),
+        };
+        let resumed = match ShimCall::start(&self.a, Request::Resume(Target::exact(&a))) {
+            Ok(mut call) => {
+                while let Some(s) = next_step(Some(&mut call)).await {
+                    timeline.push(s).await?;
+                }
+                call.outcome().await
+            }
+            Err(e) => Err(e),
+        };
+        let now = match resumed {
+            Ok(o) => {
+                ctx.set_preemption(&o).await;
+                "it was resumed".to_owned()
+            }
+            Err(e) => format!(
+                "resuming it failed too ({e}): `baton resume {}` tries again",
+                a.id
+            ),
+        };
+        Ok(format!(
+            "{} was parked, but its GPU state did not leave within {HANDOFF_RELEASE_WAIT:?}: {held}; {} was \
+             not started, and {now}",
+            a.id, b.id
+        ))
     }
 
     /// The reply's error when `a`'s preemption failed (`error`), saying what became of `b` when it had been
@@ -554,6 +602,7 @@ pub async fn handoff(
             acquired: false,
             acquire_deadline: None,
             release_deadline: None,
+            unreleased: false,
         })
     }
     .await;
@@ -578,9 +627,11 @@ pub async fn handoff(
                     let ok = o.is_ok();
                     run.a_outcome = Some(o);
                     if ok && !run.released {
-                        run.release_deadline = Some(tokio::time::Instant::now() + RELEASE_GRACE);
+                        run.release_deadline =
+                            Some(tokio::time::Instant::now() + HANDOFF_RELEASE_WAIT);
                     }
-                    if ok && run.order == HandoffOrder::Sequential {
+                    // Sequential: once the preemption completed, and its release came.
+                    if ok && run.released && run.order == HandoffOrder::Sequential {
                         run.start_b();
                     }
                 }
@@ -603,7 +654,8 @@ pub async fn handoff(
                     && !run.released
                 {
                     run.released = true;
-                    if run.order == HandoffOrder::Overlapped {
+                    let preempted = matches!(run.a_outcome, Some(Ok(_)));
+                    if run.order == HandoffOrder::Overlapped || preempted {
                         run.start_b();
                     }
                     timeline.agent_step(&run.a.container, Phase::GpuReleased, t, None, detail).await?;
@@ -618,14 +670,9 @@ pub async fn handoff(
                 }
             }
             () = sleep_until_opt(run.release_deadline.filter(|_| !run.released)) => {
-                // The shim checkpointed every CUDA process, yet no release was seen: go on, and say so.
-                run.released = true;
-                let detail = format!("no release signal within {RELEASE_GRACE:?} of the preemption");
-                let now = now_monotonic_ns();
-                timeline.agent_step(&run.a.container, Phase::GpuReleased, now, None, detail).await?;
-                if run.order == HandoffOrder::Overlapped {
-                    run.start_b();
-                }
+                // The shim checkpointed the CUDA processes it was given, yet the container's GPU state is
+                // still there: `b` is not started onto a GPU that `a` holds.
+                run.unreleased = true;
             }
             () = sleep_until_opt(run.acquire_deadline) => {
                 run.acquired = true;
@@ -634,6 +681,14 @@ pub async fn handoff(
                 timeline.agent_step(&run.b.container, Phase::Done, now, None, detail).await?;
             }
         }
+    }
+    if run.unreleased {
+        let error = run.roll_back_unreleased(ctx, &mut timeline).await?;
+        let op = Operation {
+            name: "handoff",
+            mode: h.mode.label(),
+        };
+        return finish(ctx, timeline, Some(Err(error)), op).await;
     }
     let outcome = match (run.a_outcome.take(), run.b_outcome.take()) {
         (Some(Err(e)), b) => Some(Err(run.a_failed(&e, b.as_ref()))),
