@@ -133,6 +133,17 @@ impl HolderContainer {
         Self::spawn(env, id, mock_dir, &[], "/dev", &[], Some(runtime))
     }
 
+    /// [`HolderContainer::start_with_runtime`] with more `ctr run` flags (`--privileged`).
+    pub fn start_with_runtime_and_flags(
+        env: &TestEnv,
+        id: &str,
+        mock_dir: &Path,
+        runtime: &str,
+        more_flags: &[String],
+    ) -> anyhow::Result<Self> {
+        Self::spawn(env, id, mock_dir, &[], "/dev", more_flags, Some(runtime))
+    }
+
     /// [`HolderContainer::start`] with the device files in folder `dev_dir` of the container.
     pub fn start_at(
         env: &TestEnv,

@@ -17,7 +17,7 @@ use k8s_cri::v1::{
     Capability, ContainerConfig, ContainerMetadata, ImageSpec, Int64Value, KeyValue,
     LinuxContainerConfig, LinuxContainerResources, LinuxContainerSecurityContext,
     LinuxPodSandboxConfig, LinuxSandboxSecurityContext, Mount, NamespaceMode, NamespaceOption,
-    PodSandboxConfig, PodSandboxMetadata,
+    PodSandboxConfig, PodSandboxMetadata, SecurityProfile, security_profile::ProfileType,
 };
 use serde_json::Value;
 
@@ -302,19 +302,30 @@ impl Pod {
 
     /// The container's securityContext as CRI's: user, capabilities (names as written: containerd adds
     /// `CAP_`, and `ALL` means all), no-new-privileges for `allowPrivilegeEscalation: false`, the read-only
-    /// root, and the pod's namespaces.
+    /// root, the AppArmor profile (`RuntimeDefault` or `Unconfined`), and the pod's namespaces.
     fn security_context(&self, sc: &Value) -> Result<LinuxContainerSecurityContext, String> {
-        const KNOWN: [&str; 5] = [
+        const KNOWN: [&str; 6] = [
             "runAsUser",
             "allowPrivilegeEscalation",
             "readOnlyRootFilesystem",
             "capabilities",
             "privileged",
+            "appArmorProfile",
         ];
         if let Some(key) = unknown_key(sc, &KNOWN) {
             return Err(format!("securityContext.{key}"));
         }
+        let apparmor = match sc["appArmorProfile"]["type"].as_str() {
+            None => None,
+            Some("Unconfined") => Some(ProfileType::Unconfined),
+            Some("RuntimeDefault") => Some(ProfileType::RuntimeDefault),
+            Some(other) => return Err(format!("securityContext.appArmorProfile.type {other}")),
+        };
         Ok(LinuxContainerSecurityContext {
+            apparmor: apparmor.map(|t| SecurityProfile {
+                profile_type: t as i32,
+                localhost_ref: String::new(),
+            }),
             capabilities: Some(Capability {
                 add_capabilities: strings(&sc["capabilities"]["add"]),
                 drop_capabilities: strings(&sc["capabilities"]["drop"]),

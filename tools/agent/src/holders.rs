@@ -41,17 +41,57 @@ pub enum Via {
     Map(u64),
     /// Registered in the io_uring instance open as this fd (a fixed file, in no fd table).
     Ring(i32),
+    /// Its files could not be read (this says which and why): it counts as holding every GPU, so that what
+    /// the agent cannot see never opens a gate or confirms a release (the check fails closed).
+    Unreadable(String),
 }
 
 impl std::fmt::Display for Holding {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let how = match self.via {
+        let how = match &self.via {
             Via::Fd(fd) => format!("fd {fd}"),
             Via::Map(addr) => format!("a mapping at 0x{addr:x}"),
             Via::Ring(fd) => format!("a file registered in io_uring fd {fd}"),
+            Via::Unreadable(why) => {
+                return write!(f, "process {} (the agent cannot read {why})", self.pid);
+            }
         };
         write!(f, "process {} ({how} of {})", self.pid, self.key)
     }
+}
+
+/// What lets the agent read every process's /proc entries, for the messages about one it could not read.
+pub const UNREADABLE_FIX: &str = "the agent needs CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH, and a security \
+    profile that lets it read other processes' /proc (AppArmor unconfined, as tools/kubernetes/baton-agent.yaml \
+    sets)";
+
+/// What process `pid`, alive, whose `what` could not be read for `why`, counts as holding: every GPU, unless
+/// it is in the root cgroup of every hierarchy, where no container runs (the node's init and kernel threads;
+/// a tenant cannot move there). Under a sandbox's LSM (Landlock, AppArmor) the node's init is often one that
+/// nothing under it may read.
+fn unreadable(pid: u32, what: &str, why: &str) -> Vec<Holding> {
+    if in_root_cgroup(pid) {
+        return Vec::new();
+    }
+    vec![Holding {
+        pid,
+        kind: FdKind::Device,
+        key: DeviceKey::Unknown,
+        via: Via::Unreadable(format!("/proc/{pid}/{what}: {why}")),
+    }]
+}
+
+/// Whether process `pid` is in the node's root cgroup: its v2 cgroup as the node names it is `/`, and so is
+/// each cgroup v1 one (or, read from inside a cgroup namespace, one outside it: `/..`). Containers never run
+/// there (runc gives each one cgroups of its own, under v1 and v2 alike).
+fn in_root_cgroup(pid: u32) -> bool {
+    use baton_tracer::cgroups::{of_pid, v2_path_of_pid};
+    v2_path_of_pid(pid).is_some_and(|p| p == "/")
+        && of_pid(pid).is_some_and(|all| {
+            all.iter()
+                .filter(|c| c.hierarchy != 0)
+                .all(|c| c.pathname == "/" || c.pathname.starts_with("/.."))
+        })
 }
 
 /// Tells NVIDIA files apart (the UVM major is dynamic: read once from /proc/devices).
@@ -87,8 +127,33 @@ impl Classifier {
         let Ok(proc) = procfs::process::Process::new(pid as i32) else {
             return Vec::new();
         };
+        // The fd numbers (listing /proc/PID/fd needs no more than root), each link read on its own: reading
+        // a link passes the kernel's ptrace access check, and procfs's own iterator skips those it refused.
+        let numbers: Vec<i32> = match std::fs::read_dir(format!("/proc/{pid}/fd")) {
+            Ok(dir) => dir
+                .flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                return unreadable(pid, "fd", "permission denied");
+            }
+            // Gone, or exiting (its fd table already released).
+            Err(_) => return Vec::new(),
+        };
+        let maps = match mappings_worth_a_look(pid) {
+            Ok(maps) => maps,
+            Err(e) => return unreadable(pid, "maps", &e.to_string()),
+        };
         let mut out = Vec::new();
-        for fd in proc.fd().into_iter().flatten().flatten() {
+        for number in numbers {
+            let fd = match proc.fd_from_fd(number) {
+                Ok(fd) => fd,
+                Err(procfs::ProcError::PermissionDenied(_)) => {
+                    return unreadable(pid, "fd", "permission denied");
+                }
+                // Closed meanwhile.
+                Err(_) => continue,
+            };
             if matches!(&fd.target, procfs::process::FDTarget::AnonInode(a) if a.contains("io_uring"))
             {
                 out.extend(ring_holdings(pid, fd.fd));
@@ -109,7 +174,7 @@ impl Classifier {
                 });
             }
         }
-        for m in mappings_worth_a_look(pid) {
+        for m in maps {
             let classified = cache.entry((m.dev, m.inode)).or_insert_with(|| {
                 let link = format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end);
                 DeviceKey::classify(Path::new(&link), &m.path, self.uvm_major)
@@ -150,10 +215,13 @@ struct MapLine {
 /// mapping is looked at only when its name is an NVIDIA device's (a library's private mappings, most of a
 /// process's, cost nothing). Read with one read of /proc/PID/maps and a parse of only those lines: on the
 /// release's path (the procfs crate's full parse took about as long as the rest of the check).
-fn mappings_worth_a_look(pid: u32) -> Vec<MapLine> {
-    std::fs::read_to_string(format!("/proc/{pid}/maps"))
-        .map(|text| text.lines().filter_map(parse_map_line).collect())
-        .unwrap_or_default()
+/// Only a read that was refused is an error (a process gone has no mappings).
+fn mappings_worth_a_look(pid: u32) -> Result<Vec<MapLine>, std::io::Error> {
+    match std::fs::read_to_string(format!("/proc/{pid}/maps")) {
+        Ok(text) => Ok(text.lines().filter_map(parse_map_line).collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Err(e),
+        Err(_) => Ok(Vec::new()),
+    }
 }
 
 /// A maps line (`start-end perms offset MM:mm inode path`) if it maps a file and is shared or named as an

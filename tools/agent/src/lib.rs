@@ -140,10 +140,25 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         return Ok(());
     };
     let listener = listen(&socket)?;
+    warn_when_proc_is_unreadable();
     let result = serve_until_signal(listener, bounds, &args).await;
     let _ = std::fs::remove_file(&socket);
     tracing::info!("agent: stopped");
     result
+}
+
+/// Says at start when the agent cannot read what the node's init holds (/proc/1/maps, which the kernel's
+/// ptrace access check guards as it does the links in /proc/1/fd): confined, or without CAP_SYS_PTRACE, it
+/// cannot see who holds a GPU, and every process it cannot read counts as holding one (the gates stay shut,
+/// naming them).
+fn warn_when_proc_is_unreadable() {
+    if let Err(e) = std::fs::read("/proc/1/maps") {
+        tracing::warn!(
+            "agent: cannot read /proc/1/maps ({e}): every process whose files it cannot read counts as \
+             holding every GPU (the gates stay shut and name them): {}",
+            holders::UNREADABLE_FIX
+        );
+    }
 }
 
 /// Where the agent runs in a cgroup namespace of its own (a pod on a cgroup v2 node), makes the cgroup paths

@@ -32,6 +32,8 @@ pub enum DeviceKey {
         /// Its file name (`nvidia0`).
         name: String,
     },
+    /// Not known: the files of a process the agent could not read. It is every device, for the gate.
+    Unknown,
 }
 
 impl std::fmt::Display for DeviceKey {
@@ -39,6 +41,7 @@ impl std::fmt::Display for DeviceKey {
         match self {
             Self::Number(major, minor) => write!(f, "device {major}:{minor}"),
             Self::File { name, .. } => write!(f, "{name}"),
+            Self::Unknown => f.write_str("an unknown device"),
         }
     }
 }
@@ -80,6 +83,7 @@ impl DeviceKey {
     /// Whether two keys name the same device.
     pub fn same_device(&self, other: &Self) -> bool {
         match (self, other) {
+            (Self::Unknown, _) | (_, Self::Unknown) => true,
             (Self::Number(..), Self::Number(..)) => self == other,
             (
                 Self::File { dev, ino, .. },

@@ -10,7 +10,7 @@ use super::{DeviceKey, Waiter, devices_held, devices_seen};
 use crate::{
     core::Core,
     gapfill,
-    holders::{Holding, node_gpu_holders},
+    holders::{Holding, Via, node_gpu_holders},
     registry::watched::{Watched, accounted},
 };
 
@@ -295,6 +295,51 @@ fn log_hidden_once(w: &mut Waiter, hidden: &[Holding]) {
 /// The processes of `hidden` and what they hold, for a log line or an error: each with its cgroup, since
 /// the probes may not know its container.
 fn describe_hidden(hidden: &[Holding]) -> String {
+    let (unreadable, files): (Vec<Holding>, Vec<Holding>) = hidden
+        .iter()
+        .cloned()
+        .partition(|h| matches!(h.via, Via::Unreadable(_)));
+    let mut parts = Vec::new();
+    if !files.is_empty() {
+        parts.push(describe_files(&files));
+    }
+    if !unreadable.is_empty() {
+        parts.push(describe_unreadable(&unreadable));
+    }
+    parts.join("; ")
+}
+
+/// The processes of `unreadable` (each once), which count as holding every GPU: all their pids (up to 64),
+/// the first few with why and their cgroup, and what the agent needs.
+fn describe_unreadable(unreadable: &[Holding]) -> String {
+    let mut pids: Vec<u32> = unreadable.iter().map(|h| h.pid).collect();
+    pids.sort_unstable();
+    pids.dedup();
+    let listed: Vec<String> = pids.iter().take(64).map(u32::to_string).collect();
+    let more = match pids.len().saturating_sub(listed.len()) {
+        0 => String::new(),
+        n => format!(" and {n} more"),
+    };
+    let each: Vec<String> = unreadable
+        .iter()
+        .take(3)
+        .map(|h| {
+            let cgroup = baton_tracer::cgroups::v2_path_of_pid(h.pid)
+                .unwrap_or_else(|| "an unknown cgroup".to_owned());
+            format!("{h} in cgroup {cgroup}")
+        })
+        .collect();
+    format!(
+        "{} process(es) whose files the agent cannot read count as holding every GPU: pid(s) {}{more} ({}): {}",
+        pids.len(),
+        listed.join(", "),
+        each.join("; "),
+        crate::holders::UNREADABLE_FIX
+    )
+}
+
+/// [`describe_hidden`] of holders whose files /proc showed.
+fn describe_files(hidden: &[Holding]) -> String {
     let mut pids: Vec<u32> = hidden.iter().map(|h| h.pid).collect();
     pids.sort_unstable();
     pids.dedup();

@@ -226,6 +226,14 @@ impl Watched {
     fn follow_hidden(&mut self, tracer: &mut Tracer, hidden: &[Holding]) {
         let pids: BTreeSet<u32> = hidden.iter().map(|h| h.pid).collect();
         for h in hidden.iter().filter(|h| !self.hidden.contains(&h.pid)) {
+            if matches!(h.via, Via::Unreadable(_)) {
+                tracing::warn!(
+                    id = self.registration.container.id,
+                    "agent: {h}: it counts as holding, and the release waits for it: {}",
+                    crate::holders::UNREADABLE_FIX
+                );
+                continue;
+            }
             let mut known: Vec<(i32, baton_nvidia::fdkind::FdKind)> = tracer
                 .fd_table()
                 .get(h.pid)
@@ -404,6 +412,6 @@ pub fn accounted(table: &FdTable, h: &Holding) -> bool {
             .range(..=addr)
             .next_back()
             .is_some_and(|(start, m)| start.saturating_add(m.len) > addr),
-        Via::Ring(_) => false,
+        Via::Ring(_) | Via::Unreadable(_) => false,
     }
 }
