@@ -118,3 +118,50 @@ fn a_hand_back_whose_gate_fails_leaves_the_server_parked_and_the_next_request_ha
     wait_held(&rig, "server");
     assert_eq!(rig.task_status("server").as_deref(), Some("RUNNING"));
 }
+
+#[test]
+fn an_idle_parked_server_is_handed_the_gpu_back_by_an_agent_started_since() {
+    let Some(rig) = CudaRig::start("hand-back-restart") else {
+        return;
+    };
+    // No forked workers: a worker's inherited files, whose contents an agent started since never saw, would
+    // keep the trainer held through its park (a partial ledger fails closed; see the README).
+    let mut trainer = rig.run("trainer", &Trainer::default(), &PREEMPTIBLE);
+    wait_held(&rig, "trainer");
+    let _server = rig.create("server", &Trainer::default(), &IDLE_SERVER);
+    rig.gpu.env.api().unwrap().start("server", "").unwrap();
+    wait_held(&rig, "server");
+    assert!(
+        wait_until(WITHIN, || preemption(&rig, "server")["state"]
+            == json!("parked")),
+        "the idle server was parked: {}",
+        rig.gpu.status("server")
+    );
+    let line = trainer.wait_line("restored checksum");
+    assert!(line.ends_with("intact"), "{line}");
+
+    // The agent goes (a DaemonSet rollout): the shims start another and register their containers again,
+    // the server with the state its shim kept (parked by the agent for its idleness).
+    rig.gpu.env.containerd().kill_agent();
+    let socket = rig.gpu.env.containerd().agent_socket();
+    for id in ["server", "trainer"] {
+        assert!(
+            wait_until(WITHIN, || container_status(&socket, id)
+                .is_ok_and(|s| s.is_some())),
+            "the new agent watches {id}"
+        );
+    }
+    assert_eq!(preemption(&rig, "server")["idle_park"], json!(true));
+
+    // A request for the server: the new agent hands the GPU back (before, it ignored the request, and the
+    // server stayed parked for good).
+    let reply = tell_agent(&rig, REQUEST);
+    assert!(reply.contains("\"ok\":true"), "{reply}");
+    assert!(
+        wait_until(WITHIN, || preemption(&rig, "server").is_null()),
+        "the server was handed the GPU back: {}",
+        rig.gpu.status("server")
+    );
+    wait_held(&rig, "server");
+    assert_eq!(preemption(&rig, "trainer")["state"], json!("parked"));
+}

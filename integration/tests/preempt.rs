@@ -280,7 +280,8 @@ fn a_failure_at_each_step_leaves_the_container_running_and_says_which_pid_and_wh
         drop(trainer);
     }
 
-    // A failing restore: resume says which pid, the container is thawed and not parked any more.
+    // A failing restore: resume says which pid; no process got its GPU back, so the container stays parked,
+    // frozen again.
     let t = Trainer {
         extra: vec!["--fail-at".into(), "restore".into()],
         ..Trainer::default()
@@ -292,7 +293,11 @@ fn a_failure_at_each_step_leaves_the_container_running_and_says_which_pid_and_wh
     let (_, err, ok) = rig.baton(&["resume", "fail-restore"]);
     assert!(!ok && err.contains(&format!("pid {pid}")), "{err}");
     assert!(err.contains("injected at restore"), "{err}");
-    assert_eq!(rig.task_status("fail-restore").as_deref(), Some("RUNNING"));
+    assert_eq!(rig.task_status("fail-restore").as_deref(), Some("PAUSED"));
+    assert_eq!(
+        rig.gpu.status("fail-restore")["preemption"]["state"],
+        json!("parked")
+    );
 
     // A failing unlock after the restore: resume says so, naming the pid.
     let t = Trainer {

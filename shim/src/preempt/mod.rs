@@ -26,7 +26,8 @@ pub mod state;
 use std::{path::Path, time::Duration};
 
 use baton_agent_api::{
-    ContainerRef, Phase, PreemptMode, PreemptPhase, PreemptState, Step, now_monotonic_ns,
+    ContainerRef, Phase, PreemptMode, PreemptPhase, PreemptRequest, PreemptState, Step,
+    now_monotonic_ns,
 };
 use baton_cgroups::process_gone;
 use tokio::sync::mpsc;
@@ -177,18 +178,21 @@ impl Container {
             .map_err(|_| self.busy())
     }
 
-    /// Preempts the container: locks and checkpoints the CUDA processes `pids`, then freezes it (park) or
-    /// dumps it with CRIU (snapshot, into `image`, absolute, or `<snapshot_dir>/<namespace>/<id>`: see
-    /// [`snapshot_image`]).
-    pub async fn preempt(
-        &self,
-        pids: &[u32],
-        mode: PreemptMode,
-        image: Option<String>,
-        parked_for: Option<ContainerRef>,
-        vram_bytes: Option<u64>,
-        steps: &mut Steps,
-    ) -> Result<PreemptState> {
+    /// Preempts the container as `r` asks: locks and checkpoints the CUDA processes `r.pids`, then freezes it
+    /// (park) or dumps it with CRIU (snapshot, into `r.image_path`, absolute, or
+    /// `<snapshot_dir>/<namespace>/<id>`: see [`snapshot_image`]). Who asked (`parked_for`, `idle_park`) goes
+    /// into the persisted state.
+    pub async fn preempt(&self, r: PreemptRequest, steps: &mut Steps) -> Result<PreemptState> {
+        let PreemptRequest {
+            pids,
+            mode,
+            image_path: image,
+            parked_for,
+            idle_park,
+            vram_bytes,
+            ..
+        } = r;
+        let pids = &pids;
         let image = match mode {
             PreemptMode::Snapshot => Some(snapshot_image(
                 &self.settings.snapshot_dir,
@@ -218,6 +222,7 @@ impl Container {
             since_ns,
             image_path: None,
             parked_for,
+            idle_park,
             host_copy_bytes: vram_bytes.filter(|v| *v > 0),
             raised_limit: raised,
         };

@@ -62,6 +62,7 @@ mod tests {
             since_ns: 9,
             image_path: None,
             parked_for: None,
+            idle_park: false,
             host_copy_bytes: Some(1 << 30),
             raised_limit: Some(baton_agent_api::RaisedLimit {
                 was_bytes: 1 << 29,

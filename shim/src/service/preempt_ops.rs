@@ -80,17 +80,9 @@ impl TaskService {
     async fn preempt(&self, r: PreemptRequest, tx: mpsc::UnboundedSender<Step>) -> Result<Outcome> {
         let c = self.target(&r.target)?;
         let mut steps = Steps::new(self.container_ref(&c.id), Some(tx));
-        let state = c
-            .preempt(
-                &r.pids,
-                r.mode,
-                r.image_path,
-                r.parked_for,
-                r.vram_bytes,
-                &mut steps,
-            )
-            .await?;
-        let topic = match r.mode {
+        let mode = r.mode;
+        let state = c.preempt(r, &mut steps).await?;
+        let topic = match mode {
             baton_agent_api::PreemptMode::Park => PARKED_TOPIC,
             baton_agent_api::PreemptMode::Snapshot => SNAPSHOTTED_TOPIC,
         };

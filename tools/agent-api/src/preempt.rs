@@ -78,6 +78,11 @@ pub struct PreemptRequest {
     /// drops it from a client's request (what an operator preempts, an operator resumes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parked_for: Option<ContainerRef>,
+    /// Idle park: the agent parks a latency-critical container by itself after its `park-when-idle`; the
+    /// shim keeps it in the container's state, so that an agent restarted meanwhile hands its GPU back on the
+    /// next request still. The agent drops it from a client's request.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub idle_park: bool,
     /// The container's device memory in the agent's ledger, bytes: what the checkpoint copies into host
     /// memory charged to the container's memory cgroup (the shim makes room for it, or refuses). The agent
     /// fills it before it forwards the request to the container's shim; a client leaves it out.
@@ -270,6 +275,10 @@ pub struct PreemptState {
     /// when no such container needs its GPU any more, after a restart of the agent too).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parked_for: Option<ContainerRef>,
+    /// Idle park: the agent parked this latency-critical container for its idleness (a request for it hands
+    /// the GPU back, after a restart of the agent too).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub idle_park: bool,
     /// The host memory its park charged to its memory cgroup (the device memory copied, as the agent's
     /// ledger counted it), bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -334,6 +343,7 @@ mod tests {
                 pids: vec![],
                 image_path: None,
                 parked_for: None,
+                idle_park: false,
                 vram_bytes: None,
             })
         );

@@ -235,6 +235,7 @@ pub async fn preempt(
         target: Target::exact(&a.container),
         pids: a.pids.clone(),
         parked_for: None,
+        idle_park: false,
         vram_bytes: Some(a.vram_bytes),
         ..r.clone()
     });
@@ -582,6 +583,7 @@ pub async fn handoff(
             pids: a.pids.clone(),
             image_path: None,
             parked_for: None,
+            idle_park: false,
             vram_bytes: Some(a.vram_bytes),
         });
         let (b_go, go) = oneshot::channel();

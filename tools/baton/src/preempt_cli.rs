@@ -111,6 +111,7 @@ pub async fn preempt(a: PreemptArgs) -> anyhow::Result<()> {
         pids: Vec::new(),
         image_path: a.image_path,
         parked_for: None,
+        idle_park: false,
         vram_bytes: None,
     });
     run(&a.agent, request, a.json).await

@@ -45,6 +45,28 @@ impl IdlePark {
     pub fn next_due(&self) -> Option<Instant> {
         self.wake
     }
+
+    /// Server `w` was registered parked by the agent for its idleness (its shim kept `idle_park` in its
+    /// state: the agent restarted since, a DaemonSet rollout): the next request for it hands the GPU back,
+    /// as if this agent had parked it.
+    pub fn adopt(&mut self, w: &crate::registry::watched::Watched) {
+        let Some(p) = &w.preemption else {
+            return;
+        };
+        if p.state != baton_agent_api::PreemptPhase::Parked
+            || !p.idle_park
+            || idle_after(w).is_none()
+        {
+            return;
+        }
+        let c = &w.registration.container;
+        tracing::info!(
+            id = c.id,
+            "agent: idle park: the server was registered idle-parked: a request for it hands the GPU back"
+        );
+        self.parked.insert(c.clone());
+        self.last.insert(c.clone(), Instant::now());
+    }
 }
 
 /// The server's `park-when-idle`, if it is latency-critical and has one.
@@ -109,6 +131,7 @@ impl Core {
             pids: r.pids.clone(),
             image_path: None,
             parked_for: None,
+            idle_park: true,
             vram_bytes: Some(r.vram_bytes),
         });
         let done = self.gapfill.done_sender();

@@ -269,6 +269,7 @@ impl GapFill {
             pids: r.pids.clone(),
             image_path: None,
             parked_for: Some(server.clone()),
+            idle_park: false,
             vram_bytes: Some(r.vram_bytes),
         });
         let done = self.done_tx.clone();

@@ -131,6 +131,7 @@ async fn a_failed_preemption_is_told_once_and_a_co_runner_that_finishes_at_its_r
             since_ns: 1,
             image_path: None,
             parked_for: Some(c("server")),
+            idle_park: false,
             host_copy_bytes: None,
             raised_limit: None,
         }),

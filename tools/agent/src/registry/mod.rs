@@ -87,6 +87,7 @@ impl Core {
         self.by_cgroup.insert(cgroup_id, key.clone());
         self.ioctls.insert(cgroup_id, IoctlCounts::default());
         self.gapfill.adopt(&w);
+        self.idle.adopt(&w);
         self.watched.insert(key.clone(), w);
         self.publish(&key, owner, body);
         Ok(status)
