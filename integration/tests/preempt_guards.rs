@@ -207,7 +207,14 @@ fn a_failed_resume_keeps_the_failed_pid_parked_and_a_second_resume_retries_it() 
     let status = rig.gpu.status("retry");
     assert_eq!(status["preemption"]["state"], json!("parked"), "{status}");
     assert_eq!(status["preemption"]["pids"], json!([pid]), "{status}");
-    assert_eq!(CudaRig::cuda_state(pid), "checkpointed");
+    // No process got its GPU back: frozen again, parked as before (a frozen process answers no CUDA call,
+    // so its state is asked after the second resume).
+    assert_eq!(rig.task_status("retry").as_deref(), Some("PAUSED"));
+    assert!(
+        out.lines()
+            .any(|l| l.contains("frozen again: no process was given its GPU back")),
+        "{out}"
+    );
 
     let (_, outcome) = rig.baton_json(&["resume", "retry"]);
     assert_eq!(outcome["preemption"], Value::Null, "{outcome}");
