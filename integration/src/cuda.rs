@@ -23,6 +23,17 @@ use crate::{
 /// How long a test waits for a line, a step or a state (a loaded CI machine included).
 pub const WITHIN: Duration = Duration::from_secs(60);
 
+/// A latency-critical server whose Start waits up to a minute at the GPU-free gate.
+pub const SERVER: [(&str, &str); 2] = [
+    ("baton.io/role", "latency-critical"),
+    ("baton.io/wait-gpu-free", "1m"),
+];
+/// A co-runner the agent may park by itself for a server.
+pub const PREEMPTIBLE: [(&str, &str); 2] = [
+    ("baton.io/role", "co-runner"),
+    ("baton.io/preemptible", "park"),
+];
+
 /// A [`GpuRig`] whose shim finds the cuda-checkpoint stand-in on its PATH.
 pub struct CudaRig {
     /// containerd, the shim, the agent, the mock driver.
@@ -173,6 +184,47 @@ impl CudaRig {
             r.wait_line("phase setup-done");
         }
         r
+    }
+
+    /// A preemptible trainer (`trainer`) runs, an idle server (`server`, with `server_annotations`, among them
+    /// `baton.io/park-when-idle`) starts, is parked by the agent once idle, and the trainer gets the GPU back
+    /// with its weights intact; each runs `t`. The trainer and the server.
+    pub fn idle_server_parked_for_a_trainer(
+        &self,
+        t: &Trainer,
+        server_annotations: &[(&str, &str)],
+    ) -> (Running, Running) {
+        let mut trainer = self.run("trainer", t, &PREEMPTIBLE);
+        self.wait_held("trainer");
+        let server = self.create("server", t, server_annotations);
+        self.gpu
+            .env
+            .api()
+            .and_then(|api| api.start("server", ""))
+            .unwrap_or_else(|e| panic!("starting server: {e}"));
+        self.wait_held("server");
+        assert!(
+            crate::agent::wait_until(WITHIN, || self.preemption("server")["state"] == "parked"),
+            "the idle server was parked: {}",
+            self.gpu.status("server")
+        );
+        let line = trainer.wait_line("restored checksum");
+        assert!(line.ends_with("intact"), "{line}");
+        (trainer, server)
+    }
+
+    /// Waits until the agent says container `id` holds the GPU; panics past [`WITHIN`].
+    pub fn wait_held(&self, id: &str) {
+        assert!(
+            crate::agent::wait_until(WITHIN, || self.gpu.status(id)["gpu"] == "held"),
+            "{id} holds the GPU: {}",
+            self.gpu.status(id)
+        );
+    }
+
+    /// The agent's preemption state of container `id` (`null` when it runs).
+    pub fn preemption(&self, id: &str) -> Value {
+        self.gpu.status(id)["preemption"].clone()
     }
 
     /// Starts the [`Trainer::late_process`] of running container `id` (its init's /tmp gets [`LATE_GO`]).

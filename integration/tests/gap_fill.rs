@@ -17,32 +17,16 @@ use baton_integration::{
     agent_steps::{AgentSteps, tell_agent},
     analog::rig::{Binaries, Proxy},
     api::Api,
-    cuda::{CudaRig, Running, Trainer, WITHIN},
+    cuda::{CudaRig, PREEMPTIBLE, Running, SERVER, Trainer, WITHIN},
 };
 use serde_json::{Value, json};
 
-const SERVER: [(&str, &str); 2] = [
-    ("baton.io/role", "latency-critical"),
-    ("baton.io/wait-gpu-free", "1m"),
-];
 /// A server that the agent parks after 3 s without a request event.
 const IDLE_SERVER: [(&str, &str); 3] = [
     ("baton.io/role", "latency-critical"),
     ("baton.io/wait-gpu-free", "1m"),
     ("baton.io/park-when-idle", "3s"),
 ];
-const PREEMPTIBLE: [(&str, &str); 2] = [
-    ("baton.io/role", "co-runner"),
-    ("baton.io/preemptible", "park"),
-];
-
-fn wait_held(rig: &CudaRig, id: &str) {
-    assert!(
-        wait_until(WITHIN, || rig.gpu.status(id)["gpu"] == json!("held")),
-        "{id} holds the GPU: {}",
-        rig.gpu.status(id)
-    );
-}
 
 /// Starts task `id` through containerd's API in a thread: its result, and when it returned (monotonic ns).
 fn start_in_background(
@@ -97,7 +81,7 @@ fn a_server_behind_the_gate_starts_on_the_preemptible_trainers_release_and_the_t
         return;
     };
     let mut trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
     // `baton status` shows the GPU the trainer sees, the ledger's memory beside NVML's (none on the mock).
     let (out, err, ok) = rig.baton(&["status", "--json"]);
     assert!(ok, "baton status: {err}");
@@ -127,7 +111,7 @@ fn a_server_behind_the_gate_starts_on_the_preemptible_trainers_release_and_the_t
         returned_ns > released_ns,
         "the server's Start returned ({returned_ns}) after the trainer's release ({released_ns})"
     );
-    wait_held(&rig, "server");
+    rig.wait_held("server");
     assert!(
         wait_until(WITHIN, || preemption(&rig, "trainer")["state"]
             == json!("parked")),
@@ -160,7 +144,7 @@ fn a_server_behind_the_gate_starts_on_the_preemptible_trainers_release_and_the_t
         "the trainer is running again: {}",
         rig.gpu.status("trainer")
     );
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
     assert_eq!(rig.task_status("trainer").as_deref(), Some("RUNNING"));
     assert!(
         wait_until(WITHIN, || gap_fill(&rig)["parked"] == json!([])),
@@ -176,7 +160,7 @@ fn a_holder_without_preemptible_keeps_the_gpu_and_the_gates_error_names_it_and_w
     };
     let co_runner = [("baton.io/role", "co-runner")];
     let _trainer = rig.run("trainer", &Trainer::with_worker(), &co_runner);
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
     let short = [
         ("baton.io/role", "latency-critical"),
         ("baton.io/wait-gpu-free", "1s"),
@@ -198,7 +182,7 @@ fn a_co_runner_behind_the_gate_never_preempts_a_server() {
     };
     let server = [("baton.io/role", "latency-critical")];
     let _server = rig.run("server", &Trainer::with_worker(), &server);
-    wait_held(&rig, "server");
+    rig.wait_held("server");
     let co_runner = [
         ("baton.io/role", "co-runner"),
         ("baton.io/preemptible", "park"),
@@ -224,7 +208,7 @@ fn a_failed_preemption_fails_the_servers_start_naming_the_co_runner_which_keeps_
         ..Trainer::with_worker()
     };
     let _trainer: Running = rig.run("trainer", &failing, &PREEMPTIBLE);
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
     let _server = rig.create("server", &Trainer::with_worker(), &SERVER);
     let asked = std::time::Instant::now();
     let err = start_fails(&rig, "server");
@@ -267,7 +251,7 @@ fn parked_co_runners_resume_highest_priority_first_and_one_that_finishes_or_is_k
     );
     let _victim = rig.run("victim", &small(&[]), &with_priority("1"));
     for id in ["low", "high", "victim"] {
-        wait_held(&rig, id);
+        rig.wait_held(id);
     }
     let mut low_events = rig.gpu.watch("low");
     let _server = rig.create("server", &Trainer::with_worker(), &SERVER);
@@ -344,7 +328,7 @@ fn two_servers_behind_the_gate_start_one_at_a_time_on_one_preemption_and_the_tra
         return;
     };
     let mut trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
     let mut events = rig.gpu.watch("trainer");
     let _a = rig.create("server-a", &Trainer::with_worker(), &SERVER);
     let _b = rig.create("server-b", &Trainer::with_worker(), &SERVER);
@@ -369,7 +353,7 @@ fn two_servers_behind_the_gate_start_one_at_a_time_on_one_preemption_and_the_tra
         returned_ns > released_ns,
         "{first} started after the release"
     );
-    wait_held(&rig, first);
+    rig.wait_held(first);
     assert!(
         !wait_until(Duration::from_millis(500), || second_start.is_finished()),
         "{second} waits while {first} holds the GPU"
@@ -386,7 +370,7 @@ fn two_servers_behind_the_gate_start_one_at_a_time_on_one_preemption_and_the_tra
     delete_task(&api, first);
     let (result, _) = second_start.join().unwrap();
     result.unwrap_or_else(|e| panic!("{second}'s Start: {e}"));
-    wait_held(&rig, second);
+    rig.wait_held(second);
     assert!(
         !wait_until(Duration::from_millis(500), || preemption(&rig, "trainer")
             .is_null()),
@@ -409,7 +393,7 @@ fn a_server_that_exits_by_itself_gives_the_gpu_back_to_the_trainer_it_parked() {
         return;
     };
     let mut trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
     // A server that stops after a few hundred steps (a crash, as far as the agent can tell): not deleted.
     let short_lived = Trainer {
         steps: 300,
@@ -447,11 +431,11 @@ fn an_agent_restarted_while_the_trainer_is_parked_for_a_server_still_resumes_it_
         return;
     };
     let mut trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
     let _server = rig.create("server", &Trainer::with_worker(), &SERVER);
     let api = rig.gpu.env.api().unwrap();
     api.start("server", "").unwrap();
-    wait_held(&rig, "server");
+    rig.wait_held("server");
     assert!(
         wait_until(WITHIN, || preemption(&rig, "trainer")["state"]
             == json!("parked")),
@@ -499,7 +483,7 @@ fn server_comes(rig: &CudaRig, id: &str, annotations: &[(&str, &str)], toml: &st
     let options = baton_integration::api::runtime_options_toml(toml);
     let _server = rig.create_with(id, &Trainer::with_worker(), annotations, Some(options));
     rig.gpu.env.api().unwrap().start(id, "").unwrap();
-    wait_held(rig, id);
+    rig.wait_held(id);
     assert!(
         wait_until(WITHIN, || preemption(rig, "trainer")["state"]
             == json!("parked")),
@@ -526,7 +510,7 @@ fn the_rate_gate_stops_filling_when_preemptions_cost_too_much_and_fills_again_on
     const WINDOW: Duration = Duration::from_secs(15);
     let toml = "gap_fill_min_share = 0.99\ngap_fill_window = \"15s\"\n";
     let mut trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
     let steps = AgentSteps::start(&rig, "trainer");
 
     // The first preemption: C is unknown until the trainer runs again, so the agent fills.
@@ -594,38 +578,20 @@ fn the_rate_gate_stops_filling_when_preemptions_cost_too_much_and_fills_again_on
     steps.wait_for_matching("on", |d| d.ends_with(" >= 0.99"));
 }
 
-/// A preemptible trainer runs, an idle server (`IDLE_SERVER`) starts, is parked by the agent after 3 s, and the
-/// trainer is resumed with its weights intact: the trainer and the server.
-fn an_idle_server_parked_for_the_trainer(rig: &CudaRig) -> (Running, Running) {
-    let mut trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
-    wait_held(rig, "trainer");
-    let server = rig.create("server", &Trainer::with_worker(), &IDLE_SERVER);
-    rig.gpu.env.api().unwrap().start("server", "").unwrap();
-    wait_held(rig, "server");
-    assert!(
-        wait_until(WITHIN, || preemption(rig, "server")["state"]
-            == json!("parked")),
-        "the idle server was parked: {}",
-        rig.gpu.status("server")
-    );
-    let line = trainer.wait_line("restored checksum");
-    assert!(line.ends_with("intact"), "{line}");
-    (trainer, server)
-}
-
 #[test]
 fn an_idle_server_is_parked_for_the_trainer_and_a_request_for_it_hands_the_gpu_back() {
     let Some(rig) = CudaRig::start("gapfill-idle-park") else {
         return;
     };
     // No request event for 3 s: the agent parks the server, and the trainer gets the GPU back by itself.
-    let (_trainer, _server) = an_idle_server_parked_for_the_trainer(&rig);
+    let (_trainer, _server) =
+        rig.idle_server_parked_for_a_trainer(&Trainer::with_worker(), &IDLE_SERVER);
     assert!(
         wait_until(WITHIN, || preemption(&rig, "trainer").is_null()),
         "{}",
         rig.gpu.status("trainer")
     );
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
     assert_eq!(rig.task_status("server").as_deref(), Some("PAUSED"));
 
     // A request for the server: the trainer is parked and the server resumed on its release.
@@ -645,7 +611,7 @@ fn an_idle_server_is_parked_for_the_trainer_and_a_request_for_it_hands_the_gpu_b
         "the server was resumed: {}",
         rig.gpu.status("server")
     );
-    wait_held(&rig, "server");
+    rig.wait_held("server");
     assert_eq!(rig.task_status("server").as_deref(), Some("RUNNING"));
     // A request in flight: the server is not idle, it keeps the GPU.
     assert!(
@@ -662,7 +628,7 @@ fn a_request_that_comes_while_the_idle_server_is_being_parked_hands_the_gpu_back
         return;
     };
     let _trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
     // A park that takes 4 s: 512 MiB copied at 128 MiB/s.
     let slow = Trainer {
         vram_mib: 512,
@@ -671,7 +637,7 @@ fn a_request_that_comes_while_the_idle_server_is_being_parked_hands_the_gpu_back
     };
     let _server = rig.create("server", &slow, &IDLE_SERVER);
     rig.gpu.env.api().unwrap().start("server", "").unwrap();
-    wait_held(&rig, "server");
+    rig.wait_held("server");
     let steps = AgentSteps::start(&rig, "server");
 
     // The request comes while the agent parks the idle server (its trace shows who asked at once; the shim's
@@ -728,7 +694,8 @@ fn the_example_proxy_holds_a_request_until_its_parked_server_holds_the_gpu_and_r
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let (_trainer, _server) = an_idle_server_parked_for_the_trainer(&rig);
+    let (_trainer, _server) =
+        rig.idle_server_parked_for_a_trainer(&Trainer::with_worker(), &IDLE_SERVER);
 
     // The server's front end (here, in the test) answers each request with whether the server container held
     // its GPU, unparked, when the request reached it.

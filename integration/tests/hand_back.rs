@@ -13,7 +13,7 @@ use baton_integration::{
     agent_steps::{AgentSteps, tell_agent},
     cuda::{CudaRig, Trainer, WITHIN},
 };
-use serde_json::{Value, json};
+use serde_json::json;
 
 /// A server the agent parks after 3 s without a request event, whose Start (and hand-back) waits 5 s at the
 /// gate.
@@ -22,42 +22,15 @@ const IDLE_SERVER: [(&str, &str); 3] = [
     ("baton.io/wait-gpu-free", "5s"),
     ("baton.io/park-when-idle", "3s"),
 ];
-const PREEMPTIBLE: [(&str, &str); 2] = [
-    ("baton.io/role", "co-runner"),
-    ("baton.io/preemptible", "park"),
-];
 const REQUEST: &str = r#"{"v":1,"op":"request_start","id":"r1","server":"server"}"#;
-
-fn wait_held(rig: &CudaRig, id: &str) {
-    assert!(
-        wait_until(WITHIN, || rig.gpu.status(id)["gpu"] == json!("held")),
-        "{id} holds the GPU: {}",
-        rig.gpu.status(id)
-    );
-}
-
-fn preemption(rig: &CudaRig, id: &str) -> Value {
-    rig.gpu.status(id)["preemption"].clone()
-}
 
 #[test]
 fn a_hand_back_whose_gate_fails_leaves_the_server_parked_and_the_next_request_hands_the_gpu_back() {
     let Some(rig) = CudaRig::start("hand-back-fails") else {
         return;
     };
-    let mut trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
-    wait_held(&rig, "trainer");
-    let _server = rig.create("server", &Trainer::with_worker(), &IDLE_SERVER);
-    rig.gpu.env.api().unwrap().start("server", "").unwrap();
-    wait_held(&rig, "server");
-    assert!(
-        wait_until(WITHIN, || preemption(&rig, "server")["state"]
-            == json!("parked")),
-        "the idle server was parked: {}",
-        rig.gpu.status("server")
-    );
-    let line = trainer.wait_line("restored checksum");
-    assert!(line.ends_with("intact"), "{line}");
+    let (_trainer, _server) =
+        rig.idle_server_parked_for_a_trainer(&Trainer::with_worker(), &IDLE_SERVER);
 
     // A co-runner that did not opt in to preemption takes GPU memory beside the trainer.
     let mut squatter = rig.run(
@@ -65,7 +38,7 @@ fn a_hand_back_whose_gate_fails_leaves_the_server_parked_and_the_next_request_ha
         &Trainer::default(),
         &[("baton.io/role", "co-runner")],
     );
-    wait_held(&rig, "squatter");
+    rig.wait_held("squatter");
     let steps = AgentSteps::start(&rig, "server");
 
     // A request: the gate cannot free the GPU within the server's 5 s, and the server stays parked.
@@ -75,16 +48,15 @@ fn a_hand_back_whose_gate_fails_leaves_the_server_parked_and_the_next_request_ha
         d.starts_with("the GPU was not handed back: ") && d.contains("squatter")
     });
     assert_eq!(
-        preemption(&rig, "server")["state"],
+        rig.preemption("server")["state"],
         json!("parked"),
         "{}",
         rig.gpu.status("server")
     );
     assert!(
-        !wait_until(std::time::Duration::from_secs(3), || preemption(
-            &rig, "server"
-        )
-        .is_null()),
+        !wait_until(std::time::Duration::from_secs(3), || rig
+            .preemption("server")
+            .is_null()),
         "the server was resumed although its gate failed: {}; its steps: {:?}",
         rig.gpu.status("server"),
         steps.seen()
@@ -110,12 +82,12 @@ fn a_hand_back_whose_gate_fails_leaves_the_server_parked_and_the_next_request_ha
     let reply = tell_agent(&rig, REQUEST);
     assert!(reply.contains("\"ok\":true"), "{reply}");
     assert!(
-        wait_until(WITHIN, || preemption(&rig, "server").is_null()),
+        wait_until(WITHIN, || rig.preemption("server").is_null()),
         "the server was handed the GPU back: {}; its steps: {:?}",
         rig.gpu.status("server"),
         steps.seen()
     );
-    wait_held(&rig, "server");
+    rig.wait_held("server");
     assert_eq!(rig.task_status("server").as_deref(), Some("RUNNING"));
 }
 
@@ -125,20 +97,9 @@ fn an_idle_parked_server_is_handed_the_gpu_back_by_an_agent_started_since() {
         return;
     };
     // No forked workers: a worker's inherited files, whose contents an agent started since never saw, would
-    // keep the trainer held through its park (a partial ledger fails closed; see the README).
-    let mut trainer = rig.run("trainer", &Trainer::default(), &PREEMPTIBLE);
-    wait_held(&rig, "trainer");
-    let _server = rig.create("server", &Trainer::default(), &IDLE_SERVER);
-    rig.gpu.env.api().unwrap().start("server", "").unwrap();
-    wait_held(&rig, "server");
-    assert!(
-        wait_until(WITHIN, || preemption(&rig, "server")["state"]
-            == json!("parked")),
-        "the idle server was parked: {}",
-        rig.gpu.status("server")
-    );
-    let line = trainer.wait_line("restored checksum");
-    assert!(line.ends_with("intact"), "{line}");
+    // keep the trainer held through its park (a partial ledger fails closed: docs/design.md, "Agent restart").
+    let (_trainer, _server) =
+        rig.idle_server_parked_for_a_trainer(&Trainer::default(), &IDLE_SERVER);
 
     // The agent goes (a DaemonSet rollout): the shims start another and register their containers again,
     // the server with the state its shim kept (parked by the agent for its idleness).
@@ -151,17 +112,17 @@ fn an_idle_parked_server_is_handed_the_gpu_back_by_an_agent_started_since() {
             "the new agent watches {id}"
         );
     }
-    assert_eq!(preemption(&rig, "server")["idle_park"], json!(true));
+    assert_eq!(rig.preemption("server")["idle_park"], json!(true));
 
     // A request for the server: the new agent hands the GPU back (before, it ignored the request, and the
     // server stayed parked for good).
     let reply = tell_agent(&rig, REQUEST);
     assert!(reply.contains("\"ok\":true"), "{reply}");
     assert!(
-        wait_until(WITHIN, || preemption(&rig, "server").is_null()),
+        wait_until(WITHIN, || rig.preemption("server").is_null()),
         "the server was handed the GPU back: {}",
         rig.gpu.status("server")
     );
-    wait_held(&rig, "server");
-    assert_eq!(preemption(&rig, "trainer")["state"], json!("parked"));
+    rig.wait_held("server");
+    assert_eq!(rig.preemption("trainer")["state"], json!("parked"));
 }

@@ -10,7 +10,7 @@
 use baton_integration::{
     agent::wait_until,
     agent_steps::AgentSteps,
-    cuda::{CudaRig, Trainer, WITHIN},
+    cuda::{CudaRig, Trainer},
     trace_env::workspace_binary,
 };
 use serde_json::{Value, json};
@@ -23,21 +23,13 @@ fn t_of(steps: &[Value], phase: &str, id: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {phase} step of {id} in {steps:?}"))
 }
 
-fn wait_held(rig: &CudaRig, id: &str) {
-    assert!(
-        wait_until(WITHIN, || rig.gpu.status(id)["gpu"] == json!("held")),
-        "{id} holds the GPU: {}",
-        rig.gpu.status(id)
-    );
-}
-
 #[test]
 fn the_gate_holds_a_start_until_the_release_and_fails_past_its_timeout_naming_the_holder() {
     let Some(rig) = CudaRig::start("gate") else {
         return;
     };
     let _trainer = rig.run("trainer", &Trainer::with_worker(), &[]);
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
     let gate = [("baton.io/wait-gpu-free", "1m")];
     let _server = rig.create("server", &Trainer::with_worker(), &gate);
     let api = rig.gpu.env.api().unwrap();
@@ -62,7 +54,7 @@ fn the_gate_holds_a_start_until_the_release_and_fails_past_its_timeout_naming_th
         returned_ns > t_of(&steps, "gpu_released", "trainer"),
         "the server started after the release"
     );
-    wait_held(&rig, "server");
+    rig.wait_held("server");
 
     // Past its timeout the gate fails the Start, naming the container that holds the GPU.
     let short = [("baton.io/wait-gpu-free", "300ms")];
@@ -82,7 +74,7 @@ fn overlapped_handoff_starts_the_server_on_the_release_sequential_after_the_free
         return;
     };
     let _trainer = rig.run("trainer", &Trainer::with_worker(), &[]);
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
     let _server = rig.create("server", &Trainer::with_worker(), &[]);
     let (steps, outcome) = rig.baton_json(&["handoff", "--from", "trainer", "--to", "server"]);
     let released = t_of(&steps, "gpu_released", "trainer");
@@ -164,7 +156,7 @@ fn an_overlapped_handoff_whose_preemption_fails_after_the_server_started_says_wh
     ));
     let _trainer = rig.create_with("trainer", &Trainer::with_worker(), &[], Some(options));
     rig.gpu.env.api().unwrap().start("trainer", "").unwrap();
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
     let _server = rig.create("server", &Trainer::with_worker(), &[]);
     // Snapshot: the trainer's GPU state goes (the release starts the server), then its dump fails.
     let (out, err, ok) = rig.baton(&[
@@ -178,10 +170,10 @@ fn an_overlapped_handoff_whose_preemption_fails_after_the_server_started_says_wh
         "the answer says what failed and where the server is: {err}"
     );
     assert_eq!(rig.task_status("server").as_deref(), Some("RUNNING"));
-    wait_held(&rig, "server");
+    rig.wait_held("server");
     // The trainer was rolled back: running, its GPU state restored.
     assert_eq!(rig.task_status("trainer").as_deref(), Some("RUNNING"));
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
 }
 
 #[test]
@@ -198,7 +190,7 @@ fn a_handoff_whose_preemption_leaves_gpu_state_behind_never_starts_the_server_an
         ..Trainer::with_worker()
     };
     let mut running = rig.run("trainer", &trainer, &[]);
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
     let _server = rig.create("server", &Trainer::with_worker(), &[]);
     let steps = AgentSteps::start(&rig, "trainer");
     let handoff = {

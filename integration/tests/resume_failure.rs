@@ -13,26 +13,9 @@ use std::time::{Duration, Instant};
 use baton_integration::{
     agent::wait_until,
     agent_steps::AgentSteps,
-    cuda::{CudaRig, Trainer, WITHIN},
+    cuda::{CudaRig, PREEMPTIBLE, SERVER, Trainer, WITHIN},
 };
 use serde_json::{Value, json};
-
-const SERVER: [(&str, &str); 2] = [
-    ("baton.io/role", "latency-critical"),
-    ("baton.io/wait-gpu-free", "1m"),
-];
-const PREEMPTIBLE: [(&str, &str); 2] = [
-    ("baton.io/role", "co-runner"),
-    ("baton.io/preemptible", "park"),
-];
-
-fn wait_held(rig: &CudaRig, id: &str) {
-    assert!(
-        wait_until(WITHIN, || rig.gpu.status(id)["gpu"] == json!("held")),
-        "{id} holds the GPU: {}",
-        rig.gpu.status(id)
-    );
-}
 
 /// The agent's entry for parked co-runner `id` in `baton status --json` (`null` when not listed).
 fn parked_entry(rig: &CudaRig, id: &str) -> Value {
@@ -64,14 +47,14 @@ fn a_failed_resume_freezes_the_co_runner_again_and_the_agent_waits_longer_before
         ..Trainer::with_worker()
     };
     let _trainer = rig.run("trainer", &failing, &PREEMPTIBLE);
-    wait_held(&rig, "trainer");
+    rig.wait_held("trainer");
     let steps = AgentSteps::start(&rig, "trainer");
 
     // A server parks the trainer, then goes: the agent resumes the trainer, whose restore fails.
     let _server = rig.create("server", &Trainer::with_worker(), &SERVER);
     let api = rig.gpu.env.api().unwrap();
     api.start("server", "").unwrap();
-    wait_held(&rig, "server");
+    rig.wait_held("server");
     assert_eq!(
         rig.gpu.status("trainer")["preemption"]["state"],
         json!("parked")
