@@ -22,20 +22,23 @@ pub const MAX_PREEMPT_PIDS: usize = 4096;
 /// The most device paths one registration may carry.
 pub const MAX_DEVICES: usize = 1024;
 
+/// Whether a wait at the GPU-free gate of `ms` is one the agent serves: from 1 ms to a day.
+fn wait_gpu_free_in_bounds(ms: u64) -> bool {
+    ms > 0 && u128::from(ms) <= MAX_WAIT_GPU_FREE.as_millis()
+}
+
 impl Request {
     /// Whether every duration, rate and count in the request is within what the agent serves; the error
     /// says which field, its bound and what to send instead.
     pub fn check(&self) -> Result<(), String> {
         match self {
-            Request::WaitGpuFree(g) => {
-                let most = MAX_WAIT_GPU_FREE.as_millis();
-                if g.timeout_ms == 0 || u128::from(g.timeout_ms) > most {
-                    return Err(format!(
-                        "wait_gpu_free: timeout_ms {} is not from 1 to {most} (a day): ask a shorter wait \
-                         and ask again",
-                        g.timeout_ms
-                    ));
-                }
+            Request::WaitGpuFree(g) if !wait_gpu_free_in_bounds(g.timeout_ms) => {
+                return Err(format!(
+                    "wait_gpu_free: timeout_ms {} is not from 1 to {} (a day): ask a shorter wait and ask \
+                     again",
+                    g.timeout_ms,
+                    MAX_WAIT_GPU_FREE.as_millis()
+                ));
             }
             Request::Register(r) => {
                 if r.devices.len() > MAX_DEVICES {
@@ -47,13 +50,13 @@ impl Request {
                 if let Some(ms) = r.role.as_ref().and_then(|r| r.park_when_idle_ms) {
                     check_park_when_idle(Duration::from_millis(ms))?;
                 }
-                if let Some(ms) = r.role.as_ref().and_then(|r| r.wait_gpu_free_ms) {
-                    let most = MAX_WAIT_GPU_FREE.as_millis();
-                    if ms == 0 || u128::from(ms) > most {
-                        return Err(format!(
-                            "register: wait_gpu_free_ms {ms} is not from 1 to {most} (a day)"
-                        ));
-                    }
+                if let Some(ms) = r.role.as_ref().and_then(|r| r.wait_gpu_free_ms)
+                    && !wait_gpu_free_in_bounds(ms)
+                {
+                    return Err(format!(
+                        "register: wait_gpu_free_ms {ms} is not from 1 to {} (a day)",
+                        MAX_WAIT_GPU_FREE.as_millis()
+                    ));
                 }
                 if let Some(g) = r.settings.rate_gate.as_deref() {
                     check_rate_gate(g)?;

@@ -265,13 +265,13 @@ impl Core {
                     "the GPU was not handed back: {error}; it stays parked, and the next request for it \
                      tries again"
                 );
-                show_step(&done)(&Step {
+                let _ = done.send(Done::Step(Step {
                     t_ns: now_monotonic_ns(),
                     container: container.clone(),
                     phase: Phase::StillParked,
                     pid: None,
                     detail: detail.clone(),
-                });
+                }));
                 let _ = done.send(Done::ServerResumed {
                     container,
                     result: Err(detail),

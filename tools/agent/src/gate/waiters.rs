@@ -320,15 +320,7 @@ fn describe_unreadable(unreadable: &[Holding]) -> String {
         0 => String::new(),
         n => format!(" and {n} more"),
     };
-    let each: Vec<String> = unreadable
-        .iter()
-        .take(3)
-        .map(|h| {
-            let cgroup = baton_tracer::cgroups::v2_path_of_pid(h.pid)
-                .unwrap_or_else(|| "an unknown cgroup".to_owned());
-            format!("{h} in cgroup {cgroup}")
-        })
-        .collect();
+    let each: Vec<String> = unreadable.iter().take(3).map(with_cgroup).collect();
     format!(
         "{} process(es) whose files the agent cannot read count as holding every GPU: pid(s) {}{more} ({}): {}",
         pids.len(),
@@ -338,20 +330,19 @@ fn describe_unreadable(unreadable: &[Holding]) -> String {
     )
 }
 
+/// Holding `h` and its holder's cgroup: the probes may not know its container.
+fn with_cgroup(h: &Holding) -> String {
+    let cgroup = baton_tracer::cgroups::v2_path_of_pid(h.pid)
+        .unwrap_or_else(|| "an unknown cgroup".to_owned());
+    format!("{h} in cgroup {cgroup}")
+}
+
 /// [`describe_hidden`] of holders whose files /proc showed.
 fn describe_files(hidden: &[Holding]) -> String {
     let mut pids: Vec<u32> = hidden.iter().map(|h| h.pid).collect();
     pids.sort_unstable();
     pids.dedup();
-    let each: Vec<String> = hidden
-        .iter()
-        .take(8)
-        .map(|h| {
-            let cgroup = baton_tracer::cgroups::v2_path_of_pid(h.pid)
-                .unwrap_or_else(|| "an unknown cgroup".to_owned());
-            format!("{h} in cgroup {cgroup}")
-        })
-        .collect();
+    let each: Vec<String> = hidden.iter().take(8).map(with_cgroup).collect();
     let more = match hidden.len().saturating_sub(each.len()) {
         0 => String::new(),
         n => format!("; and {n} more"),
