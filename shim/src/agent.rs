@@ -12,7 +12,7 @@
 //! The link also tells who the agent is: the pid of the process at the other end of its live control
 //! connection (SO_PEERCRED). The shim's control socket serves that process alone ([`AgentPid`]).
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex,
@@ -345,6 +345,10 @@ struct Link {
     watch: Option<Client>,
     down_logged: bool,
     backoff: Duration,
+    /// Containers the agent said it could not watch again (`watch_lost`): registered again after
+    /// `retry_backoff`.
+    retry: BTreeSet<ContainerRef>,
+    retry_backoff: Duration,
 }
 
 impl Link {
@@ -358,6 +362,8 @@ impl Link {
             watch: None,
             down_logged: false,
             backoff: Duration::from_millis(100),
+            retry: BTreeSet::new(),
+            retry_backoff: Duration::from_millis(100),
         }
     }
 
@@ -374,6 +380,9 @@ impl Link {
                     Err(e) => self.lost(&e.to_string()),
                 },
                 () = tokio::time::sleep(self.backoff), if reconnect => self.reconnect().await,
+                () = tokio::time::sleep(self.retry_backoff), if self.control.is_some() && !self.retry.is_empty() => {
+                    self.register_lost().await;
+                }
             }
         }
     }
@@ -521,6 +530,25 @@ impl Link {
         }
     }
 
+    /// Registers again the containers the agent lost (`watch_lost`); those that fail wait twice as long.
+    async fn register_lost(&mut self) {
+        for c in std::mem::take(&mut self.retry) {
+            let Some(reg) = self.registered.get(&c).cloned() else {
+                continue;
+            };
+            match self.register(&reg).await {
+                Ok(()) => self.retry_backoff = Duration::from_millis(100),
+                Err(e) => {
+                    tracing::warn!(id = c.id, "gpu: registering again failed: {e}");
+                    self.retry.insert(c);
+                }
+            }
+        }
+        if !self.retry.is_empty() {
+            self.retry_backoff = (self.retry_backoff * 2).min(MAX_BACKOFF);
+        }
+    }
+
     async fn reconnect(&mut self) {
         self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
         if self.connect().await.is_err() {
@@ -534,9 +562,15 @@ impl Link {
         }
     }
 
-    async fn publish(&self, e: baton_agent_api::Event) {
+    async fn publish(&mut self, e: baton_agent_api::Event) {
         let id = e.container.id.clone();
         match e.body {
+            EventBody::WatchLost { error } => {
+                tracing::warn!(id, "gpu: {error}; registering it again");
+                if self.registered.contains_key(&e.container) {
+                    self.retry.insert(e.container.clone());
+                }
+            }
             EventBody::Acquired(a) => {
                 tracing::info!(id, pid = a.pid, "gpu: container acquired the GPU");
                 let payload = serde_json::json!({

@@ -45,6 +45,16 @@ pub mod maps {
     pub const CONSUMER: &str = "CONSUMER";
     /// cgroup v2 id -> `LaunchCounts`, per CPU: CUDA launches counted by the libcuda uprobes.
     pub const LAUNCHES: &str = "LAUNCHES";
+    /// cgroup v2 id -> u64: `NV_FDS` entries the probes made for processes of that cgroup, less those they
+    /// removed (added to atomically, wrapping: a removal of an entry user space made counts here too). With
+    /// `CG_FDS_USER` it is the cgroup's share of `NV_FDS`, which `Config::fd_quota` bounds.
+    pub const CG_FDS: &str = "CG_FDS";
+    /// cgroup v2 id -> u64: `NV_FDS` entries user space made for processes of that cgroup (seeds, inherited
+    /// fds), less those it removed (an exit's, whoever made them); wrapping. Written by user space only.
+    pub const CG_FDS_USER: &str = "CG_FDS_USER";
+    /// cgroup v2 id -> u32: cgroups that reached `Config::fd_quota` (or found `NV_FDS` full): their later
+    /// fds are not followed by the probes, so user space follows them through /proc.
+    pub const CG_OVER: &str = "CG_OVER";
 }
 
 /// Per-CPU counters kept by the probes.
@@ -60,10 +70,22 @@ pub enum Counter {
     /// Removals whose thread could not be put in `AWAIT_CONFIRM` (map full): user space confirms them from
     /// /proc instead.
     ConfirmMapFull = 3,
+    /// NVIDIA fds not followed because their cgroup had `Config::fd_quota` entries in `NV_FDS` already.
+    FdQuotaRefused = 4,
+    /// NVIDIA fds not followed because `NV_FDS` was full.
+    FdMapFull = 5,
 }
 
 /// Number of `Counter` slots.
-pub const COUNTER_SLOTS: u32 = 4;
+pub const COUNTER_SLOTS: u32 = 6;
+
+/// Entries `NV_FDS` holds for the whole node.
+pub const NV_FDS_ENTRIES: u32 = 131_072;
+
+/// The default of `Config::fd_quota`: how many `NV_FDS` entries one cgroup may take (a CUDA process opens a
+/// few dozen device files; 32 such processes fit with room to spare), so that 16 containers at their quota
+/// are needed to fill the map.
+pub const DEFAULT_FD_QUOTA: u32 = NV_FDS_ENTRIES / 16;
 
 /// Why a thread's removal of NVIDIA state is known to be complete (`aux` of a `Confirm` record).
 #[repr(u32)]
@@ -308,8 +330,9 @@ pub struct Config {
     /// Offset of `group_dead` in `sched:sched_process_exit` (0: this kernel has none; the leader's exit is
     /// then taken for the process's).
     pub exit_group_dead_offset: u32,
-    /// Explicit padding.
-    pub _pad: u32,
+    /// How many `NV_FDS` entries the processes of one cgroup may have (0: no bound); past it the probes do not
+    /// follow that cgroup's new fds and mark it in `CG_OVER`.
+    pub fd_quota: u32,
 }
 
 /// The libcuda entry points whose calls the launch uprobes count.

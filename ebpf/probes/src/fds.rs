@@ -5,14 +5,13 @@ use aya_ebpf::{
 };
 use baton_nvidia::fdkind::{self, FdKind};
 use baton_probe_common::{
-    Counter, FdInfo, FdKey, FdRecord, NAME_CAP, PATH_CAP, PREFIX_CAP, PREFIX_SLOTS, RecordKind,
+    Counter, FdInfo, FdRecord, NAME_CAP, PATH_CAP, PREFIX_CAP, PREFIX_SLOTS, RecordKind,
 };
 
 use crate::{
     confirm::{await_confirm, confirm_returned},
     maps::{
-        self, NV_FDS, NV_PROCS, PATH_BUF, PREFIXES, Pending, Sys, forget_fd, put_pending,
-        take_pending,
+        self, NV_PROCS, PATH_BUF, PREFIXES, Pending, Sys, forget_fd, put_pending, take_pending,
     },
     util::{arg, count, current_is_watched, header, ids, now_ns},
 };
@@ -68,11 +67,15 @@ pub fn nv_fd(tgid: u32, fd: u64) -> Option<FdInfo> {
     maps::nv_fd(tgid, fd as u32)
 }
 
-/// Records that `tgid` now holds NVIDIA fds.
+/// Records that `tgid` now holds NVIDIA fd `fd`, if its cgroup is within its quota (see [`maps::track_fd`]);
+/// returns whether it does.
 #[inline(always)]
-fn track(tgid: u32, fd: u32, info: FdInfo) {
-    let _ = NV_FDS.insert(FdKey { tgid, fd }, info, 0);
+fn track(tgid: u32, fd: u32, info: FdInfo) -> bool {
+    if !maps::track_fd(tgid, fd, info) {
+        return false;
+    }
     let _ = NV_PROCS.insert(tgid, 1, 0);
+    true
 }
 
 #[inline(always)]
@@ -209,8 +212,11 @@ fn try_exit_open(ret: i64) -> Option<()> {
         minor: p.minor,
         _pad: [0; 2],
     };
-    track(tgid, ret as u32, info);
-    emit_fd(RecordKind::Open, ret as i32, -1, info, 0, 0, &p.name);
+    // An fd past the cgroup's quota is not followed and not reported: user space follows that cgroup
+    // through /proc.
+    if track(tgid, ret as u32, info) {
+        emit_fd(RecordKind::Open, ret as i32, -1, info, 0, 0, &p.name);
+    }
     Some(())
 }
 
@@ -324,8 +330,7 @@ fn try_exit_dup(ret: i64) -> Option<()> {
         forget_fd(tgid, p.fd as u32);
         emit_fd(RecordKind::Close, p.fd, -1, info, 0, 0, &[0; NAME_CAP]);
         await_confirm();
-    } else {
-        track(tgid, ret as u32, info);
+    } else if track(tgid, ret as u32, info) {
         emit_fd(
             RecordKind::Dup,
             ret as i32,

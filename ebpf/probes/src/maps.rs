@@ -3,15 +3,32 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
-use baton_probe_common::{COUNTER_SLOTS, Config, FdInfo, FdKey, PREFIX_SLOTS, Prefix};
+use baton_probe_common::{
+    COUNTER_SLOTS, Config, Counter, FdInfo, FdKey, NV_FDS_ENTRIES, PREFIX_SLOTS, Prefix,
+};
+use core::intrinsics::AtomicOrdering;
+
+use crate::util::{cgroup_id, count};
 
 /// Records for user space. 16 MiB holds ~25k ioctl records.
 #[map(name = "EVENTS")]
 pub static EVENTS: RingBuf = RingBuf::with_byte_size(16 << 20, 0);
 
-/// NVIDIA device fds of each process.
+/// NVIDIA device fds of each process. Each cgroup may take `Config::fd_quota` of them (see [`track_fd`]).
 #[map(name = "NV_FDS")]
-pub static NV_FDS: HashMap<FdKey, FdInfo> = HashMap::with_max_entries(65536, 0);
+pub static NV_FDS: HashMap<FdKey, FdInfo> = HashMap::with_max_entries(NV_FDS_ENTRIES, 0);
+
+/// `NV_FDS` entries made here per cgroup (`baton_probe_common::maps::CG_FDS`).
+#[map(name = "CG_FDS")]
+pub static CG_FDS: HashMap<u64, u64> = HashMap::with_max_entries(16384, 0);
+
+/// `NV_FDS` entries user space made per cgroup (`baton_probe_common::maps::CG_FDS_USER`); read here only.
+#[map(name = "CG_FDS_USER")]
+pub static CG_FDS_USER: HashMap<u64, u64> = HashMap::with_max_entries(16384, 0);
+
+/// Cgroups past their quota (`baton_probe_common::maps::CG_OVER`).
+#[map(name = "CG_OVER")]
+pub static CG_OVER: HashMap<u64, u32> = HashMap::with_max_entries(16384, 0);
 
 /// Processes that hold NVIDIA fds or mappings.
 #[map(name = "NV_PROCS")]
@@ -86,9 +103,60 @@ pub fn forget_fd(tgid: u32, fd: u32) {
     // SAFETY: presence check only.
     if unsafe { FORKED.get(tgid).is_some() } {
         let _ = NV_FDS.insert(key, FdInfo::CLOSED, 0);
-    } else {
-        let _ = NV_FDS.remove(key);
+    } else if NV_FDS.remove(key).is_ok() {
+        add_cgroup_fds(cgroup_id(), u64::MAX);
     }
+}
+
+/// Adds `delta` (wrapping: `u64::MAX` takes one away) to cgroup `cg`'s count in `CG_FDS`.
+#[inline(always)]
+fn add_cgroup_fds(cg: u64, delta: u64) {
+    if let Some(n) = CG_FDS.get_ptr_mut(cg) {
+        // SAFETY: a live, aligned map value; an atomic add because several CPUs update it at once (see
+        // `confirm::add_awaiting`).
+        unsafe { core::intrinsics::atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, delta) };
+    }
+}
+
+/// `BPF_NOEXIST`: only add.
+const BPF_NOEXIST: u64 = 1;
+
+/// Puts NVIDIA fd `fd` of `tgid` in `NV_FDS` if the current cgroup is within its quota (an entry already
+/// there is replaced, which takes no more room). Returns whether the fd is followed. A cgroup at its quota,
+/// or a full map, gets nothing more and is marked in `CG_OVER` (user space then follows it through /proc):
+/// one tenant cannot take the map, and so the probes, from the others.
+#[inline(always)]
+pub fn track_fd(tgid: u32, fd: u32, info: FdInfo) -> bool {
+    let key = FdKey { tgid, fd };
+    // SAFETY: presence check only.
+    if unsafe { NV_FDS.get(key).is_some() } {
+        return NV_FDS.insert(key, info, 0).is_ok();
+    }
+    let cg = cgroup_id();
+    let quota = CONFIG.get(0).map_or(0, |c| c.fd_quota);
+    if quota != 0 {
+        // SAFETY: the values are copied out at once.
+        let mine = unsafe { CG_FDS.get(cg).copied() };
+        // SAFETY: as above.
+        let theirs = unsafe { CG_FDS_USER.get(cg).copied() }.unwrap_or(0);
+        let used = mine.unwrap_or(0).wrapping_add(theirs) as i64;
+        if used >= i64::from(quota) {
+            count(Counter::FdQuotaRefused);
+            let _ = CG_OVER.insert(cg, 1, BPF_NOEXIST);
+            return false;
+        }
+        if mine.is_none() {
+            let _ = CG_FDS.insert(cg, 0, BPF_NOEXIST);
+        }
+    }
+    add_cgroup_fds(cg, 1);
+    if NV_FDS.insert(key, info, 0).is_err() {
+        add_cgroup_fds(cg, u64::MAX);
+        count(Counter::FdMapFull);
+        let _ = CG_OVER.insert(cg, 1, BPF_NOEXIST);
+        return false;
+    }
+    true
 }
 
 /// Which syscall a pending entry belongs to.

@@ -23,5 +23,5 @@ pub mod schema;
 pub mod seed;
 mod tracer;
 
-pub use baton_probe_common::{LaunchCounts, LaunchFn};
+pub use baton_probe_common::{DEFAULT_FD_QUOTA, LaunchCounts, LaunchFn, NV_FDS_ENTRIES};
 pub use tracer::{GpuState, Tracer, TracerConfig, TracerError, now_monotonic_ns};

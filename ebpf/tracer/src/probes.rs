@@ -121,6 +121,8 @@ pub struct ProbeConfig {
     pub watch_all: bool,
     /// Device-directory prefixes (`/dev/`): opened paths made of a prefix and an NVIDIA device name are tracked.
     pub prefixes: Vec<String>,
+    /// How many fds of one cgroup the probes follow (`Config::fd_quota`; 0: no bound).
+    pub fd_quota: u32,
 }
 
 /// The loaded, attached probe set and its maps.
@@ -134,6 +136,13 @@ pub struct Probes {
     pub nv_procs: HashMap<MapData, u32, u32>,
     /// Forked children whose inherited fds are not copied yet: child tgid -> parent tgid.
     pub forked: HashMap<MapData, u32, u32>,
+    /// `NV_FDS` entries the probes made per cgroup (wrapping).
+    pub cg_fds: HashMap<MapData, u64, u64>,
+    /// `NV_FDS` entries user space made per cgroup (wrapping; written here only).
+    pub cg_fds_user: HashMap<MapData, u64, u64>,
+    /// Cgroups past their fd quota.
+    pub cg_over: HashMap<MapData, u64, u32>,
+    fd_quota: u32,
     /// Index 0 set while the consumer sleeps with no timer (see the ioctl probe's wakeup policy).
     pub consumer: Array<MapData, u32>,
     prefixes: Array<MapData, Prefix>,
@@ -168,7 +177,7 @@ impl Probes {
         if cfg.prefixes.len() > PREFIX_SLOTS as usize {
             return Err(ProbeError::TooManyPrefixes);
         }
-        write_config(&mut ebpf, cfg.watch_all)?;
+        write_config(&mut ebpf, cfg.watch_all, cfg.fd_quota)?;
         for &(prog, category, name) in TRACEPOINTS {
             attach_tracepoint(&mut ebpf, prog, category, name)?;
         }
@@ -187,6 +196,10 @@ impl Probes {
         let nv_fds = HashMap::try_from(take(maps::NV_FDS)?).map_err(map_err(maps::NV_FDS))?;
         let nv_procs = HashMap::try_from(take(maps::NV_PROCS)?).map_err(map_err(maps::NV_PROCS))?;
         let forked = HashMap::try_from(take(maps::FORKED)?).map_err(map_err(maps::FORKED))?;
+        let cg_fds = HashMap::try_from(take(maps::CG_FDS)?).map_err(map_err(maps::CG_FDS))?;
+        let cg_fds_user =
+            HashMap::try_from(take(maps::CG_FDS_USER)?).map_err(map_err(maps::CG_FDS_USER))?;
+        let cg_over = HashMap::try_from(take(maps::CG_OVER)?).map_err(map_err(maps::CG_OVER))?;
         let mut prefixes =
             Array::try_from(take(maps::PREFIXES)?).map_err(map_err(maps::PREFIXES))?;
         for (slot, p) in cfg.prefixes.iter().enumerate() {
@@ -202,6 +215,10 @@ impl Probes {
                 nv_fds,
                 nv_procs,
                 forked,
+                cg_fds,
+                cg_fds_user,
+                cg_over,
+                fd_quota: cfg.fd_quota,
                 consumer,
                 prefixes,
                 prefix_list: cfg.prefixes.clone(),
@@ -242,7 +259,12 @@ impl Probes {
 
     /// Traces every process (`true`) or only the watched cgroups.
     pub fn set_watch_all(&mut self, on: bool) -> Result<(), ProbeError> {
-        write_config(&mut self._ebpf, on)
+        write_config(&mut self._ebpf, on, self.fd_quota)
+    }
+
+    /// How many fds of one cgroup the probes follow (0: no bound).
+    pub fn fd_quota(&self) -> u32 {
+        self.fd_quota
     }
 
     /// The device-directory prefixes followed.
@@ -260,14 +282,15 @@ impl Probes {
     }
 }
 
-/// Writes the probes' `CONFIG`: whether every process is traced, and this kernel's record layouts.
-fn write_config(ebpf: &mut Ebpf, watch_all: bool) -> Result<(), ProbeError> {
+/// Writes the probes' `CONFIG`: whether every process is traced, each cgroup's fd quota, and this kernel's
+/// record layouts.
+fn write_config(ebpf: &mut Ebpf, watch_all: bool, fd_quota: u32) -> Result<(), ProbeError> {
     let config = Config {
         watch_all: u32::from(watch_all),
         newtask_pid_offset: field_offset("task/task_newtask", " pid;"),
         newtask_flags_offset: field_offset("task/task_newtask", " clone_flags;"),
         exit_group_dead_offset: field_offset("sched/sched_process_exit", " group_dead;"),
-        _pad: 0,
+        fd_quota,
     };
     let mut arr: Array<_, Config> = Array::try_from(
         ebpf.map_mut(maps::CONFIG)

@@ -446,6 +446,22 @@ pub struct ContainerStatus {
     /// Its role for the co-runner controller.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<RoleSpec>,
+    /// Its share of the probes' fd map (absent from an older agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe_fds: Option<ProbeFds>,
+}
+
+/// A container's share of the probes' fd map: each container may have `quota` NVIDIA fds followed by the
+/// probes, so that one tenant cannot fill the map and blind them for the others. Past it its later fds are
+/// followed through /proc alone (its release then waits for /proc to show them gone).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProbeFds {
+    /// Fds of its processes in the probes' map.
+    pub followed: u64,
+    /// How many it may have there (0: no bound).
+    pub quota: u64,
+    /// It reached the quota (or found the map full): followed through /proc from then on.
+    pub over_quota: bool,
 }
 
 /// One process's NVIDIA files.
@@ -509,6 +525,12 @@ pub enum EventBody {
     Acquired(Acquired),
     /// The container's CUDA state has left the GPU.
     Released(Released),
+    /// The agent could not watch the container again after reloading its probes (its registration failed):
+    /// it is not watched now; its shim registers it again.
+    WatchLost {
+        /// Why.
+        error: String,
+    },
     /// NVML's view after a `released`: the cross-check, taken after that event was published, so that it
     /// never delays it. Each `released` is followed by one, sooner or later (other events may come between).
     NvmlCheck(NvmlCheck),

@@ -124,6 +124,18 @@ impl Classifier {
         pid: u32,
         cache: &mut HashMap<(u64, u64), Option<(FdKind, DeviceKey)>>,
     ) -> Vec<Holding> {
+        self.holdings_until(pid, cache, &|_| false)
+    }
+
+    /// [`Classifier::holdings_cached`] that stops at the first holding `enough` says settles the question
+    /// (the fds first, then the mappings): a process with a million device fds or mappings costs a look at
+    /// as many as it takes to find one that counts, not at all of them.
+    fn holdings_until(
+        &self,
+        pid: u32,
+        cache: &mut HashMap<(u64, u64), Option<(FdKind, DeviceKey)>>,
+        enough: &dyn Fn(&Holding) -> bool,
+    ) -> Vec<Holding> {
         let Ok(proc) = procfs::process::Process::new(pid as i32) else {
             return Vec::new();
         };
@@ -139,10 +151,6 @@ impl Classifier {
             }
             // Gone, or exiting (its fd table already released).
             Err(_) => return Vec::new(),
-        };
-        let maps = match mappings_worth_a_look(pid) {
-            Ok(maps) => maps,
-            Err(e) => return unreadable(pid, "maps", &e.to_string()),
         };
         let mut out = Vec::new();
         for number in numbers {
@@ -166,26 +174,40 @@ impl Classifier {
             if let Some((kind, key)) =
                 DeviceKey::classify(Path::new(&link), &target.to_string_lossy(), self.uvm_major)
             {
-                out.push(Holding {
+                let h = Holding {
                     pid,
                     kind,
                     key,
                     via: Via::Fd(fd.fd),
-                });
+                };
+                let done = enough(&h);
+                out.push(h);
+                if done {
+                    return out;
+                }
             }
         }
+        let maps = match mappings_worth_a_look(pid) {
+            Ok(maps) => maps,
+            Err(e) => return unreadable(pid, "maps", &e.to_string()),
+        };
         for m in maps {
             let classified = cache.entry((m.dev, m.inode)).or_insert_with(|| {
                 let link = format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end);
                 DeviceKey::classify(Path::new(&link), &m.path, self.uvm_major)
             });
             if let Some((kind, key)) = classified.clone() {
-                out.push(Holding {
+                let h = Holding {
                     pid,
                     kind,
                     key,
                     via: Via::Map(m.start),
-                });
+                };
+                let done = enough(&h);
+                out.push(h);
+                if done {
+                    return out;
+                }
             }
         }
         out
@@ -369,13 +391,21 @@ fn host_mount_namespace() -> Option<u64> {
 
 /// Every process on the node in a container (not the node's own, see [`Exempt`]) and outside cgroup
 /// `except` (a v2 path, with the cgroups below it) that holds a GPU device file in `devices` (any GPU device
-/// file when empty): the holders the gate must wait for, watched by Baton or not.
+/// file when empty) that is not `followed` (by the probes, in a watched container whose registry decides):
+/// the holders the gate must wait for, watched by Baton or not. One such holding per process is enough: a
+/// process's files are looked at until the first (a tenant with a million device fds costs one look).
 pub fn node_gpu_holders(
     classifier: &Classifier,
     exempt: &Exempt,
     devices: &BTreeSet<DeviceKey>,
     except: Option<&str>,
+    followed: &dyn Fn(&Holding) -> bool,
 ) -> Vec<Holding> {
+    let counts = |h: &Holding| {
+        h.kind == FdKind::Device
+            && (devices.is_empty() || devices.iter().any(|d| d.same_device(&h.key)))
+            && !followed(h)
+    };
     let host_mnt = host_mount_namespace();
     let mut cache = HashMap::new();
     let mut out = Vec::new();
@@ -385,10 +415,9 @@ pub fn node_gpu_holders(
             continue;
         }
         let held: Vec<Holding> = classifier
-            .holdings_cached(pid, &mut cache)
+            .holdings_until(pid, &mut cache, &counts)
             .into_iter()
-            .filter(|h| h.kind == FdKind::Device)
-            .filter(|h| devices.is_empty() || devices.iter().any(|d| d.same_device(&h.key)))
+            .filter(counts)
             .collect();
         if held.is_empty() {
             continue;

@@ -75,6 +75,12 @@ pub struct AgentArgs {
     /// container (in the node's mount namespace) never count anyway.
     #[arg(long = "exempt-cgroup", value_name = "PATH")]
     exempt_cgroups: Vec<String>,
+    /// How many NVIDIA fds of one container the probes follow (16 to the map's size): a container past it
+    /// (one that dups a device file tens of thousands of times) is followed through /proc alone, so that it
+    /// cannot fill the probes' fd map and blind them for the other containers of the node.
+    #[arg(long, default_value_t = baton_tracer::DEFAULT_FD_QUOTA,
+          value_parser = clap::value_parser!(u32).range(16..=i64::from(baton_tracer::NV_FDS_ENTRIES)))]
+    probe_fd_quota: u32,
     /// The NVML library for the cross-check of each release (`nvml_check` events) and `status`'s NVML
     /// column: a path, or a name the dynamic loader finds (default: libnvidia-ml.so.1, NVIDIA's). A node
     /// setting: where an image mounts the driver's libraries elsewhere (/usr/local/nvidia/lib64).
@@ -246,8 +252,9 @@ async fn serve_until_signal(
     let exempt = holders::Exempt {
         cgroups: args.exempt_cgroups.clone(),
     };
-    let core =
-        tokio::spawn(self::core::Core::new(events.clone(), controller.clone(), exempt).run(rx));
+    let mut core = self::core::Core::new(events.clone(), controller.clone(), exempt);
+    core.fd_quota = args.probe_fd_quota;
+    let core = tokio::spawn(core.run(rx));
     metrics::spawn(&args.metrics_addr, commands.clone());
     let mut term = signal(SignalKind::terminate()).map_err(doing("SIGTERM handler"))?;
     let mut int = signal(SignalKind::interrupt()).map_err(doing("SIGINT handler"))?;

@@ -303,7 +303,7 @@ fn render_container(c: &ContainerStatus, now_ns: u64) -> String {
     let since = now_ns.saturating_sub(c.since_ns) as f64 / 1e9;
     let pids: Vec<String> = c.processes.iter().map(|p| p.pid.to_string()).collect();
     format!(
-        "{:<16} {:<10} {:<9} {:>7.1}s {:>4} {:>5} {:>7} {:>12}  {}{}{}\n",
+        "{:<16} {:<10} {:<9} {:>7.1}s {:>4} {:>5} {:>7} {:>12}  {}{}{}{}\n",
         c.container.id,
         c.container.namespace,
         c.preemption.as_ref().map_or_else(
@@ -325,6 +325,13 @@ fn render_container(c: &ContainerStatus, now_ns: u64) -> String {
             format!(" ({} removals not yet confirmed)", c.unconfirmed)
         } else {
             String::new()
+        },
+        match &c.probe_fds {
+            Some(p) if p.over_quota => format!(
+                " (past its quota of {} fds in the probes' map: followed through /proc)",
+                p.quota
+            ),
+            _ => String::new(),
         }
     )
 }
@@ -373,6 +380,7 @@ pub fn render_event(e: &Event) -> String {
             vram_bytes,
             ..
         } => format!("{head} unregistered live_objects={live_objects} vram_bytes={vram_bytes}"),
+        EventBody::WatchLost { error } => format!("{head} watch_lost error={error:?}"),
         EventBody::Acquired(a) => format!("{head} acquired pid={}", a.pid),
         EventBody::Released(r) => format!(
             "{head} released pids={:?} confirm_gap_us={:.1} confirmed_by={} objects_freed={} bytes_freed={}",

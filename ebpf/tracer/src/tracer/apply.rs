@@ -59,7 +59,7 @@ impl Tracer {
                     return Ok(false);
                 }
                 for fd in closed {
-                    self.kernel_forget(pid, fd);
+                    self.kernel_forget(pid, cg, fd);
                 }
                 self.removed(e, syscalls::CLOSE_RANGE);
             }
@@ -123,7 +123,7 @@ impl Tracer {
                 self.launch_libs.forget_pid(pid);
                 let closed = self.fds.exec(pid, &still_open);
                 for fd in closed {
-                    self.kernel_forget(pid, fd);
+                    self.kernel_forget(pid, cg, fd);
                 }
                 self.removed(e, syscalls::EXEC);
             }
@@ -134,7 +134,7 @@ impl Tracer {
                 self.launch_libs.forget_pid(pid);
                 if let Some(p) = self.fds.exit(pid) {
                     for fd in p.fds.keys() {
-                        self.kernel_forget(pid, *fd);
+                        self.kernel_forget(pid, p.cgroup_id, *fd);
                     }
                 }
                 self.ledger.container_mut(cg).release_process(pid);
@@ -279,5 +279,6 @@ impl Tracer {
     /// Copies an inherited fd into the kernel map unless the child already has an entry for that fd.
     fn kernel_inherit(&mut self, child: u32, fd: i32, nv: NvFd) -> Result<(), TracerError> {
         self.kernel_fd_entry(child, fd, nv.kind, nv.minor, super::BPF_NOEXIST)
+            .map(drop)
     }
 }

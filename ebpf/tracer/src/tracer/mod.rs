@@ -1,5 +1,6 @@
 //! The [`Tracer`]: probes, record stream, fd mirror, ledgers and the cgroup index, kept consistent.
 mod apply;
+mod quota;
 mod resync;
 mod wait;
 
@@ -12,7 +13,7 @@ use std::{
 
 use aya::maps::{MapData, RingBuf};
 use baton_nvidia::layout::{DriverVersion, Layout};
-use baton_probe_common::{Counter, FdInfo, FdKey, LaunchCounts};
+use baton_probe_common::{Counter, LaunchCounts};
 use tokio::io::unix::AsyncFd;
 
 use crate::{
@@ -39,6 +40,9 @@ pub struct TracerConfig {
     /// How often the consumer drains ioctl records, which do not wake it each, while they flow; when a drain
     /// finds none it sleeps with no timer until a record wakes it (see the probes' wakeup policy).
     pub poll_interval: std::time::Duration,
+    /// How many NVIDIA fds of one cgroup the probes follow (0: no bound); past it that cgroup is followed
+    /// through /proc (see `quota`).
+    pub fd_quota: u32,
 }
 
 impl Default for TracerConfig {
@@ -49,6 +53,7 @@ impl Default for TracerConfig {
             cgroup_root: None,
             driver_version: None,
             poll_interval: std::time::Duration::from_millis(1),
+            fd_quota: baton_probe_common::DEFAULT_FD_QUOTA,
         }
     }
 }
@@ -151,6 +156,10 @@ pub struct Tracer {
     resyncs: u64,
     /// libcuda files the launch uprobes are attached to.
     launch_libs: LaunchLibraries,
+    /// Fds refused for a quota or a full map, as last looked at (see `quota`).
+    quota_refusals_seen: u64,
+    /// Cgroups already reported past their quota.
+    over_reported: HashSet<u64>,
 }
 
 impl Tracer {
@@ -167,6 +176,7 @@ impl Tracer {
         let (probes, events) = Probes::load(&ProbeConfig {
             watch_all: cfg.watch_all,
             prefixes: cfg.prefixes.clone(),
+            fd_quota: cfg.fd_quota,
         })?;
         // SAFETY: the ring buffer owns its map fd, which stays open and unchanged until the RingBuf (and so
         // the AsyncFd holding it) is dropped.
@@ -191,6 +201,8 @@ impl Tracer {
             drops_seen: 0,
             resyncs: 0,
             launch_libs: LaunchLibraries::default(),
+            quota_refusals_seen: 0,
+            over_reported: HashSet::new(),
         };
         if t.watch_all {
             for pid in seed::all_pids() {
@@ -210,7 +222,8 @@ impl Tracer {
         &mut self.cgroups
     }
 
-    /// Starts tracing cgroup `id` and seeds the fds its processes already hold.
+    /// Starts tracing cgroup `id` and seeds the fds its processes already hold (within its fd quota: past
+    /// it the cgroup is followed through /proc); on an error nothing of it stays watched.
     pub fn watch_cgroup(&mut self, id: u64) -> Result<(), TracerError> {
         self.probes
             .watched
@@ -222,7 +235,11 @@ impl Tracer {
             })?;
         self.watched.insert(id);
         for pid in self.cgroup_pids(id) {
-            self.seed_pid(pid)?;
+            if let Err(e) = self.seed_pid(pid) {
+                // Rolled back: a cgroup half watched would look followed while it is not.
+                self.unwatch_cgroup(id);
+                return Err(e);
+            }
         }
         Ok(())
     }
@@ -253,6 +270,7 @@ impl Tracer {
     /// Stops tracing cgroup `id` (fds already followed stay followed until closed).
     pub fn unwatch_cgroup(&mut self, id: u64) {
         let _ = self.probes.watched.remove(&id);
+        self.forget_cgroup_quota(id);
         self.watched.remove(&id);
         self.releases.forget_cgroup(id);
         self.probes.forget_launches(id);
@@ -262,92 +280,6 @@ impl Tracer {
     /// the records never showed what they carry).
     fn seed_pid(&mut self, pid: i32) -> Result<(), TracerError> {
         self.reseed_pid(pid as u32).map(drop)
-    }
-
-    fn kernel_track(
-        &mut self,
-        tgid: u32,
-        fd: i32,
-        kind: baton_nvidia::fdkind::FdKind,
-        minor: u8,
-    ) -> Result<(), TracerError> {
-        self.kernel_insert(tgid, fd, kind, minor, 0)
-    }
-
-    /// [`Tracer::kernel_track`] that leaves an entry the probes made alone: the process runs ahead of this
-    /// consumer, so by the time a record is applied the probe may have put a newer file under that number
-    /// (a close and an open of another device since), and overwriting it with the record's kind would
-    /// give the process's later calls on it the old file's kind (seen: a dup of a reused fd number taken for
-    /// nvidiactl while it was nvidia0).
-    fn kernel_restore(
-        &mut self,
-        tgid: u32,
-        fd: i32,
-        kind: baton_nvidia::fdkind::FdKind,
-        minor: u8,
-    ) -> Result<(), TracerError> {
-        self.kernel_insert(tgid, fd, kind, minor, BPF_NOEXIST)
-    }
-
-    fn kernel_insert(
-        &mut self,
-        tgid: u32,
-        fd: i32,
-        kind: baton_nvidia::fdkind::FdKind,
-        minor: u8,
-        flags: u64,
-    ) -> Result<(), TracerError> {
-        self.kernel_fd_entry(tgid, fd, kind, minor, flags)?;
-        self.probes
-            .nv_procs
-            .insert(tgid, 1, 0)
-            .map_err(|e| TracerError::MapUpdate {
-                map: "NV_PROCS",
-                pid: tgid,
-                detail: e.to_string(),
-            })
-    }
-
-    /// Puts `fd` of `tgid` in the kernel's fd map; with [`BPF_NOEXIST`], an entry already there is kept
-    /// and that is not an error.
-    fn kernel_fd_entry(
-        &mut self,
-        tgid: u32,
-        fd: i32,
-        kind: baton_nvidia::fdkind::FdKind,
-        minor: u8,
-        flags: u64,
-    ) -> Result<(), TracerError> {
-        let key = FdKey {
-            tgid,
-            fd: fd as u32,
-        };
-        let info = FdInfo {
-            kind: kind as u8,
-            minor,
-            _pad: [0; 2],
-        };
-        match self.probes.nv_fds.insert(key, info, flags) {
-            Ok(()) => Ok(()),
-            Err(aya::maps::MapError::SyscallError(e))
-                if flags & BPF_NOEXIST != 0
-                    && e.io_error.raw_os_error() == Some(nix::errno::Errno::EEXIST as i32) =>
-            {
-                Ok(())
-            }
-            Err(e) => Err(TracerError::MapUpdate {
-                map: "NV_FDS",
-                pid: tgid,
-                detail: e.to_string(),
-            }),
-        }
-    }
-
-    fn kernel_forget(&mut self, tgid: u32, fd: i32) {
-        let _ = self.probes.nv_fds.remove(&FdKey {
-            tgid,
-            fd: fd as u32,
-        });
     }
 
     /// Attaches the launch uprobes to every libcuda file process `pid` maps that is not probed yet (opened

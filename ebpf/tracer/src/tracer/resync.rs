@@ -114,7 +114,7 @@ impl Tracer {
             .unwrap_or(0);
         let c = self.fds.reconcile(pid, cgroup_id, alive, &seen);
         for fd in &c.stale_fds {
-            self.kernel_forget(pid, *fd);
+            self.kernel_forget(pid, cgroup_id, *fd);
         }
         for s in &seen {
             if let Seen::Fd { fd, kind, minor } = *s {

@@ -16,7 +16,8 @@
 //! program; `forge FD` (fakes a successful RM_FREE of its client in params the driver refuses, unmaps an
 //! anonymous mapping, closes a non-NVIDIA fd) -> `ok`; `stamp` -> `ok T`; `exit CODE`; `openat2 NAME` ->
 //! `ok FD`; `flash-threads N` (N threads that exit at once, one after the other) -> `ok`; `flood FD N` (N
-//! ioctls), `flood-dup FD N` (N dups of FD, each closed) -> `ok`; `reuse-dup FIRST THEN ROUNDS KEEP` (each
+//! ioctls), `flood-dup FD N` (N dups of FD, each closed) -> `ok`; `keep-dups FD N` (raises RLIMIT_NOFILE
+//! as far as it may, then keeps N dups of FD, as a tenant filling the probes' fd map would) -> `ok KEPT`; `reuse-dup FIRST THEN ROUNDS KEEP` (each
 //! round opens and closes FIRST, opens THEN under the same number, keeps KEEP dups of it) -> `ok KEPT`; `fork-receiver` (a child forked before
 //! any open, driven over a socket pair: `workload::receiver`) -> `ok PID`; `send-fd PID FD` (FD passed to it
 //! with SCM_RIGHTS) -> `ok N`; `child-open PID NAME` and `child-open-state PID NAME` (GPU state allocated through it, as
@@ -148,6 +149,7 @@ impl Holder {
                 }
                 String::new()
             }
+            "keep-dups" => keep_dups(num(1)? as RawFd, num(2)? as u64)?.to_string(),
             "reuse-dup" => self
                 .reuse_dup(arg(1)?, arg(2)?, num(3)? as usize, num(4)? as usize)?
                 .to_string(),
@@ -635,4 +637,70 @@ fn say(line: &str) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
     let _ = out.flush();
+}
+
+/// Keeps `n` dups of `fd` open (as raw numbers), as a tenant filling the probes' fd map would: RLIMIT_NOFILE
+/// raised as far as the process may (its hard limit too where it may), and where one process cannot hold
+/// them all, children forked for the rest (each keeps its share, then waits until the holder goes). Returns
+/// how many were kept (each process stops at its first error).
+fn keep_dups(fd: RawFd, n: u64) -> anyhow::Result<u64> {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let want = n + 1024;
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if setrlimit(Resource::RLIMIT_NOFILE, want, want.max(hard)).is_err() {
+        setrlimit(Resource::RLIMIT_NOFILE, want.min(hard), hard)?;
+    }
+    let (soft, _) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    // What one process can hold beside the fds it has already.
+    let per_process = soft.saturating_sub(64).max(1);
+    if per_process >= n {
+        return Ok(dup_n(fd, n));
+    }
+    let mut kept = 0;
+    while kept < n {
+        let share = per_process.min(n - kept);
+        let (read, write) = nix::unistd::pipe()?;
+        // SAFETY: the child only dups, writes one line to a pipe and waits for its parent's death; it does
+        // not return into this program.
+        match unsafe { fork() }? {
+            ForkResult::Child => {
+                drop(read);
+                // SAFETY: prctl with plain integer arguments.
+                unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+                let got = dup_n(fd, share);
+                let _ = nix::unistd::write(&write, format!("{got}\n").as_bytes());
+                loop {
+                    // SAFETY: waits for a signal; the parent's death kills it.
+                    unsafe { libc::pause() };
+                }
+            }
+            ForkResult::Parent { .. } => {
+                drop(write);
+                let mut line = String::new();
+                std::io::BufReader::new(std::fs::File::from(read)).read_line(&mut line)?;
+                let got: u64 = line.trim().parse().context("a flooding child's count")?;
+                kept += got;
+                if got < share {
+                    break;
+                }
+            }
+        }
+    }
+    Ok(kept)
+}
+
+/// Makes `n` dups of `fd` and keeps them (as raw numbers); stops at the first error. How many it made.
+fn dup_n(fd: RawFd, n: u64) -> u64 {
+    let mut kept = 0;
+    for _ in 0..n {
+        // SAFETY: `fd` is a raw number the script keeps open; each copy is kept, as a raw number.
+        match dup(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }) {
+            Ok(copy) => {
+                let _ = copy.into_raw_fd();
+                kept += 1;
+            }
+            Err(_) => break,
+        }
+    }
+    kept
 }

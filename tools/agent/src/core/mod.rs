@@ -73,6 +73,8 @@ pub struct Core {
     pub(crate) reconcile_at: Option<tokio::time::Instant>,
     /// NVML's latest word on which processes use a GPU (the gate's unwatched holders).
     pub(crate) gpu_users: crate::gate::gpu_users::GpuUsers,
+    /// How many NVIDIA fds of one container the probes follow (`--probe-fd-quota`).
+    pub fd_quota: u32,
 }
 
 impl Core {
@@ -104,6 +106,7 @@ impl Core {
             gpu_users: Default::default(),
             gapfill: GapFill::default(),
             idle: Default::default(),
+            fd_quota: baton_tracer::DEFAULT_FD_QUOTA,
         }
     }
 }

@@ -25,6 +25,7 @@ impl Core {
             None => {
                 let t = Tracer::start(TracerConfig {
                     prefixes: vec![dir.clone()],
+                    fd_quota: self.fd_quota,
                     ..Default::default()
                 })
                 .map_err(|e| format!("cannot load the probes: {e}"))?;
@@ -112,7 +113,8 @@ impl Core {
 
     /// Reading the probes failed: the gate fails closed (every waiting Start gets an error, never "free"),
     /// the probes are loaded again and every container is watched again as its shim registered it (its
-    /// fds and mappings re-read from /proc); one that cannot be is dropped with an error in the log.
+    /// fds and mappings re-read from /proc); one that cannot be is dropped with an error in the log, and
+    /// its shim is told (`watch_lost`), which registers it again.
     fn probes_failed(&mut self, error: &str) {
         tracing::error!("agent: reading the probes failed ({error}); loading them again");
         let refusal = format!(
@@ -136,8 +138,11 @@ impl Core {
                 tracing::error!(
                     id = c.id,
                     namespace = c.namespace,
-                    "agent: container no longer watched after the probes failed: {e}"
+                    "agent: container no longer watched after the probes failed: {e}; its shim is told \
+                     and registers it again"
                 );
+                let error = format!("the agent could not watch the container again: {e}");
+                self.publish(&c, w.owner, baton_agent_api::EventBody::WatchLost { error });
             }
         }
     }
@@ -164,8 +169,30 @@ impl Core {
         for (c, owner, body) in out {
             self.publish(&c, owner, body);
         }
+        self.log_new_fd_quotas();
         if self.watched.values().any(Watched::awaits_hidden_holders) {
             self.schedule_recheck();
+        }
+    }
+
+    /// Logs each watched container that reached its quota of the probes' fd map since the last look.
+    pub(crate) fn log_new_fd_quotas(&mut self) {
+        let Some(tracer) = self.tracer.as_mut() else {
+            return;
+        };
+        let quota = tracer.fd_quota();
+        for cg in tracer.newly_over_fd_quota() {
+            let Some(c) = self.by_cgroup.get(&cg) else {
+                continue;
+            };
+            tracing::warn!(
+                id = c.id,
+                namespace = c.namespace,
+                "agent: container {} has {quota} NVIDIA fds followed by the probes (its quota, \
+                 --probe-fd-quota): its further NVIDIA fds are followed through /proc only, and the gate \
+                 judges it by /proc (and NVML) as an unwatched process",
+                c.id
+            );
         }
     }
 }

@@ -35,6 +35,7 @@ impl Core {
     /// The periodic check: every held container.
     pub(super) fn reconcile_held(&mut self) {
         self.reconcile_at = None;
+        self.log_new_fd_quotas();
         let held: Vec<ContainerRef> = self
             .watched
             .iter()

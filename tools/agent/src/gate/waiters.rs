@@ -72,16 +72,17 @@ impl Core {
     }
 
     /// Whether what /proc shows in `h` is a file the probes follow in a watched container: the registry
-    /// decides whether that container holds the GPU, not the file's being open.
+    /// decides whether that container holds the GPU, not the file's being open. Not in a container past its
+    /// quota of the probes' fd map: what it did through the fds the probes do not follow is not in its
+    /// ledger, so it is followed through /proc (and NVML) like an unwatched process.
     fn followed(&self, h: &Holding) -> bool {
         let Some(tracer) = self.tracer.as_ref() else {
             return false;
         };
         let table = tracer.fd_table();
-        table
-            .get(h.pid)
-            .is_some_and(|p| self.by_cgroup.contains_key(&p.cgroup_id))
-            && accounted(table, h)
+        table.get(h.pid).is_some_and(|p| {
+            self.by_cgroup.contains_key(&p.cgroup_id) && !tracer.over_fd_quota(p.cgroup_id)
+        }) && accounted(table, h)
     }
 
     /// Who keeps waiter `w` from starting: the other watched containers that hold the GPU on one of its
@@ -133,11 +134,13 @@ impl Core {
         if w.devices.is_empty() {
             return (watched, Vec::new(), false);
         }
-        let hidden: Vec<Holding> =
-            node_gpu_holders(&self.classifier, &self.exempt, &w.devices, Some(&w.cgroup))
-                .into_iter()
-                .filter(|h| !self.followed(h))
-                .collect();
+        let hidden: Vec<Holding> = node_gpu_holders(
+            &self.classifier,
+            &self.exempt,
+            &w.devices,
+            Some(&w.cgroup),
+            &|h| self.followed(h),
+        );
         let (hidden, ask) = self.gpu_users.using(hidden, now_monotonic_ns());
         (watched, hidden, ask)
     }

@@ -90,6 +90,17 @@ fn containers(r: &mut Registry, s: &Snapshot) {
         "1 when the container's ledger misses calls (processes traced only after they allocated, or lost records)",
         per_container(s, |c| i64::from(c.partial)),
     );
+    r.register(
+        "container_probe_fds",
+        "Entries of the probes' fd map the container's processes take (each container has a quota of them)",
+        per_container(s, |c| gauge(c.probe_fds)),
+    );
+    r.register(
+        "container_probe_fds_over_quota",
+        "1 once the container reached its quota of the probes' fd map: its further NVIDIA fds are followed \
+         through /proc only",
+        per_container(s, |c| i64::from(c.over_fd_quota)),
+    );
     let objects = Family::<ClassLabels, Gauge>::default();
     let calls = Family::<EscapeLabels, Counter>::default();
     let errors = Family::<EscapeLabels, Counter>::default();
@@ -253,5 +264,20 @@ fn node(r: &mut Registry, s: &Snapshot) {
         "probe_resyncs",
         "Times the agent rebuilt its fd mirror from /proc after lost records",
         resyncs,
+    );
+    let over_quota: Counter = Counter::default();
+    over_quota.inc_by(s.totals.fds_over_quota);
+    r.register(
+        "probe_fds_over_quota",
+        "NVIDIA fds the probes did not follow because their container had its quota of the probes' fd map \
+         (the container is followed through /proc)",
+        over_quota,
+    );
+    let map_full: Counter = Counter::default();
+    map_full.inc_by(s.totals.fds_map_full);
+    r.register(
+        "probe_fds_map_full",
+        "NVIDIA fds the probes did not follow because their fd map was full",
+        map_full,
     );
 }

@@ -107,6 +107,10 @@ pub struct TracerTotals {
     pub records_lost: u64,
     /// Resyncs from /proc after lost records.
     pub resyncs: u64,
+    /// NVIDIA fds the probes did not follow: their cgroup was at its quota.
+    pub fds_over_quota: u64,
+    /// NVIDIA fds the probes did not follow: their fd map was full.
+    pub fds_map_full: u64,
 }
 
 impl TracerTotals {
@@ -115,6 +119,8 @@ impl TracerTotals {
         Self {
             records_lost: self.records_lost + t.map_or(0, Tracer::dropped),
             resyncs: self.resyncs + t.map_or(0, Tracer::resyncs),
+            fds_over_quota: self.fds_over_quota + t.map_or(0, |t| t.fds_refused().0),
+            fds_map_full: self.fds_map_full + t.map_or(0, |t| t.fds_refused().1),
         }
     }
 }
@@ -144,6 +150,10 @@ pub struct ContainerSample {
     pub launches: u64,
     /// Its ledger misses what happened before it was watched, or records were lost.
     pub partial: bool,
+    /// Its share of the probes' fd map, and whether it reached its quota (followed through /proc since).
+    pub probe_fds: u64,
+    /// See `probe_fds`.
+    pub over_fd_quota: bool,
 }
 
 impl ContainerSample {
@@ -175,6 +185,8 @@ impl ContainerSample {
             ioctls: ioctls.map(IoctlCounts::sorted).unwrap_or_default(),
             launches: tracer.launches(w.cgroup_id).total(),
             partial: status.partial,
+            probe_fds: status.probe_fds.as_ref().map_or(0, |p| p.followed),
+            over_fd_quota: status.probe_fds.as_ref().is_some_and(|p| p.over_quota),
         }
     }
 }

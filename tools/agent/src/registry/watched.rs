@@ -329,6 +329,11 @@ impl Watched {
             partial: self.partial || ledger.is_some_and(|l| l.partial),
             preemption: self.preemption.clone(),
             role: self.registration.role.clone(),
+            probe_fds: Some(baton_agent_api::ProbeFds {
+                followed: tracer.cgroup_fd_entries(self.cgroup_id),
+                quota: u64::from(tracer.fd_quota()),
+                over_quota: tracer.over_fd_quota(self.cgroup_id),
+            }),
         }
     }
 
