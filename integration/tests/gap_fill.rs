@@ -468,6 +468,62 @@ fn an_agent_restarted_while_the_trainer_is_parked_for_a_server_still_resumes_it_
     );
 }
 
+/// The agent dies while it parks the trainer for a server waiting behind the gate (a DaemonSet rollout in the
+/// middle of a scale-from-zero start): the shim finishes the park it was asked for, the server's Start asks the
+/// next agent for the time it has left instead of failing, the new agent adopts the park (parked for the
+/// server) and resumes the trainer when the server goes. The trainers have no forked worker: after an agent
+/// restart a worker's inherited files count as held (see hand_back.rs).
+#[test]
+fn an_agent_restarted_while_it_parks_the_trainer_still_starts_the_server_and_adopts_the_park() {
+    let Some(rig) = CudaRig::start("gapfill-restart-mid-park") else {
+        return;
+    };
+    // A park that takes a while: its lock takes 3 s.
+    let slow = Trainer {
+        extra: vec!["--lock-delay-ms".into(), "3000".into()],
+        ..Trainer::default()
+    };
+    let mut trainer = rig.run("trainer", &slow, &PREEMPTIBLE);
+    rig.wait_held("trainer");
+    let _server = rig.create("server", &Trainer::default(), &SERVER);
+    let start = start_in_background(&rig, "server");
+    assert!(
+        wait_until(WITHIN, || gap_fill(&rig)["preempting"]
+            .to_string()
+            .contains("\"trainer\"")),
+        "the agent began to park the trainer: {}",
+        gap_fill(&rig)
+    );
+    assert!(preemption(&rig, "trainer")["state"] != json!("parked"));
+    rig.gpu.env.containerd().kill_agent();
+
+    let (result, _) = start.join().unwrap();
+    result.unwrap_or_else(|e| panic!("the server's Start survives the agent's restart: {e}"));
+    rig.wait_held("server");
+    assert!(
+        wait_until(WITHIN, || try_gap_fill(&rig)
+            .is_some_and(|g| g["parked"][0]["id"] == json!("trainer"))),
+        "the new agent took up the park: {:?}",
+        try_gap_fill(&rig)
+    );
+    assert_eq!(
+        try_gap_fill(&rig).unwrap()["parked"][0]["parked_for"]["id"],
+        json!("server")
+    );
+    assert_eq!(preemption(&rig, "trainer")["state"], json!("parked"));
+
+    // The server goes: the new agent resumes the trainer by itself, its weights intact.
+    let api = rig.gpu.env.api().unwrap();
+    delete_task(&api, "server");
+    let line = trainer.wait_line("restored checksum");
+    assert!(line.ends_with("intact"), "{line}");
+    assert!(
+        wait_until(WITHIN, || preemption(&rig, "trainer").is_null()),
+        "{}",
+        rig.gpu.status("trainer")
+    );
+}
+
 /// The rate gate's row of the trainer's GPU (the mock's `nvidia0`).
 fn gpu_row(rig: &CudaRig) -> Value {
     let g = gap_fill(rig);

@@ -237,9 +237,59 @@ pub fn agent_socket(settings: &BatonSettings) -> PathBuf {
 /// agent answered.
 pub async fn wait_gpu_free(c: &GpuContainer<'_>, within: Duration) -> Result<(u64, u64), String> {
     let endpoint = endpoint_of(c.settings);
-    let mut client = baton_agent_api::connect_or_start(&endpoint, REGISTER_TIMEOUT.min(within))
+    let asked = tokio::time::Instant::now();
+    let deadline = asked + within;
+    let mut lost: Option<String> = None;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match ask_gpu_free(&endpoint, c, left).await {
+            Ok((waited_ns, t_free_ns)) => {
+                let total = u64::try_from(asked.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                return Ok((waited_ns.max(total), t_free_ns));
+            }
+            // The agent went away while the Start waited (a DaemonSet rollout, a crash): the next agent is
+            // asked for the time left, once the shim's link has registered the container with it again.
+            Err(Asked::Lost(e)) if left > AGAIN_AFTER => {
+                if lost.is_none() {
+                    tracing::warn!(
+                        id = c.id,
+                        "wait-gpu-free: {e}; asking the agent again for the {left:?} left"
+                    );
+                }
+                lost = Some(e);
+                tokio::time::sleep(AGAIN_AFTER).await;
+            }
+            Err(Asked::NotYetWatched(_)) if lost.is_some() && left > AGAIN_AFTER => {
+                tokio::time::sleep(AGAIN_AFTER).await;
+            }
+            Err(Asked::Lost(e) | Asked::NotYetWatched(e) | Asked::Final(e)) => return Err(e),
+        }
+    }
+}
+
+/// How long a gate wait whose agent went away waits before it asks again.
+const AGAIN_AFTER: Duration = Duration::from_millis(100);
+
+/// Why one question to the gate got no answer.
+enum Asked {
+    /// The agent went away (or never answered the connection): ask again.
+    Lost(String),
+    /// The agent does not watch the container (yet, after an agent restart): ask again once a connection
+    /// was lost, final otherwise.
+    NotYetWatched(String),
+    /// The agent's answer: the GPU stayed held, or the request was refused.
+    Final(String),
+}
+
+/// Asks the agent once whether container `c`'s GPUs are free, waiting up to `within`.
+async fn ask_gpu_free(
+    endpoint: &Endpoint,
+    c: &GpuContainer<'_>,
+    within: Duration,
+) -> Result<(u64, u64), Asked> {
+    let mut client = baton_agent_api::connect_or_start(endpoint, REGISTER_TIMEOUT.min(within))
         .await
-        .map_err(|e| format!("cannot tell whether the GPU is free: {e}"))?;
+        .map_err(|e| Asked::Lost(format!("cannot tell whether the GPU is free: {e}")))?;
     let request = Request::WaitGpuFree(GateRequest {
         container: ContainerRef {
             id: c.id.to_owned(),
@@ -255,12 +305,24 @@ pub async fn wait_gpu_free(c: &GpuContainer<'_>, within: Duration) -> Result<(u6
             waited_ns,
             t_free_ns,
         })) => Ok((waited_ns, t_free_ns)),
-        Ok(Ok(other)) => Err(format!("unexpected reply from the agent: {other:?}")),
-        Ok(Err(baton_agent_api::ClientError::Refused(e))) => Err(e),
-        Ok(Err(e)) => Err(format!("cannot tell whether the GPU is free: {e}")),
-        Err(_) => Err(format!("the baton agent did not answer within {bound:?}")),
+        Ok(Ok(other)) => Err(Asked::Final(format!(
+            "unexpected reply from the agent: {other:?}"
+        ))),
+        Ok(Err(baton_agent_api::ClientError::Refused(e))) if e.contains(NOT_WATCHED) => {
+            Err(Asked::NotYetWatched(e))
+        }
+        Ok(Err(baton_agent_api::ClientError::Refused(e))) => Err(Asked::Final(e)),
+        Ok(Err(e)) => Err(Asked::Lost(format!(
+            "cannot tell whether the GPU is free: {e}"
+        ))),
+        Err(_) => Err(Asked::Final(format!(
+            "the baton agent did not answer within {bound:?}"
+        ))),
     }
 }
+
+/// What the agent's refusal of a gate request for a container it does not watch says.
+const NOT_WATCHED: &str = "is not watched by the agent";
 
 /// The processes of container `c` that hold NVIDIA files, from the agent's ledger (empty without an
 /// agent, or when it does not watch `c`).

@@ -51,6 +51,9 @@ pub struct Steps {
     tx: Option<mpsc::UnboundedSender<Step>>,
     /// The steps so far.
     pub all: Vec<Step>,
+    /// Told each preemption state the operation enters before it ends (the agent link, so that a
+    /// registration with an agent started meanwhile says the container is being preempted).
+    on_state: Option<Box<dyn Fn(Option<PreemptState>) + Send + Sync>>,
 }
 
 impl Steps {
@@ -60,6 +63,23 @@ impl Steps {
             container,
             tx,
             all: Vec::new(),
+            on_state: None,
+        }
+    }
+
+    /// These steps, telling `on_state` each preemption state the operation enters before it ends.
+    pub fn with_state_hook(
+        mut self,
+        on_state: impl Fn(Option<PreemptState>) + Send + Sync + 'static,
+    ) -> Self {
+        self.on_state = Some(Box::new(on_state));
+        self
+    }
+
+    /// The operation entered preemption state `state`.
+    pub fn state_entered(&self, state: Option<PreemptState>) {
+        if let Some(hook) = &self.on_state {
+            hook(state);
         }
     }
 
@@ -227,6 +247,7 @@ impl Container {
             raised_limit: raised,
         };
         self.set_preemption(Some(state.clone()));
+        steps.state_entered(Some(state.clone()));
         if let Err(e) = self.release_gpu(&mut op, &cuda, &sorted, steps).await {
             self.put_back_limit(raised).await;
             self.set_preemption(None);

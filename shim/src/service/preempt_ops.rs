@@ -79,7 +79,14 @@ impl TaskService {
 
     async fn preempt(&self, r: PreemptRequest, tx: mpsc::UnboundedSender<Step>) -> Result<Outcome> {
         let c = self.target(&r.target)?;
-        let mut steps = Steps::new(self.container_ref(&c.id), Some(tx));
+        let shared = self.shared.clone();
+        let id = c.id.clone();
+        // An agent that restarts while this runs learns from the re-registration that it is being
+        // preempted (and for whom), so that it neither preempts it again nor loses track of it.
+        let mut steps =
+            Steps::new(self.container_ref(&c.id), Some(tx)).with_state_hook(move |state| {
+                shared.gpu.preemption_changed(&id, &shared.namespace, state)
+            });
         let mode = r.mode;
         let state = c.preempt(r, &mut steps).await?;
         let topic = match mode {

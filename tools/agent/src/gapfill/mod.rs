@@ -453,8 +453,9 @@ impl GapFill {
     }
 
     /// Co-runner `w` was registered parked by the agent for a server (its shim kept `parked_for` in its
-    /// state: the agent restarted since): the agent resumes it as if it had parked it itself, after
-    /// [`ADOPT_GRACE`].
+    /// state: the agent restarted since), or its shim pushed that state (a park an earlier agent asked for
+    /// ended after this one started): the agent resumes it as if it had parked it itself, after
+    /// [`ADOPT_GRACE`]. Not one this agent is parking itself (its answer says how that ended).
     pub fn adopt(&mut self, w: &Watched) {
         let c = &w.registration.container;
         let Some(p) = w.preemption.as_ref() else {
@@ -463,7 +464,10 @@ impl GapFill {
         let Some(server) = p.parked_for.clone() else {
             return;
         };
-        if p.state != PreemptPhase::Parked || self.parked.contains_key(c) {
+        if p.state != PreemptPhase::Parked
+            || self.parked.contains_key(c)
+            || self.preempting.contains_key(c)
+        {
             return;
         }
         tracing::info!(

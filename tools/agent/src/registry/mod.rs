@@ -260,6 +260,7 @@ impl Core {
             phase(&update.state),
         );
         w.preemption = update.state;
+        self.gapfill.adopt(w);
         Reply::Unregistered { found: true }
     }
 
