@@ -239,7 +239,8 @@ pub async fn wait_gpu_free(c: &GpuContainer<'_>, within: Duration) -> Result<(u6
     let endpoint = endpoint_of(c.settings);
     let asked = tokio::time::Instant::now();
     let deadline = asked + within;
-    let mut lost: Option<String> = None;
+    // Whether the agent went away during this wait (a "not watched" answer then means "not yet").
+    let mut lost = false;
     loop {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         match ask_gpu_free(&endpoint, c, left).await {
@@ -250,16 +251,16 @@ pub async fn wait_gpu_free(c: &GpuContainer<'_>, within: Duration) -> Result<(u6
             // The agent went away while the Start waited (a DaemonSet rollout, a crash): the next agent is
             // asked for the time left, once the shim's link has registered the container with it again.
             Err(Asked::Lost(e)) if left > AGAIN_AFTER => {
-                if lost.is_none() {
+                if !lost {
                     tracing::warn!(
                         id = c.id,
                         "wait-gpu-free: {e}; asking the agent again for the {left:?} left"
                     );
                 }
-                lost = Some(e);
+                lost = true;
                 tokio::time::sleep(AGAIN_AFTER).await;
             }
-            Err(Asked::NotYetWatched(_)) if lost.is_some() && left > AGAIN_AFTER => {
+            Err(Asked::NotYetWatched(_)) if lost && left > AGAIN_AFTER => {
                 tokio::time::sleep(AGAIN_AFTER).await;
             }
             Err(Asked::Lost(e) | Asked::NotYetWatched(e) | Asked::Final(e)) => return Err(e),

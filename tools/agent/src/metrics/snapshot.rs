@@ -116,11 +116,12 @@ pub struct TracerTotals {
 impl TracerTotals {
     /// These plus `t`'s.
     pub fn with(self, t: Option<&Tracer>) -> Self {
+        let refused = t.map_or((0, 0), Tracer::fds_refused);
         Self {
             records_lost: self.records_lost + t.map_or(0, Tracer::dropped),
             resyncs: self.resyncs + t.map_or(0, Tracer::resyncs),
-            fds_over_quota: self.fds_over_quota + t.map_or(0, |t| t.fds_refused().0),
-            fds_map_full: self.fds_map_full + t.map_or(0, |t| t.fds_refused().1),
+            fds_over_quota: self.fds_over_quota + refused.0,
+            fds_map_full: self.fds_map_full + refused.1,
         }
     }
 }
