@@ -390,7 +390,21 @@ impl Containerd {
             Some(_) => PathBuf::from("/etc/containerd/config.toml"),
             None => self.dir.join("config.toml"),
         };
-        command.arg("--config").arg(config).env("PATH", path);
+        // containerd unpacks a checkpoint it restores from into a temporary folder that it never removes
+        // (plugins/services/tasks/local.go, Create: MkdirTemp($XDG_RUNTIME_DIR or $TMPDIR, "ctrd-checkpoint")):
+        // with the node's /tmp, each restored park left its whole memory image behind (258 MB each, 19 GB after
+        // a few runs, and CI ran out of disk). Kept in the test's folder, it goes with it.
+        let tmp = self.dir.join("tmp");
+        std::fs::create_dir_all(&tmp).map_err(|source| Error::Io {
+            path: tmp.clone(),
+            source,
+        })?;
+        command
+            .arg("--config")
+            .arg(config)
+            .env("PATH", path)
+            .env("TMPDIR", &tmp)
+            .env_remove("XDG_RUNTIME_DIR");
         if self.node.is_none() {
             // Every shim of this containerd talks to (and starts) an agent of the test's own.
             command.env(baton_agent_api::SOCKET_ENV, self.agent_socket());

@@ -69,10 +69,12 @@ pub struct Rig {
     pub cuda_programs: Result<(), String>,
     /// The Python interpreter with PyTorch.
     pub python: String,
+    mock_cuda: Option<PathBuf>,
+    /// Declared before `work`, so that it is unmounted before `work` (which holds its mount point) is removed:
+    /// fields drop in this order, and a mounted folder cannot be removed (each run left its folder in /tmp).
+    _mock: Option<MountedDriver>,
     /// A scratch folder (the agent's socket, the scripts, logs).
     pub work: TempDir,
-    mock_cuda: Option<PathBuf>,
-    _mock: Option<MountedDriver>,
 }
 
 impl Rig {
