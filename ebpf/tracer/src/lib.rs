@@ -24,4 +24,6 @@ pub mod seed;
 mod tracer;
 
 pub use baton_probe_common::{DEFAULT_FD_QUOTA, LaunchCounts, LaunchFn, NV_FDS_ENTRIES};
-pub use tracer::{GpuState, Tracer, TracerConfig, TracerError, now_monotonic_ns};
+pub use tracer::{
+    GpuState, ReadTicket, ReconciledReads, Tracer, TracerConfig, TracerError, now_monotonic_ns,
+};

@@ -449,6 +449,22 @@ pub struct ContainerStatus {
     /// Its share of the probes' fd map (absent from an older agent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub probe_fds: Option<ProbeFds>,
+    /// The last periodic check of its processes against /proc while it held the GPU (absent before the
+    /// first, and from an older agent): what reading its processes costs the agent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proc_check: Option<ProcCheck>,
+}
+
+/// One check of a container's processes against /proc, read on the agent's blocking pool (never on the
+/// thread that publishes releases and answers requests).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcCheck {
+    /// How long reading its processes' fds and maps took (µs).
+    pub took_us: u64,
+    /// How many processes were read.
+    pub processes: usize,
+    /// When it came back (CLOCK_MONOTONIC ns).
+    pub at_ns: u64,
 }
 
 /// A container's share of the probes' fd map: each container may have `quota` NVIDIA fds followed by the

@@ -16,6 +16,7 @@ use std::{
 };
 
 use baton_nvidia::fdkind::{self, FdKind};
+use baton_tracer::fdtable::ProcFds;
 
 use super::gate::DeviceKey;
 
@@ -389,47 +390,101 @@ fn host_mount_namespace() -> Option<u64> {
         .map(|m| m.ino())
 }
 
-/// Every process on the node in a container (not the node's own, see [`Exempt`]) and outside cgroup
-/// `except` (a v2 path, with the cgroups below it) that holds a GPU device file in `devices` (any GPU device
-/// file when empty) that is not `followed` (by the probes, in a watched container whose registry decides):
-/// the holders the gate must wait for, watched by Baton or not. One such holding per process is enough: a
-/// process's files are looked at until the first (a tenant with a million device fds costs one look).
-pub fn node_gpu_holders(
-    classifier: &Classifier,
-    exempt: &Exempt,
-    devices: &BTreeSet<DeviceKey>,
-    except: Option<&str>,
-    followed: &dyn Fn(&Holding) -> bool,
-) -> Vec<Holding> {
-    let counts = |h: &Holding| {
-        h.kind == FdKind::Device
-            && (devices.is_empty() || devices.iter().any(|d| d.same_device(&h.key)))
-            && !followed(h)
-    };
-    let host_mnt = host_mount_namespace();
-    let mut cache = HashMap::new();
-    let mut out = Vec::new();
-    for pid in baton_tracer::seed::all_pids() {
-        let pid = pid as u32;
-        if exempt.is_nodes_own(pid, host_mnt) {
-            continue;
-        }
-        let held: Vec<Holding> = classifier
-            .holdings_until(pid, &mut cache, &counts)
-            .into_iter()
-            .filter(counts)
-            .collect();
-        if held.is_empty() {
-            continue;
-        }
-        if except.is_some_and(|e| {
-            baton_tracer::cgroups::v2_path_of_pid(pid).is_some_and(|p| is_within(&p, e))
-        }) {
-            continue;
-        }
-        out.extend(held);
+/// What the gate asks of a look at the whole node ([`ScanRequest::run`], on the blocking pool): every process
+/// in a container (not the node's own, see [`Exempt`]) that holds a GPU device file of `devices` that the
+/// probes do not follow in a watched container (`followed`, the mirror's files of those containers when it
+/// was asked).
+#[derive(Clone, Debug)]
+pub struct ScanRequest {
+    /// Tells NVIDIA files apart.
+    pub classifier: Classifier,
+    /// The node's own processes.
+    pub exempt: Exempt,
+    /// The GPU devices the waiting Starts see (not empty).
+    pub devices: BTreeSet<DeviceKey>,
+    /// The NVIDIA fds and mappings the probes follow in watched containers, by pid.
+    pub followed: HashMap<u32, ProcFds>,
+    /// When it was asked (monotonic ns): the scan sees every holding older than that.
+    pub asked_ns: u64,
+}
+
+/// What a node scan found ([`ScanRequest::run`]).
+#[derive(Clone, Debug)]
+pub struct NodeScan {
+    /// When it was asked (monotonic ns).
+    pub asked_ns: u64,
+    /// The devices it looked for.
+    pub devices: BTreeSet<DeviceKey>,
+    /// The holdings found, each with its process's cgroup v2 path (when it could be read).
+    pub holders: Vec<(Holding, Option<String>)>,
+    /// How long it took.
+    pub took: std::time::Duration,
+}
+
+impl NodeScan {
+    /// The holders of device(s) `devices` outside cgroup `except` (with the cgroups below it).
+    pub fn holders_of(&self, devices: &BTreeSet<DeviceKey>, except: &str) -> Vec<Holding> {
+        self.holders
+            .iter()
+            .filter(|(h, _)| devices.iter().any(|d| d.same_device(&h.key)))
+            .filter(|(_, cgroup)| cgroup.as_deref().is_none_or(|c| !is_within(c, except)))
+            .map(|(h, _)| h.clone())
+            .collect()
     }
-    out
+}
+
+impl ScanRequest {
+    /// Looks at every process of the node (see [`ScanRequest`]). A process's files are looked at until they
+    /// cover every device asked about (a tenant with a million device fds costs a look at one per device);
+    /// its maps are read line by line. Blocks: run it on the blocking pool.
+    pub fn run(self) -> NodeScan {
+        let began = std::time::Instant::now();
+        let followed = |h: &Holding| {
+            self.followed
+                .get(&h.pid)
+                .is_some_and(|p| crate::registry::watched::accounted_in(p, h))
+        };
+        let counts = |h: &Holding| {
+            h.kind == FdKind::Device
+                && self.devices.iter().any(|d| d.same_device(&h.key))
+                && !followed(h)
+        };
+        let host_mnt = host_mount_namespace();
+        let mut cache = HashMap::new();
+        let mut holders = Vec::new();
+        for pid in baton_tracer::seed::all_pids() {
+            let pid = pid as u32;
+            if self.exempt.is_nodes_own(pid, host_mnt) {
+                continue;
+            }
+            let left = std::cell::RefCell::new(self.devices.clone());
+            let covered_all = |h: &Holding| {
+                if !counts(h) {
+                    return false;
+                }
+                let mut left = left.borrow_mut();
+                left.retain(|d| !d.same_device(&h.key));
+                left.is_empty()
+            };
+            let held: Vec<Holding> = self
+                .classifier
+                .holdings_until(pid, &mut cache, &covered_all)
+                .into_iter()
+                .filter(counts)
+                .collect();
+            if held.is_empty() {
+                continue;
+            }
+            let cgroup = baton_tracer::cgroups::v2_path_of_pid(pid);
+            holders.extend(held.into_iter().map(|h| (h, cgroup.clone())));
+        }
+        NodeScan {
+            asked_ns: self.asked_ns,
+            devices: self.devices,
+            holders,
+            took: began.elapsed(),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -31,6 +31,14 @@ impl Tracer {
     fn apply(&mut self, e: &Event) -> Result<bool, TracerError> {
         let (pid, cg) = (e.pid, e.cgroup_id);
         match &e.body {
+            Body::Ioctl(_) | Body::ThreadExit | Body::Confirm { .. } | Body::Resync { .. } => {}
+            Body::Fork { child } => {
+                self.proc_changed(pid);
+                self.proc_changed(*child);
+            }
+            _ => self.proc_changed(pid),
+        }
+        match &e.body {
             Body::Ioctl(io) => self.apply_ioctl(pid, cg, io),
             Body::Open {
                 fd, kind, minor, ..

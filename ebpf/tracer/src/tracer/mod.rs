@@ -4,6 +4,7 @@ mod quota;
 mod resync;
 mod wait;
 
+pub use resync::{ReadTicket, ReconciledReads};
 pub use wait::now_monotonic_ns;
 
 use std::{
@@ -160,7 +161,20 @@ pub struct Tracer {
     quota_refusals_seen: u64,
     /// Cgroups already reported past their quota.
     over_reported: HashSet<u64>,
+    /// The processes whose fds or mappings changed in the mirror, with the [`Tracer::change_seq`] of their
+    /// last change, while a /proc read made off the consumer's thread may be compared with the mirror (see
+    /// `resync`); cleared when none is.
+    proc_changes: HashMap<u32, u64>,
+    /// Counts the changes to the mirror's fds and mappings.
+    change_seq: u64,
+    /// Tickets of /proc reads handed out and not handed back.
+    reads_in_flight: usize,
+    /// Which tracer of this process this is (a ticket of another one is refused).
+    instance: u64,
 }
+
+/// Numbers the tracers of this process.
+static INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl Tracer {
     /// Loads and attaches the probes. Must be called inside a tokio runtime.
@@ -203,6 +217,10 @@ impl Tracer {
             launch_libs: LaunchLibraries::default(),
             quota_refusals_seen: 0,
             over_reported: HashSet::new(),
+            proc_changes: HashMap::new(),
+            change_seq: 0,
+            reads_in_flight: 0,
+            instance: INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         };
         if t.watch_all {
             for pid in seed::all_pids() {

@@ -99,12 +99,81 @@ impl Tracer {
     /// Replaces the mirror's and the kernel map's view of `pid` with what /proc shows (keeping what both show
     /// as the mirror knows it). Returns what changed.
     pub(super) fn reseed_pid(&mut self, pid: u32) -> Result<Corrections, TracerError> {
-        let alive = seed::alive(pid);
-        let seen = if alive {
-            seed::scan_process(pid as i32, self.probes.prefixes())
-        } else {
-            Vec::new()
-        };
+        let read = seed::read_process(pid, self.probes.prefixes());
+        self.reseed_with(read)
+    }
+
+    /// The device-directory prefixes the probes follow, for [`seed::read_process`] on another thread.
+    pub fn proc_prefixes(&self) -> Vec<String> {
+        self.probes.prefixes().to_vec()
+    }
+
+    /// A ticket for /proc reads made off the consumer's thread, taken before they begin: from now until it
+    /// is handed back ([`Tracer::reconcile_reads`] or [`Tracer::proc_reads_dropped`]), the mirror notes which
+    /// processes' fds and mappings change, so that a read a change overtook is not taken for the truth.
+    pub fn proc_read_ticket(&mut self) -> ReadTicket {
+        self.reads_in_flight += 1;
+        ReadTicket {
+            tracer: self.instance,
+            seq: self.change_seq,
+        }
+    }
+
+    /// Hands back a ticket whose reads will not be compared.
+    pub fn proc_reads_dropped(&mut self, ticket: ReadTicket) {
+        if ticket.tracer != self.instance {
+            return;
+        }
+        self.reads_in_flight = self.reads_in_flight.saturating_sub(1);
+        if self.reads_in_flight == 0 {
+            self.proc_changes.clear();
+        }
+    }
+
+    /// [`Tracer::reconcile`] with /proc read elsewhere (`reads`, begun after `ticket` was taken): a process
+    /// whose fds or mappings changed in the mirror since (a record applied meanwhile) is left as the mirror
+    /// has it, since the read may predate the change; it is returned among the skipped, to be read again.
+    /// Apply the records still in the ring first ([`Tracer::drain_now`]).
+    pub fn reconcile_reads(
+        &mut self,
+        ticket: ReadTicket,
+        reads: Vec<seed::ProcRead>,
+    ) -> Result<ReconciledReads, TracerError> {
+        let since = ticket.seq;
+        // A ticket of a tracer loaded before this one: its reads predate this mirror's seeding.
+        let foreign = ticket.tracer != self.instance;
+        let changed: BTreeSet<u32> = reads
+            .iter()
+            .filter(|r| foreign || self.proc_changes.get(&r.pid).is_some_and(|&at| at > since))
+            .map(|r| r.pid)
+            .collect();
+        self.proc_reads_dropped(ticket);
+        let mut out = ReconciledReads::default();
+        for read in reads {
+            if changed.contains(&read.pid) {
+                out.skipped.push(read.pid);
+                continue;
+            }
+            let pid = read.pid;
+            let c = self.reseed_with(read)?;
+            if !c.is_empty() {
+                out.corrected.push((pid, c));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Notes that the mirror's view of `pid`'s fds or mappings changed (while reads are in flight).
+    pub(super) fn proc_changed(&mut self, pid: u32) {
+        self.change_seq += 1;
+        if self.reads_in_flight > 0 {
+            self.proc_changes.insert(pid, self.change_seq);
+        }
+    }
+
+    /// [`Tracer::reseed_pid`] with what /proc showed (`read`).
+    fn reseed_with(&mut self, read: seed::ProcRead) -> Result<Corrections, TracerError> {
+        let seed::ProcRead { pid, alive, seen } = read;
         let known = self.fds.get(pid).map(|p| p.cgroup_id);
         if known.is_none() && seen.is_empty() {
             return Ok(Corrections::default());
@@ -113,6 +182,9 @@ impl Tracer {
             .or(known)
             .unwrap_or(0);
         let c = self.fds.reconcile(pid, cgroup_id, alive, &seen);
+        if !c.is_empty() {
+            self.proc_changed(pid);
+        }
         for fd in &c.stale_fds {
             self.kernel_forget(pid, cgroup_id, *fd);
         }
@@ -134,4 +206,21 @@ impl Tracer {
         let _ = self.settle_released_files();
         Ok(c)
     }
+}
+
+/// The mirror's change count when /proc reads made elsewhere began ([`Tracer::proc_read_ticket`]).
+#[derive(Debug)]
+#[must_use = "hand the ticket back, with the reads or without them"]
+pub struct ReadTicket {
+    tracer: u64,
+    seq: u64,
+}
+
+/// What [`Tracer::reconcile_reads`] did.
+#[derive(Debug, Default)]
+pub struct ReconciledReads {
+    /// What was corrected, per process.
+    pub corrected: Vec<(u32, Corrections)>,
+    /// The processes left as the mirror has them: a record changed them after the read began.
+    pub skipped: Vec<u32>,
 }

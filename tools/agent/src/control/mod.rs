@@ -106,11 +106,26 @@ fn stopping() -> Reply {
 }
 
 /// Starts the controller with `bounds`; it asks the core (`core`) for launch counts.
+///
+/// It runs on a thread of its own, with its links: a lease renewal is never behind the core's work (a slow
+/// /proc read, a burst of records), so a co-runner does not thaw because the core was busy. A panic there
+/// ends the agent (its panic hook), as anywhere else.
 pub fn spawn(bounds: Bounds, core: mpsc::Sender<Command>) -> Handle {
     let (tx, rx) = mpsc::unbounded_channel();
     let status = Arc::new(Mutex::new(ControllerStatus::default()));
     let controller = Controller::new(bounds, status.clone(), core);
-    tokio::spawn(controller.run(rx));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build();
+    let started = runtime.and_then(|rt| {
+        std::thread::Builder::new()
+            .name("baton-controller".into())
+            .spawn(move || rt.block_on(controller.run(rx)))
+    });
+    if let Err(e) = started {
+        // Without its thread the controller cannot run at all: every control request gets this error.
+        tracing::error!("agent: the co-runner controller cannot start its thread: {e}");
+    }
     Handle { tx, status }
 }
 

@@ -41,6 +41,7 @@ impl Core {
                 () = sleep_until_opt(self.recheck_due) => self.recheck(),
                 () = sleep_until_opt(reconcile_due) => self.reconcile_held(),
                 done = self.gapfill.next_done() => self.on_gap_fill_done(done),
+                done = self.offload.next_done() => self.on_read_done(done),
                 () = sleep_until_opt(gap_fill_due) => {
                     self.gapfill.expire();
                     self.show_rate_gate_changes();

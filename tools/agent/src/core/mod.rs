@@ -7,6 +7,7 @@
 //! without watched containers pays nothing for them.
 mod event_loop;
 mod messages;
+mod offload;
 mod probes;
 mod recheck;
 mod reconcile;
@@ -73,6 +74,10 @@ pub struct Core {
     pub(crate) reconcile_at: Option<tokio::time::Instant>,
     /// NVML's latest word on which processes use a GPU (the gate's unwatched holders).
     pub(crate) gpu_users: crate::gate::gpu_users::GpuUsers,
+    /// The /proc reads out on the blocking pool.
+    pub(crate) offload: offload::Offload,
+    /// The latest look at the node's /proc for the gate.
+    pub(crate) node_scan: Option<crate::holders::NodeScan>,
     /// How many NVIDIA fds of one container the probes follow (`--probe-fd-quota`).
     pub fd_quota: u32,
 }
@@ -104,6 +109,8 @@ impl Core {
             recheck_every: recheck::RECHECK_FIRST,
             reconcile_at: None,
             gpu_users: Default::default(),
+            offload: Default::default(),
+            node_scan: None,
             gapfill: GapFill::default(),
             idle: Default::default(),
             fd_quota: baton_tracer::DEFAULT_FD_QUOTA,

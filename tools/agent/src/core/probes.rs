@@ -238,6 +238,7 @@ mod tests {
             },
             cgroup: "/n/server".into(),
             hidden_logged: false,
+            clear_since_ns: None,
             devices: Default::default(),
             asked_ns: now_monotonic_ns(),
             deadline: tokio::time::Instant::now() + std::time::Duration::from_secs(60),

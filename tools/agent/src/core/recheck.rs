@@ -43,6 +43,7 @@ impl Core {
             self.publish(&c, owner, body);
         }
         self.check_gates();
+        self.rescan_for_gates();
         if self.watched.values().any(Watched::awaits_hidden_holders) {
             self.schedule_recheck();
         }

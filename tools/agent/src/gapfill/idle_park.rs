@@ -244,6 +244,7 @@ impl Core {
             container: c.clone(),
             cgroup: w.registration.cgroup.clone(),
             hidden_logged: false,
+            clear_since_ns: None,
             devices: gate::devices_seen(w.registration.init_pid, &w.registration.devices),
             asked_ns: now_monotonic_ns(),
             deadline: Instant::now() + within,

@@ -153,6 +153,9 @@ pub struct Waiter {
     pub cgroup: String,
     /// Whether the holders only /proc shows were logged already.
     pub hidden_logged: bool,
+    /// Since when no watched container has kept it waiting (monotonic ns): only a look at the node's /proc
+    /// asked since then may open its gate.
+    pub clear_since_ns: Option<u64>,
     /// The devices it sees.
     pub devices: BTreeSet<DeviceKey>,
     /// When it asked (monotonic ns).

@@ -10,8 +10,8 @@ use super::{DeviceKey, Waiter, devices_held, devices_seen};
 use crate::{
     core::Core,
     gapfill,
-    holders::{Holding, Via, node_gpu_holders},
-    registry::watched::{Watched, accounted},
+    holders::{Holding, NodeScan, ScanRequest, Via},
+    registry::watched::Watched,
 };
 
 impl Core {
@@ -36,6 +36,7 @@ impl Core {
             container: request.container,
             cgroup,
             hidden_logged: false,
+            clear_since_ns: None,
             devices,
             asked_ns: now_monotonic_ns(),
             deadline: tokio::time::Instant::now() + timeout,
@@ -71,27 +72,28 @@ impl Core {
             .collect()
     }
 
-    /// Whether what /proc shows in `h` is a file the probes follow in a watched container: the registry
-    /// decides whether that container holds the GPU, not the file's being open. Not in a container past its
-    /// quota of the probes' fd map: what it did through the fds the probes do not follow is not in its
-    /// ledger, so it is followed through /proc (and NVML) like an unwatched process.
-    fn followed(&self, h: &Holding) -> bool {
+    /// What the probes follow in watched containers, for a node scan: the mirror's files of their processes,
+    /// except in a container past its quota of the probes' fd map (what it did through the fds the probes do
+    /// not follow is not in its ledger, so it is followed through /proc and NVML like an unwatched process).
+    /// Whether a followed file's container holds the GPU is the registry's to say, not the file's being open.
+    fn followed_files(&self) -> std::collections::HashMap<u32, baton_tracer::fdtable::ProcFds> {
         let Some(tracer) = self.tracer.as_ref() else {
-            return false;
+            return Default::default();
         };
-        let table = tracer.fd_table();
-        table.get(h.pid).is_some_and(|p| {
-            self.by_cgroup.contains_key(&p.cgroup_id) && !tracer.over_fd_quota(p.cgroup_id)
-        }) && accounted(table, h)
+        tracer
+            .fd_table()
+            .iter()
+            .filter(|(_, p)| {
+                self.by_cgroup.contains_key(&p.cgroup_id) && !tracer.over_fd_quota(p.cgroup_id)
+            })
+            .map(|(pid, p)| (pid, p.clone()))
+            .collect()
     }
 
-    /// Who keeps waiter `w` from starting: the other watched containers that hold the GPU on one of its
-    /// devices (their release not published yet) and, once those are gone, every process /proc shows holding
-    /// one of its device files that the probes do not follow in a watched container (in any container: a
-    /// file passed over a socket, a container Baton does not watch) and that uses the GPU by NVML's word
-    /// where the node has NVML ([`super::gpu_users`]). Both empty when its GPU is free; and whether NVML is to
-    /// be asked about those holders.
-    fn gate_holders(&self, w: &Waiter) -> (Vec<String>, Vec<Holding>, bool) {
+    /// Who keeps waiter `w` from starting among the watched containers: those that hold the GPU on one of
+    /// its devices (their release not published yet), or one let through the gate before it that holds no
+    /// GPU state yet. Empty when none does.
+    fn watched_holders(&self, w: &Waiter) -> Vec<String> {
         let server = self.watched.get(&w.container);
         let watched: Vec<String> = self
             .holders(&w.container, &w.devices)
@@ -117,32 +119,77 @@ impl Core {
             })
             .collect();
         if !watched.is_empty() {
-            return (watched, Vec::new(), false);
+            return watched;
         }
         // One gate at a time per GPU: a container let through that holds no GPU state yet keeps the others
         // out until it does (then its hold counts), or its claim lapses.
         if let Some(c) = self.gapfill.claimed_by(&w.container, &w.devices) {
-            let claimed = format!(
+            return vec![format!(
                 "container {} (namespace {}) (let through the gate before it: it has not allocated on the \
                  GPU yet)",
                 c.id, c.namespace
-            );
-            return (vec![claimed], Vec::new(), false);
+            )];
         }
+        Vec::new()
+    }
+
+    /// The processes that keep waiter `w` from starting once no watched container does: every process the
+    /// latest node scan showed holding one of its device files that the probes do not follow in a watched
+    /// container (in any container: a file passed over a socket, a container Baton does not watch) and that
+    /// uses the GPU by NVML's word where the node has NVML ([`super::gpu_users`]); and whether NVML is to be
+    /// asked about them. `None` while there is no scan `w` may trust: one asked after its watched holders
+    /// were gone, looking at its devices (`fresh` false: any scan of its devices, for messages).
+    fn hidden_holders(&self, w: &Waiter, fresh: bool) -> Option<(Vec<Holding>, bool)> {
         // A container whose GPU devices could not be resolved (its root not set up yet, under a hook) waits
         // for the watched holders only: "any GPU on the node" would make it wait for every other GPU.
         if w.devices.is_empty() {
-            return (watched, Vec::new(), false);
+            return Some((Vec::new(), false));
         }
-        let hidden: Vec<Holding> = node_gpu_holders(
-            &self.classifier,
-            &self.exempt,
-            &w.devices,
-            Some(&w.cgroup),
-            &|h| self.followed(h),
-        );
-        let (hidden, ask) = self.gpu_users.using(hidden, now_monotonic_ns());
-        (watched, hidden, ask)
+        let scan = self.node_scan.as_ref().filter(|s| {
+            s.devices.is_superset(&w.devices)
+                && (!fresh || w.clear_since_ns.is_some_and(|t| s.asked_ns >= t))
+        })?;
+        let hidden = scan.holders_of(&w.devices, &w.cgroup);
+        Some(self.gpu_users.using(hidden, now_monotonic_ns()))
+    }
+
+    /// Asks for a look at the node for the devices of `devices` (the waiters with no scan to trust), unless
+    /// one is out: its answer checks the gates again, which asks again if need be.
+    pub(crate) fn scan_node_for(&mut self, devices: std::collections::BTreeSet<DeviceKey>) {
+        if devices.is_empty() || self.offload.is_scanning() {
+            return;
+        }
+        let request = ScanRequest {
+            classifier: self.classifier.clone(),
+            exempt: self.exempt.clone(),
+            devices,
+            followed: self.followed_files(),
+            asked_ns: now_monotonic_ns(),
+        };
+        self.offload.scan(request);
+    }
+
+    /// A node scan came back: the gates are checked with it.
+    pub(crate) fn on_node_scanned(&mut self, scan: NodeScan) {
+        if scan.took > std::time::Duration::from_millis(100) {
+            tracing::debug!(
+                took_ms = scan.took.as_millis() as u64,
+                "agent: the gate's look at the node's /proc was slow"
+            );
+        }
+        self.node_scan = Some(scan);
+        self.check_gates();
+    }
+
+    /// Looks at the node again for the waiters that wait for holders only /proc shows (the recheck).
+    pub(crate) fn rescan_for_gates(&mut self) {
+        let devices: std::collections::BTreeSet<DeviceKey> = self
+            .waiters
+            .iter()
+            .filter(|w| w.clear_since_ns.is_some())
+            .flat_map(|w| w.devices.iter().cloned())
+            .collect();
+        self.scan_node_for(devices);
     }
 
     /// Answers every waiter whose devices nobody else holds now.
@@ -155,11 +202,32 @@ impl Core {
         self.gapfill
             .settle_claims(|c| watched.get(c).is_none_or(Watched::is_held));
         let waiters = std::mem::take(&mut self.waiters);
+        let now = now_monotonic_ns();
         let mut hidden_wait = false;
         let mut ask_nvml = false;
+        let mut scan_for = std::collections::BTreeSet::new();
         for mut w in waiters {
-            let (watched, hidden, ask) = self.gate_holders(&w);
-            ask_nvml |= ask;
+            let watched = self.watched_holders(&w);
+            let hidden = if watched.is_empty() {
+                w.clear_since_ns.get_or_insert(now);
+                self.hidden_holders(&w, true)
+            } else {
+                w.clear_since_ns = None;
+                Some((Vec::new(), false))
+            };
+            let hidden = match hidden {
+                Some((hidden, ask)) => {
+                    ask_nvml |= ask;
+                    hidden
+                }
+                None => {
+                    // Not known yet: the gate stays shut until a scan asked from now on comes back.
+                    scan_for.extend(w.devices.iter().cloned());
+                    self.gap_fill_preempt_for(&w);
+                    self.waiters.push(w);
+                    continue;
+                }
+            };
             // A co-runner preempted for it lets it through on its release signal (confirmed), not before.
             let unreleased = self.gapfill.awaits_release(&w.devices);
             if watched.is_empty() && hidden.is_empty() && !unreleased {
@@ -173,6 +241,7 @@ impl Core {
             self.gap_fill_preempt_for(&w);
             self.waiters.push(w);
         }
+        self.scan_node_for(scan_for);
         if hidden_wait {
             self.schedule_recheck();
         }
@@ -233,7 +302,11 @@ impl Core {
 
     /// Why waiter `w`'s GPU is not free at its deadline.
     fn still_held(&self, w: &Waiter) -> String {
-        let (watched, hidden, _) = self.gate_holders(w);
+        let watched = self.watched_holders(w);
+        let hidden = self
+            .hidden_holders(w, false)
+            .map(|(h, _)| h)
+            .unwrap_or_default();
         let waited = std::time::Duration::from_nanos(now_monotonic_ns().saturating_sub(w.asked_ns));
         if !watched.is_empty() {
             format!(
@@ -244,6 +317,11 @@ impl Core {
             format!(
                 "the GPU is still held after {waited:?}: {}",
                 describe_hidden(&hidden)
+            )
+        } else if self.offload.is_scanning() {
+            format!(
+                "the GPU was not free within {waited:?}: the agent's look at the node's processes (/proc) had \
+                 not come back"
             )
         } else {
             format!("the GPU was not free within {waited:?}")

@@ -15,7 +15,7 @@ use baton_nvidia::{class, decode::Op};
 use baton_tracer::{
     GpuState, Tracer,
     event::{Body, Event as Record},
-    fdtable::FdTable,
+    fdtable::{FdTable, ProcFds},
 };
 
 use crate::holders::{Classifier, Holding, Via, pids_of_cgroup_tree};
@@ -52,6 +52,8 @@ pub struct Watched {
     suspected: bool,
     /// Set while [`Watched::update_after_drain`] runs.
     drained: bool,
+    /// Its last periodic check against /proc (see `core::reconcile`).
+    pub proc_check: Option<baton_agent_api::ProcCheck>,
 }
 
 impl Watched {
@@ -106,6 +108,7 @@ impl Watched {
             hidden: BTreeSet::new(),
             suspected: false,
             drained: false,
+            proc_check: None,
         };
         if tracer.gpu_state(cgroup_id).holds_state() {
             w.gpu = GpuHold::Held;
@@ -334,6 +337,7 @@ impl Watched {
                 quota: u64::from(tracer.fd_quota()),
                 over_quota: tracer.over_fd_quota(self.cgroup_id),
             }),
+            proc_check: self.proc_check.clone(),
         }
     }
 
@@ -407,9 +411,11 @@ fn creates_state(r: &Record) -> bool {
 /// Whether the mirror accounts for what /proc shows in `h`: the same fd number of the same kind in the
 /// same process, or a mapping range of that process at that address.
 pub fn accounted(table: &FdTable, h: &Holding) -> bool {
-    let Some(p) = table.get(h.pid) else {
-        return false;
-    };
+    table.get(h.pid).is_some_and(|p| accounted_in(p, h))
+}
+
+/// [`accounted`] by the mirror of `h`'s process, `p`.
+pub fn accounted_in(p: &ProcFds, h: &Holding) -> bool {
     match h.via {
         Via::Fd(fd) => p.fds.get(&fd).is_some_and(|nv| nv.kind == h.kind),
         Via::Map(addr) => p
