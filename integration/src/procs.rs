@@ -1,4 +1,5 @@
-//! Finding processes: the shims of one containerd instance, and a process's memory (RSS and PSS).
+//! Finding processes: the shims of one containerd instance, a process's memory (RSS and PSS), and whether
+//! its cgroup is frozen.
 
 use std::path::Path;
 
@@ -84,4 +85,32 @@ pub fn context_switches(pid: i32) -> u64 {
                 .sum::<u64>()
         })
         .sum()
+}
+
+/// The freezer cgroup of `pid` (v1 `freezer.state`, or v2 `cgroup.events`); the root's when `pid` is gone.
+pub fn freezer_file(pid: u32) -> std::path::PathBuf {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next(), parts.next(), parts.next().unwrap_or("/"));
+        if controllers.is_some_and(|c| c.split(',').any(|c| c == "freezer")) {
+            return std::path::PathBuf::from(format!("/sys/fs/cgroup/freezer{path}/freezer.state"));
+        }
+    }
+    let v2 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .unwrap_or("/");
+    std::path::PathBuf::from(format!("/sys/fs/cgroup/unified{v2}/cgroup.events"))
+}
+
+/// Whether the kernel reports `pid`'s cgroup frozen.
+pub fn cgroup_frozen(pid: u32) -> bool {
+    let file = freezer_file(pid);
+    let text = std::fs::read_to_string(&file).unwrap_or_default();
+    if file.ends_with("freezer.state") {
+        text.trim() == "FROZEN"
+    } else {
+        text.lines().any(|l| l == "frozen 1")
+    }
 }

@@ -16,6 +16,7 @@ use std::{
 use baton_integration::{
     agent::{AgentConn, AgentProcess, FakeAgent, wait_until},
     env::TestEnv,
+    procs::{cgroup_frozen as frozen, freezer_file},
     skip,
     trace_env::{BatonTrace, missing_trace_prerequisite, workspace_binary},
 };
@@ -128,34 +129,6 @@ impl Rig {
             String::from_utf8_lossy(&out.stderr).into_owned(),
             out.status.success(),
         )
-    }
-}
-
-/// The freezer cgroup of `pid` (v1 `freezer.state`, or v2 `cgroup.freeze`'s directory).
-fn freezer_file(pid: u32) -> PathBuf {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
-    for line in text.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (parts.next(), parts.next(), parts.next());
-        if controllers.is_some_and(|c| c.split(',').any(|c| c == "freezer")) {
-            return PathBuf::from(format!(
-                "/sys/fs/cgroup/freezer{}/freezer.state",
-                path.unwrap()
-            ));
-        }
-    }
-    let v2 = text.lines().find_map(|l| l.strip_prefix("0::")).unwrap();
-    PathBuf::from(format!("/sys/fs/cgroup/unified{v2}/cgroup.events"))
-}
-
-/// Whether the kernel reports `pid`'s cgroup frozen.
-fn frozen(pid: u32) -> bool {
-    let file = freezer_file(pid);
-    let text = std::fs::read_to_string(&file).unwrap_or_default();
-    if file.ends_with("freezer.state") {
-        text.trim() == "FROZEN"
-    } else {
-        text.lines().any(|l| l == "frozen 1")
     }
 }
 

@@ -25,7 +25,8 @@
 //! closes all it holds) -> `ok T`; `grab-fd PID FD` (pidfd_getfd of the child's FD) -> `ok NEWFD`; `ring-file FD`
 //! (FD registered as a fixed file of a new io_uring) -> `ok RINGFD`; `clone-files` (a receiver child that
 //! shares this process's fd table) -> `ok PID`; `child-exit-now PID` (the child exits, reaped) -> `ok T`; `exec-map PATH` (re-executes; the new program maps PATH before anything else) ->
-//! `ok T ADDR`.
+//! `ok T ADDR`; `anon-maps N` (N anonymous mappings of its own that do not merge, as a tenant with a
+//! long /proc maps has; needs `vm.max_map_count` above N) -> `ok LINES` (of its maps now).
 use std::{
     collections::HashMap,
     io::{BufRead, Write},
@@ -150,6 +151,7 @@ impl Holder {
                 String::new()
             }
             "keep-dups" => keep_dups(num(1)? as RawFd, num(2)? as u64)?.to_string(),
+            "anon-maps" => anon_maps(num(1)? as usize)?.to_string(),
             "reuse-dup" => self
                 .reuse_dup(arg(1)?, arg(2)?, num(3)? as usize, num(4)? as usize)?
                 .to_string(),
@@ -643,6 +645,47 @@ fn say(line: &str) {
 /// raised as far as the process may (its hard limit too where it may), and where one process cannot hold
 /// them all, children forked for the rest (each keeps its share, then waits until the holder goes). Returns
 /// how many were kept (each process stops at its first error).
+/// Gives this process `n` anonymous mappings of its own (one reservation whose every other page is made
+/// read-only, so that no two neighbours merge), kept until it exits: a tenant whose /proc maps is long (a
+/// million lines are 50 MB of text). Returns how many lines its maps has now; fails with what to raise when
+/// the node's `vm.max_map_count` is lower than that.
+fn anon_maps(n: usize) -> anyhow::Result<usize> {
+    let page = 4096usize;
+    let len = n.checked_mul(page).context("too many mappings")?;
+    // SAFETY: a fresh anonymous reservation the kernel places; never unmapped (kept until exit).
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        bail!("mmap of {len} bytes: {}", std::io::Error::last_os_error());
+    }
+    for i in (0..n).step_by(2) {
+        // SAFETY: a page inside the reservation made above.
+        let r = unsafe {
+            libc::mprotect(
+                base.cast::<u8>().add(i * page).cast(),
+                page,
+                libc::PROT_READ,
+            )
+        };
+        if r != 0 {
+            bail!(
+                "mprotect after {i} mappings: {} (raise vm.max_map_count above {n})",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+    let maps = std::fs::read("/proc/self/maps")?;
+    Ok(maps.iter().filter(|b| **b == b'\n').count())
+}
+
 fn keep_dups(fd: RawFd, n: u64) -> anyhow::Result<u64> {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     let want = n + 1024;
