@@ -194,7 +194,9 @@ fn phase(
             .push(baton_tracer::now_monotonic_ns().saturating_sub(returned));
     }
     stop.store(true, Ordering::SeqCst);
-    lease_watch.join().map_err(|_| anyhow::anyhow!("lease watch"))??;
+    lease_watch
+        .join()
+        .map_err(|_| anyhow::anyhow!("lease watch"))??;
     p.status_ns = status_client
         .join()
         .map_err(|_| anyhow::anyhow!("status client"))??;
@@ -228,7 +230,10 @@ fn print(args: &Args, lines: u64, plain: &Phase, busy: &Phase) {
          in phase 2",
         args.cycles, args.lease_ms
     );
-    println!("| figure | tenant as started | tenant with {} mappings | ratio |", args.mappings);
+    println!(
+        "| figure | tenant as started | tenant with {} mappings | ratio |",
+        args.mappings
+    );
     println!("|---|---|---|---|");
     let rows = |name: &str, a: &[u64], b: &[u64]| {
         let (mut a, mut b) = (a.to_vec(), b.to_vec());
@@ -260,13 +265,15 @@ fn print(args: &Args, lines: u64, plain: &Phase, busy: &Phase) {
         us(busy.thawed_ns)
     );
     let check = |p: &Phase| {
-        p.check.as_ref().map_or("n/a (an agent without `proc_check`)".to_owned(), |c| {
-            format!(
-                "{} ({} process(es))",
-                us(c["took_us"].as_u64().unwrap_or(0) * 1000),
-                c["processes"]
-            )
-        })
+        p.check
+            .as_ref()
+            .map_or("n/a (an agent without `proc_check`)".to_owned(), |c| {
+                format!(
+                    "{} ({} process(es))",
+                    us(c["took_us"].as_u64().unwrap_or(0) * 1000),
+                    c["processes"]
+                )
+            })
     };
     println!(
         "| the agent's last check of the tenant against /proc | {} | {} | |",
