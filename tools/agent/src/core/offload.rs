@@ -93,15 +93,12 @@ impl Offload {
         self.start_queued();
     }
 
-    /// Scans the node for `request`, unless a scan is in flight (returns false: ask again when it is back).
-    pub fn scan(&mut self, request: ScanRequest) -> bool {
-        if self.scanning {
-            return false;
-        }
+    /// Scans the node for `request`; the caller has checked that no scan is out ([`Offload::is_scanning`]).
+    pub fn scan(&mut self, request: ScanRequest) {
+        debug_assert!(!self.scanning, "one node scan at a time");
         self.scanning = true;
         self.jobs
             .spawn_blocking(move || Done::Scanned(request.run()));
-        true
     }
 
     /// The next read that came back (never, while none is out).

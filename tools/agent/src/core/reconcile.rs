@@ -1,12 +1,12 @@
 //! The mirror cannot be wrong forever: while a container holds the GPU, the core checks the probes' mirror
-//! of its processes against the kernel's view (/proc fds and maps of every process of its cgroup tree)
-//! at a bounded interval, read on the blocking pool ([`super::offload`]: a tenant with a million mappings
-//! takes most of a second to read), and at once, on the core, when a checkpoint call of one of its
-//! processes returns (the shim's `checkpointed` step, the release path of a park). What the mirror had and /proc does not show goes; what /proc shows and the mirror
-//! lacked is followed (as files whose contents are unknown, which hold the GPU until they go: a holder /proc
-//! shows still wins over the mirror). A container the corrected view shows free is released with
-//! `confirmed_by: proc`, logged with what the mirror thought, and counted in the `mirror_corrections` metric:
-//! a non-zero count is a probe bug to report.
+//! of its processes against the kernel's view (/proc fds and maps of every process of its cgroup tree) at a
+//! bounded interval, read on the blocking pool ([`super::offload`]: a tenant with a million mappings takes
+//! most of a second to read), and at once, on the core, when a checkpoint call of one of its processes
+//! returns (the shim's `checkpointed` step, the release path of a park). What the mirror had and /proc does
+//! not show goes; what /proc shows and the mirror lacked is followed (as files whose contents are unknown,
+//! which hold the GPU until they go: a holder /proc shows still wins over the mirror). A container the
+//! corrected view shows free is released with `confirmed_by: proc`, logged with what the mirror thought, and
+//! counted in the `mirror_corrections` metric: a non-zero count is a probe bug to report.
 use std::{collections::BTreeSet, time::Duration};
 
 use baton_agent_api::ContainerRef;
@@ -46,12 +46,7 @@ impl Core {
             if self.offload.is_checking(c) {
                 continue;
             }
-            let pids: BTreeSet<u32> = tracer
-                .fd_table()
-                .iter()
-                .filter(|(_, p)| p.cgroup_id == w.cgroup_id)
-                .map(|(pid, _)| pid)
-                .collect();
+            let pids = mirror_pids(tracer, w.cgroup_id);
             let dir = tracer.cgroup_dir(w.cgroup_id);
             let ticket = tracer.proc_read_ticket();
             self.offload
@@ -96,23 +91,19 @@ impl Core {
                 at_ns: baton_tracer::now_monotonic_ns(),
             });
         }
-        if !self.drain_for_proc() {
-            if let Some(t) = self.tracer.as_mut() {
-                t.proc_reads_dropped(ticket);
-            }
-            return;
-        }
-        let (Some(tracer), Some(w)) = (self.tracer.as_mut(), self.watched.get(c)) else {
-            if let Some(t) = self.tracer.as_mut() {
-                t.proc_reads_dropped(ticket);
-            }
+        let drained = self.drain_for_proc();
+        // Without a tracer the ticket went with the one that issued it.
+        let Some(tracer) = self.tracer.as_mut() else {
             return;
         };
-        if !w.is_held() {
-            tracer.proc_reads_dropped(ticket);
-            return;
-        }
-        let before = tracer.gpu_state(w.cgroup_id);
+        let cgroup_id = match self.watched.get(c) {
+            Some(w) if drained && w.is_held() => w.cgroup_id,
+            _ => {
+                tracer.proc_reads_dropped(ticket);
+                return;
+            }
+        };
+        let before = tracer.gpu_state(cgroup_id);
         match tracer.reconcile_reads(ticket, reads) {
             Ok(done) => {
                 if !done.skipped.is_empty() {
@@ -169,12 +160,7 @@ impl Core {
             if !w.is_held() {
                 continue;
             }
-            let mut pids: BTreeSet<u32> = tracer
-                .fd_table()
-                .iter()
-                .filter(|(_, p)| p.cgroup_id == w.cgroup_id)
-                .map(|(pid, _)| pid)
-                .collect();
+            let mut pids = mirror_pids(tracer, w.cgroup_id);
             if let Some(dir) = tracer.cgroup_dir(w.cgroup_id) {
                 pids.extend(pids_of_cgroup_tree(&dir));
             }
@@ -238,6 +224,16 @@ impl Core {
             .map(|body| (c.clone(), owner, body))
             .collect()
     }
+}
+
+/// The processes the mirror has in cgroup `cgroup_id` (a check reads them with those of its cgroup tree).
+fn mirror_pids(tracer: &baton_tracer::Tracer, cgroup_id: u64) -> BTreeSet<u32> {
+    tracer
+        .fd_table()
+        .iter()
+        .filter(|(_, p)| p.cgroup_id == cgroup_id)
+        .map(|(pid, _)| pid)
+        .collect()
 }
 
 /// What the mirror thought (`before`) and what /proc corrected, for the log.
