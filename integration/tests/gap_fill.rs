@@ -565,7 +565,11 @@ fn the_rate_gate_stops_filling_when_preemptions_cost_too_much_and_fills_again_on
     // until it has left the window.
     const WINDOW: Duration = Duration::from_secs(15);
     let toml = "gap_fill_min_share = 0.99\ngap_fill_window = \"15s\"\n";
-    let mut trainer = rig.run("trainer", &Trainer::with_worker(), &PREEMPTIBLE);
+    // Every shim of a node has the node's TOML. The trainer has no forked worker: after the agent's restart
+    // below, a worker's inherited files would count as held (see hand_back.rs).
+    let options = baton_integration::api::runtime_options_toml(toml);
+    let mut trainer = rig.create_with("trainer", &Trainer::default(), &PREEMPTIBLE, Some(options));
+    rig.gpu.env.api().unwrap().start("trainer", "").unwrap();
     rig.wait_held("trainer");
     let steps = AgentSteps::start(&rig, "trainer");
 
@@ -590,6 +594,28 @@ fn the_rate_gate_stops_filling_when_preemptions_cost_too_much_and_fills_again_on
     steps.wait_for_matching("off", |d| {
         d.starts_with("nvidia0: 1 - ") && d.ends_with(" < 0.99")
     });
+
+    // A DaemonSet rollout: the agent's process goes, its window does not. The next agent (started by the
+    // shims, which register again) has the same preemptions and C, and keeps the GPU closed.
+    rig.gpu.env.containerd().kill_agent();
+    assert!(
+        wait_until(WITHIN, || try_gap_fill(&rig).is_some_and(|g| g["gpus"]
+            .as_array()
+            .is_some_and(|gpus| gpus
+                .iter()
+                .any(|r| r["device"] == json!("nvidia0"))))),
+        "the new agent answers with a row for nvidia0: {:?}",
+        try_gap_fill(&rig)
+    );
+    let after = gpu_row(&rig);
+    assert_eq!(after["c_s"], row["c_s"], "C survives the restart: {after}");
+    assert_eq!(after["filling"], json!(false), "still closed: {after}");
+    assert!(
+        after["preemptions_per_hour"].as_f64() >= Some(3600.0 / 15.0),
+        "{after}"
+    );
+    // The trace of the earlier agent ended with it.
+    let steps = AgentSteps::start(&rig, "trainer");
 
     // The next server parks the trainer again. Idle for longer than its park-when-idle, it stays resident while
     // the gate is closed; once it goes, the trainer stays parked.

@@ -147,7 +147,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     };
     let listener = listen(&socket)?;
     warn_when_proc_is_unreadable();
-    let result = serve_until_signal(listener, bounds, &args).await;
+    let result = serve_until_signal(listener, bounds, &args, &dir).await;
     let _ = std::fs::remove_file(&socket);
     tracing::info!("agent: stopped");
     result
@@ -239,6 +239,7 @@ async fn serve_until_signal(
     listener: UnixListener,
     bounds: control::Bounds,
     args: &AgentArgs,
+    state_dir: &Path,
 ) -> Result<(), AgentError> {
     nvml::configure(args.nvml_library.clone());
     nvml::initialise_in_background();
@@ -254,6 +255,9 @@ async fn serve_until_signal(
     };
     let mut core = self::core::Core::new(events.clone(), controller.clone(), exempt);
     core.fd_quota = args.probe_fd_quota;
+    core.gapfill
+        .rate
+        .persist_at(&state_dir.join(RATE_GATE_FILE));
     let core = tokio::spawn(core.run(rx));
     metrics::spawn(&args.metrics_addr, commands.clone());
     let mut term = signal(SignalKind::terminate()).map_err(doing("SIGTERM handler"))?;
@@ -266,6 +270,9 @@ async fn serve_until_signal(
     core.abort();
     result
 }
+
+/// The rate gate's window, next to the socket (see `gapfill/rate_store.rs`).
+const RATE_GATE_FILE: &str = "rate-gate.json";
 
 /// The agent's exit status after a panic (sysexits' EX_SOFTWARE).
 const EXIT_AFTER_PANIC: i32 = 70;

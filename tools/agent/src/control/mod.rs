@@ -168,7 +168,9 @@ struct Controller {
     reports: mpsc::UnboundedReceiver<link::Report>,
     status: Arc<Mutex<ControllerStatus>>,
     core: mpsc::Sender<Command>,
-    /// Launches per container: the last total read, and those of the last governor window.
+    /// Per co-runner, the governor's mark: its launch total when the current window began, and its launches
+    /// in the last window. The totals' one owner is the core's tracer: `status` and the metrics show them
+    /// from there, never from this mark.
     launches: HashMap<ContainerRef, (u64, u64)>,
     launches_due: Option<tokio::time::Instant>,
 }
@@ -558,7 +560,8 @@ impl Controller {
             last_freeze_ns: s.and_then(|s| s.last_freeze_ns),
             last_thaw_ns: s.and_then(|s| s.last_thaw_ns),
             error: s.and_then(|s| s.error.clone()),
-            launches: self.launches.get(c).map(|l| l.0),
+            // The core fills it in from the tracer (`Core::controller_status`).
+            launches: None,
         }
     }
 }

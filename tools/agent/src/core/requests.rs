@@ -77,7 +77,8 @@ impl Core {
         }
     }
 
-    /// The controller's status, with each co-runner's launches counted up to now.
+    /// The controller's status, with each co-runner's launches counted up to now (the tracer's counts: the
+    /// controller keeps none to show).
     fn controller_status(&self) -> baton_agent_api::ControllerStatus {
         let mut status = self.controller.status();
         let launches: HashMap<ContainerRef, u64> = self.launches().into_iter().collect();
@@ -114,7 +115,7 @@ impl Core {
             containers,
             probes_attached: self.tracer.is_some(),
             totals: self.retired.with(self.tracer.as_ref()),
-            controller: self.controller.status(),
+            controller: self.controller_status(),
             gap_fill: self.gap_fill_status(),
         }
     }

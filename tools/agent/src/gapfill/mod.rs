@@ -31,6 +31,7 @@ use tokio::{sync::mpsc, time::Instant};
 
 mod idle_park;
 mod rate_gate;
+mod rate_store;
 
 pub(crate) use idle_park::IdlePark;
 use rate_gate::RateGate;

@@ -9,6 +9,9 @@
 //! C is the mean over the resumes whose preemption is in the window, else the last one measured (a property
 //! of the co-runners and the GPU, not of the rate); before the first resume it is unknown, and the agent
 //! fills. A preemption counts once per server arrival, however many co-runners it parks.
+//!
+//! The window outlives the agent's process: it is written through to a file the next agent reads
+//! (`rate_store.rs`).
 use std::collections::{BTreeSet, VecDeque};
 
 use baton_agent_api::{
@@ -16,6 +19,7 @@ use baton_agent_api::{
 };
 use tokio::time::Instant;
 
+use super::rate_store::{SavedGpu, Store};
 use crate::{
     core::{Core, Note, NoteKind},
     gate,
@@ -54,19 +58,58 @@ pub struct Figures {
 pub struct RateGate {
     settings: RateGateSettings,
     gpus: Vec<Gpu>,
+    /// Where the window is written through to (none in unit tests).
+    store: Option<Store>,
 }
 
 impl RateGate {
     /// Takes the node's settings (from a shim's registration).
     pub fn set(&mut self, settings: RateGateSettings) {
-        if settings != self.settings {
-            tracing::info!(
-                min_share = settings.min_share,
-                window_s = settings.window_s,
-                "agent: gap-fill: rate gate settings"
-            );
+        if settings == self.settings {
+            return;
         }
+        tracing::info!(
+            min_share = settings.min_share,
+            window_s = settings.window_s,
+            "agent: gap-fill: rate gate settings"
+        );
         self.settings = settings;
+        self.save();
+    }
+
+    /// Writes the window through to the file at `path` from now on, after taking up what an earlier agent of
+    /// this boot wrote there.
+    pub fn persist_at(&mut self, path: &std::path::Path) {
+        let store = Store::at(path);
+        let window = store.load(now_monotonic_ns());
+        if let Some(settings) = window.settings {
+            self.settings = settings;
+        }
+        for saved in window.gpus {
+            let g = self.gpu_mut(&saved.key);
+            g.preemptions = saved.preemptions.into();
+            g.costs = saved.costs.into();
+            g.last_c_ns = saved.last_c_ns;
+        }
+        self.store = Some(store);
+    }
+
+    /// Writes the window through to the store, if there is one.
+    fn save(&mut self) {
+        let Some(store) = self.store.as_mut() else {
+            return;
+        };
+        let gpus = self
+            .gpus
+            .iter()
+            .map(|g| SavedGpu {
+                key: g.key.clone(),
+                preemptions: g.preemptions.iter().copied().collect(),
+                costs: g.costs.iter().copied().collect(),
+                last_c_ns: g.last_c_ns,
+            })
+            .collect();
+        store.save(self.settings, gpus);
     }
 
     /// The settings in force.
@@ -100,6 +143,7 @@ impl RateGate {
         for d in devices {
             self.gpu_mut(d).preemptions.push_back(t_ns);
         }
+        self.save();
     }
 
     /// A co-runner of `devices` whose preemption was asked at `requested_ns` runs again at `now_ns`.
@@ -110,16 +154,24 @@ impl RateGate {
             g.costs.push_back((requested_ns, c));
             g.last_c_ns = Some(c);
         }
+        self.save();
     }
 
     /// Drops what left the window.
     pub fn expire(&mut self, now_ns: u64) {
         let since = now_ns.saturating_sub(self.window_ns());
+        let mut dropped = false;
         for g in &mut self.gpus {
             while g.preemptions.front().is_some_and(|t| *t < since) {
                 g.preemptions.pop_front();
+                dropped = true;
             }
+            let before = g.costs.len();
             g.costs.retain(|(t, _)| *t >= since);
+            dropped |= g.costs.len() != before;
+        }
+        if dropped {
+            self.save();
         }
     }
 
@@ -407,5 +459,27 @@ mod tests {
         // Long after: no preemption in the window, C the last measured.
         let f = g.figures(&DeviceKey::Number(195, 0), t0 + 3600 * S);
         assert_eq!((f.per_hour, f.c_s, f.share), (0.0, Some(2.0), Some(1.0)));
+    }
+
+    #[test]
+    fn a_closed_gate_stays_closed_for_the_next_agent_of_the_node() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("rate-gate.json");
+        let mut g = gate(0.99, 60.0);
+        g.persist_at(&path);
+        let now = now_monotonic_ns();
+        let t = now.saturating_sub(5 * S);
+        g.preempted(&gpu(0), t);
+        g.resumed(&gpu(0), t, t + 2 * S);
+        let key = DeviceKey::Number(195, 0);
+        let before = g.figures(&key, now);
+        assert!(!before.filling, "1 - 60/h * 2 s / 3600 < 0.99: {before:?}");
+
+        // The agent restarts: the next one has not heard the node's settings yet.
+        let mut next = RateGate::default();
+        next.persist_at(&path);
+        assert_eq!(next.figures(&key, now), before);
+        assert_eq!(next.settings().min_share, 0.99);
+        assert!(!next.filling(&gpu(0), now));
     }
 }

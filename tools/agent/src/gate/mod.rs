@@ -17,8 +17,8 @@ use tokio::{sync::oneshot, time::Instant};
 
 use baton_agent_api::{ContainerRef, Reply};
 
-/// One GPU device, as the gate compares them.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+/// One GPU device, as the gate compares them (and as the rate gate saves them across restarts).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum DeviceKey {
     /// A character device: its major and minor.
     Number(u64, u64),
