@@ -6,6 +6,7 @@ mod common;
 
 use std::os::fd::AsFd;
 
+use baton_mock_nvidia::driver::{DriverState, MockDriver, MountOptions};
 use baton_mock_nvidia::workload::calls::{self, AllocForm};
 use baton_mock_nvidia::workload::nvfile::NvFile;
 use baton_nvidia::layout::{DriverVersion, Layout};
@@ -265,4 +266,80 @@ fn a_struct_of_another_band_is_refused() {
     .unwrap_err();
     assert!(error.to_string().contains("Invalid argument"), "{error}");
     assert_eq!(mock.state().clients().count(), 0);
+}
+
+/// Video memory of `bytes` under `parent` through RM_ALLOC (the mock reads the size from the caller's
+/// memory); returns the status.
+fn alloc_vram(ctl: &NvFile, client: u32, parent: u32, bytes: u64) -> u32 {
+    let mut params = calls::memory_alloc_params(&layout(), bytes);
+    calls::rm_alloc(
+        ctl,
+        &layout(),
+        AllocForm::Nvos64,
+        [client, parent, 0],
+        class::NV01_MEMORY_LOCAL_USER,
+        Some(&mut params),
+    )
+    .expect("RM_ALLOC ioctl")
+    .status
+}
+
+/// Each GPU has its capacity: video memory that does not fit in its device's GPU is refused with the
+/// status, whatever another GPU has free, and never oversubscribes; a free makes room again. The device's
+/// GPU is the `deviceId` of its `NV0080_ALLOC_PARAMETERS`, which the mock reads in the caller's memory.
+#[test]
+fn video_memory_past_a_gpus_capacity_is_refused() {
+    if skip("video_memory_past_a_gpus_capacity_is_refused") {
+        return;
+    }
+    const MIB: u64 = 1 << 20;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let options = MountOptions::new(dir.path())
+        .with_driver_version(VERSION)
+        .with_gpus(2)
+        .with_vram_mib(64);
+    let mock = MockDriver::mount(options).expect("mount the mock driver");
+    let ctl = NvFile::open(&mock.path("nvidiactl")).unwrap();
+    let client = new_client(&ctl);
+    // Device 1 on GPU 1 (deviceId 1 in its NV0080_ALLOC_PARAMETERS), device 2 with no params: GPU 0.
+    let mut nv0080 = [0u8; 56];
+    nv0080[..4].copy_from_slice(&1u32.to_le_bytes());
+    let done = calls::rm_alloc(
+        &ctl,
+        &layout(),
+        AllocForm::Nvos64,
+        [client, client, 1],
+        class::NV01_DEVICE_0,
+        Some(&mut nv0080),
+    )
+    .expect("RM_ALLOC ioctl");
+    assert_eq!((done.status, done.handle), (status::NV_OK, 1));
+    assert_eq!(
+        alloc(&ctl, [client, client, 2], class::NV01_DEVICE_0),
+        (status::NV_OK, 2)
+    );
+    assert_eq!(alloc_vram(&ctl, client, 1, 48 * MIB), status::NV_OK);
+    assert_eq!(alloc_vram(&ctl, client, 1, 16 * MIB), status::NV_OK);
+    let refused = status::NV_ERR_INSUFFICIENT_RESOURCES;
+    assert_eq!(alloc_vram(&ctl, client, 1, 1), refused, "GPU 1 is full");
+    assert_eq!(alloc_vram(&ctl, client, 2, 64 * MIB + 1), refused);
+    assert_eq!(alloc_vram(&ctl, client, 2, 64 * MIB), status::NV_OK);
+    let state = mock.state();
+    assert_eq!(state.vram_bytes_per_gpu, 64 * MIB);
+    assert_eq!(state.vram_used_bytes_per_gpu, vec![64 * MIB, 64 * MIB]);
+    assert_eq!(
+        (state.vram_bytes, state.vram_used_bytes),
+        (128 * MIB, 128 * MIB)
+    );
+    // Freeing device 1 frees its memory: GPU 1 has room again, GPU 0 still none.
+    assert_eq!(
+        calls::rm_free(&ctl, client, client, 1).unwrap(),
+        status::NV_OK
+    );
+    assert_eq!(alloc_vram(&ctl, client, 2, 1), refused);
+    assert_eq!(mock.state().vram_used_bytes_per_gpu, vec![64 * MIB, 0]);
+    drop(ctl);
+    let idle = DriverState::wait_for(mock.mountpoint(), common::TIMEOUT, DriverState::is_idle)
+        .expect("read state.json");
+    assert_eq!(idle.vram_used_bytes_per_gpu, vec![0, 0]);
 }

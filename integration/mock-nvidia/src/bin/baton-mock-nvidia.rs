@@ -5,7 +5,9 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use baton_mock_nvidia::driver::{DEFAULT_DRIVER_VERSION, MockDriver, MountOptions};
+use baton_mock_nvidia::driver::{
+    DEFAULT_DRIVER_VERSION, DEFAULT_VRAM_MIB, MockDriver, MountOptions,
+};
 use clap::Parser;
 use nix::sys::signal::{SigSet, Signal};
 
@@ -22,8 +24,8 @@ struct Args {
     /// Number of GPUs (nvidia0..).
     #[arg(long, default_value_t = 1)]
     gpus: u32,
-    /// Video memory per GPU, in MiB.
-    #[arg(long, default_value_t = 81920)]
+    /// Video memory per GPU, in MiB (default: an H200's); allocations past it are refused.
+    #[arg(long, default_value_t = DEFAULT_VRAM_MIB)]
     vram_mib: u64,
 }
 

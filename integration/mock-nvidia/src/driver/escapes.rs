@@ -154,6 +154,7 @@ impl Escapes {
             new: field(rm_alloc::H_OBJECT_NEW_OFFSET)?,
             class: class_id,
             bytes: memory_size(class_id, pid, alloc_params),
+            device_id: device_id(class_id, pid, alloc_params),
         };
         match rm.alloc(fh, request) {
             Ok(handle) => {
@@ -178,6 +179,22 @@ impl Escapes {
         self.escape(rm, fh, node, pid, inner_nr, &mut inner)?;
         user_memory::write(pid, pointer, &inner).map_err(|_| Errno::EFAULT)
     }
+}
+
+/// Offset of `deviceId` (u32) in `NV0080_ALLOC_PARAMETERS`, the `pAllocParms` of `NV01_DEVICE_0`
+/// (src/common/sdk/nvidia/inc/class/cl0080.h).
+const NV0080_DEVICE_ID_OFFSET: u64 = 0;
+
+/// The device instance an `NV01_DEVICE_0` allocation asks for, read from its `NV0080_ALLOC_PARAMETERS` in
+/// the caller's memory; `None` for other classes, no params (the driver then uses instance 0), or params
+/// the mock cannot read (it then uses instance 0 too, where the driver would fail the copy-in).
+fn device_id(class_id: u32, pid: u32, alloc_params: u64) -> Option<u32> {
+    if class_id != class::NV01_DEVICE_0 || alloc_params == 0 {
+        return None;
+    }
+    let address = alloc_params.checked_add(NV0080_DEVICE_ID_OFFSET)?;
+    let bytes = user_memory::read(pid, address, 4).ok()?;
+    get_u32(&bytes, 0)
 }
 
 /// Bytes requested by a memory-class allocation, read from its `NV_MEMORY_ALLOCATION_PARAMS` in the
@@ -239,6 +256,7 @@ fn rm_alloc_memory(rm: &mut Rm, fh: u64, params: &mut [u8]) -> Result<(), Errno>
         new: field(nvos02::H_OBJECT_NEW_OFFSET)?,
         class: field(nvos02::H_CLASS_OFFSET)?,
         bytes: Some(limit.saturating_add(1)),
+        device_id: None,
     };
     let code = match rm.alloc(fh, request) {
         Ok(handle) => {
@@ -265,6 +283,7 @@ fn vid_heap_control(rm: &mut Rm, fh: u64, params: &mut [u8]) -> Result<(), Errno
                 new: memory,
                 class: class::NV01_MEMORY_LOCAL_USER,
                 bytes: get_u64(params, nvos32::ALLOC_SIZE_OFFSET),
+                device_id: None,
             };
             match rm.alloc(fh, request) {
                 Ok(handle) => {
@@ -277,7 +296,8 @@ fn vid_heap_control(rm: &mut Rm, fh: u64, params: &mut [u8]) -> Result<(), Errno
         nvos32::FUNCTION_FREE => rm.free(fh, client, memory),
         _ => status::NV_ERR_NOT_SUPPORTED,
     };
-    let (total, used) = rm.vram();
+    // The heap of the parent's GPU (GPU 0 when the parent is unknown).
+    let (total, used) = rm.vram_of_gpu(rm.gpu_of(fh, client, parent).unwrap_or(0));
     put_u64(params, nvos32::TOTAL_OFFSET, total);
     put_u64(params, nvos32::FREE_OFFSET, total.saturating_sub(used));
     write_status(rm, params, nvos32::STATUS_OFFSET, code)
@@ -318,6 +338,9 @@ fn card_info_entries(rm: &Rm, params: &mut [u8]) -> Result<(), Errno> {
             card_info::PCI_VENDOR_NVIDIA,
         );
         put_u32(entry, card_info::GPU_ID_OFFSET, gpu_id(index));
+        // Not the driver's value: the H200 answered fb_size 0x4000000000 (256 GiB, its framebuffer BAR,
+        // not its 143,771 MiB of memory; /work/shared/gpu/580.159.04/pytorch-1gib.jsonl, NV_ESC_CARD_INFO).
+        // The mock writes each GPU's capacity there instead.
         put_u64(entry, card_info::FB_SIZE_OFFSET, config.vram_bytes_per_gpu);
         put_u32(entry, card_info::MINOR_NUMBER_OFFSET, index);
         let name = format!("nvidia{index}");
@@ -429,5 +452,78 @@ mod tests {
             status.is_some_and(|s| s != 0xdead),
             "{version}: RM answered"
         );
+    }
+
+    /// `RM_VID_HEAP_CONTROL` alloc of `bytes` under device 1 of `client`; returns (status, total, free).
+    fn vid_heap_alloc(
+        escapes: &Escapes,
+        rm: &mut Rm,
+        fh: u64,
+        client: u32,
+        bytes: u64,
+    ) -> [u64; 3] {
+        let mut params = vec![0u8; nvos32::SIZE as usize];
+        put_u32(&mut params, nvos32::H_ROOT_OFFSET, client);
+        put_u32(&mut params, nvos32::H_OBJECT_PARENT_OFFSET, 1);
+        put_u32(
+            &mut params,
+            nvos32::FUNCTION_OFFSET,
+            nvos32::FUNCTION_ALLOC_SIZE,
+        );
+        put_u64(&mut params, nvos32::ALLOC_SIZE_OFFSET, bytes);
+        put_u32(&mut params, nvos32::STATUS_OFFSET, 0xdead);
+        let cmd = ioc::iowr(
+            ioc::NV_IOCTL_MAGIC,
+            escape::RM_VID_HEAP_CONTROL,
+            nvos32::SIZE,
+        );
+        let out = escapes.handle(rm, fh, 1, cmd, &params).unwrap();
+        [
+            u64::from(get_u32(&out, nvos32::STATUS_OFFSET).unwrap()),
+            get_u64(&out, nvos32::TOTAL_OFFSET).unwrap(),
+            get_u64(&out, nvos32::FREE_OFFSET).unwrap(),
+        ]
+    }
+
+    /// A video-memory allocation past its GPU's free memory comes back with the status in the params, and
+    /// the heap's total and free are its GPU's.
+    #[test]
+    fn vid_heap_alloc_past_capacity_is_refused_in_the_status_field() {
+        let escapes = Escapes::new(layout_for("595.45.04").unwrap());
+        let mut rm = rm("595.45.04");
+        let fh = rm.open(Node::Ctl, 1);
+        let root = AllocRequest {
+            root: 0,
+            parent: 0,
+            new: 0,
+            class: class::NV01_ROOT_CLIENT,
+            bytes: None,
+            device_id: None,
+        };
+        let client = rm.alloc(fh, root).unwrap();
+        let device = AllocRequest {
+            root: client,
+            parent: client,
+            new: 1,
+            class: class::NV01_DEVICE_0,
+            ..root
+        };
+        assert_eq!(rm.alloc(fh, device), Ok(1));
+        let gib = 1u64 << 30;
+        let ok = u64::from(status::NV_OK);
+        let refused = u64::from(status::NV_ERR_INSUFFICIENT_RESOURCES);
+        assert_eq!(
+            vid_heap_alloc(&escapes, &mut rm, fh, client, gib / 2),
+            [ok, gib, gib / 2]
+        );
+        assert_eq!(
+            vid_heap_alloc(&escapes, &mut rm, fh, client, gib / 2 + 1),
+            [refused, gib, gib / 2]
+        );
+        assert_eq!(
+            vid_heap_alloc(&escapes, &mut rm, fh, client, gib / 2),
+            [ok, gib, 0]
+        );
+        assert_eq!(rm.vram(), (gib, gib));
     }
 }

@@ -23,6 +23,9 @@
 //! - Device files are regular files served through the page cache: `mmap(MAP_SHARED)` of `nvidiaN` or
 //!   `nvidiactl` works within the file size (the configured VRAM); pages read as zeros and written-back
 //!   pages are dropped.
+//! - Each GPU has `vram_mib` of video memory (default an H200's, [`DEFAULT_VRAM_MIB`]); video memory that
+//!   does not fit in its GPU's free memory is refused with `NV_ERR_INSUFFICIENT_RESOURCES` (see [`rm`] for
+//!   how an allocation's GPU is known and what is not modelled).
 
 pub mod classes;
 pub mod escapes;
@@ -49,6 +52,12 @@ use self::rm::{Rm, RmConfig};
 /// Driver version the mock reports unless told otherwise.
 pub const DEFAULT_DRIVER_VERSION: &str = "595.45.04";
 
+/// Video memory per GPU the mock has unless told otherwise, in MiB: an H200's, the GPU of the 580.159.04
+/// recordings (/work/shared/gpu/580.159.04/README.md: "one NVIDIA H200 (143,771 MiB, ..."; nvidia-smi's
+/// `memory.total` there: integration/golden/580.159.04/gpu-check-quick.report.json, machine.gpus).
+/// Allocations past it are refused (see [`rm`]).
+pub const DEFAULT_VRAM_MIB: u64 = 143_771;
+
 /// How to mount the mock.
 #[derive(Debug, Clone)]
 pub struct MountOptions {
@@ -58,7 +67,7 @@ pub struct MountOptions {
     pub driver_version: String,
     /// Number of GPUs (`nvidia0`..`nvidia{gpus-1}`).
     pub gpus: u32,
-    /// Video memory per GPU in MiB.
+    /// Video memory per GPU in MiB: each GPU's capacity, which its allocations never exceed.
     pub vram_mib: u64,
     /// How long each close of a device file takes (its FUSE flush, which close waits for): the driver's
     /// teardown in a close, which the release signal must wait out.
@@ -66,13 +75,13 @@ pub struct MountOptions {
 }
 
 impl MountOptions {
-    /// Defaults (595.45.04, one GPU of 80 GiB) at `mountpoint`.
+    /// Defaults (595.45.04, one GPU of [`DEFAULT_VRAM_MIB`], an H200's 143,771 MiB) at `mountpoint`.
     pub fn new(mountpoint: impl Into<PathBuf>) -> Self {
         Self {
             mountpoint: mountpoint.into(),
             driver_version: DEFAULT_DRIVER_VERSION.to_owned(),
             gpus: 1,
-            vram_mib: 81920,
+            vram_mib: DEFAULT_VRAM_MIB,
             close_delay: std::time::Duration::ZERO,
         }
     }

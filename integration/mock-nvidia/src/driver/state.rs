@@ -41,8 +41,15 @@ pub struct DriverState {
     pub gpus: u32,
     /// Video memory of all GPUs together, in bytes.
     pub vram_bytes: u64,
-    /// Video memory held by live memory objects whose size the mock could read.
+    /// Video memory held by live video-memory objects whose size the mock could read, all GPUs together.
     pub vram_used_bytes: u64,
+    /// Video memory of each GPU (its capacity), in bytes. 0 in a state written before the mock said it.
+    #[serde(default)]
+    pub vram_bytes_per_gpu: u64,
+    /// Video memory held on each GPU (index: the GPU's device instance, `nvidiaN`'s N), in bytes; each at
+    /// most `vram_bytes_per_gpu`. Empty in a state written before the mock said it.
+    #[serde(default)]
+    pub vram_used_bytes_per_gpu: Vec<u64>,
     /// Open device files (one per FUSE file handle), in opening order.
     pub files: Vec<FileState>,
     /// Counters since the mount.
