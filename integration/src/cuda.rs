@@ -100,7 +100,17 @@ impl Trainer {
 impl CudaRig {
     /// Starts the rig, or `None` after reporting a skip.
     pub fn start(name: &str) -> Option<Self> {
-        let gpu = GpuRig::start(name)?;
+        Self::start_with(name, |o| o)
+    }
+
+    /// [`CudaRig::start`] with the mock driver's options changed by `options` (a smaller GPU, more GPUs).
+    pub fn start_with(
+        name: &str,
+        options: impl FnOnce(
+            baton_mock_nvidia::driver::MountOptions,
+        ) -> baton_mock_nvidia::driver::MountOptions,
+    ) -> Option<Self> {
+        let gpu = GpuRig::start_with(name, options)?;
         let standin = workspace_binary("baton-mock-nvidia", "baton-mock-cuda-checkpoint")
             .unwrap_or_else(|e| panic!("the cuda-checkpoint stand-in: {e}"));
         let link = gpu.env.shim_dir().join("cuda-checkpoint");

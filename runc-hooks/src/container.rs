@@ -133,6 +133,7 @@ pub fn registration_of(
         settings: WatchSettings {
             trace_prefix: trace_prefix.to_owned(),
             rate_gate: None,
+            gpu_memory_headroom: None,
         },
         control_socket: None,
         preemption: None,
@@ -140,6 +141,8 @@ pub fn registration_of(
         // CRI-O's (or containerd's) annotations name the pod, for the agent's metrics.
         kubernetes: baton_agent_api::KubernetesRef::from_annotations(&state.annotations)
             .map(Box::new),
+        // The hooks take no Baton annotation: a container they register needs the whole GPU.
+        gpu_memory: None,
     }))
 }
 

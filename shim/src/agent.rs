@@ -214,11 +214,13 @@ fn registration_of(c: &GpuContainer<'_>) -> Option<Registration> {
         settings: WatchSettings {
             trace_prefix: c.settings.trace_prefix.clone(),
             rate_gate: c.settings.rate_gate.map(Box::new),
+            gpu_memory_headroom: c.settings.gpu_memory_headroom,
         },
         control_socket: c.control_socket.map(|p| p.display().to_string()),
         preemption: c.preemption.cloned(),
         role,
         kubernetes: c.settings.kubernetes.clone().map(Box::new),
+        gpu_memory: c.settings.gpu_memory,
     })
 }
 

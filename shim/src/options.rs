@@ -108,6 +108,11 @@ pub struct BatonSettings {
     /// A latency-critical container the agent parks after this long without a request event
     /// (`park-when-idle`, a duration).
     pub park_when_idle: Option<std::time::Duration>,
+    /// The video memory the container needs on each GPU it sees (`gpu-memory`, a Kubernetes quantity,
+    /// bytes); `None`: the whole GPU.
+    pub gpu_memory: Option<u64>,
+    /// The memory the gate keeps free on each GPU (`gpu_memory_headroom`, node only, bytes).
+    pub gpu_memory_headroom: Option<u64>,
     /// The pod (`pod-namespace/pod-name`) from CRI's sandbox annotations; not a key.
     pub pod: Option<String>,
     /// The pod and container names from CRI's annotations (for the agent's metrics); not a key.
@@ -136,6 +141,7 @@ impl BatonSettings {
             launch_blocking: false,
             preemptible: None,
             park_when_idle: None,
+            gpu_memory: None,
             ..self.clone()
         }
     }
@@ -164,6 +170,8 @@ impl Default for BatonSettings {
             priority: 0,
             rate_gate: None,
             park_when_idle: None,
+            gpu_memory: None,
+            gpu_memory_headroom: None,
             pod: None,
             kubernetes: None,
         }
@@ -338,6 +346,18 @@ impl BatonSettings {
                     .filter(|d| !d.is_zero() && *d <= limits::MAX_RATE_WINDOW)
                     .ok_or_else(|| invalid(&format!("{DURATION_SYNTAX} of at most a week")))?;
                 self.rate_gate.get_or_insert_with(Default::default).window_s = window.as_secs_f64();
+            }
+            "gpu-memory" => {
+                self.gpu_memory = Some(
+                    baton_agent_api::room::parse_quantity(value)
+                        .ok_or_else(|| invalid(baton_agent_api::room::QUANTITY_SYNTAX))?,
+                );
+            }
+            "gpu_memory_headroom" => {
+                self.gpu_memory_headroom = Some(
+                    baton_agent_api::room::parse_quantity(value)
+                        .ok_or_else(|| invalid(baton_agent_api::room::QUANTITY_SYNTAX))?,
+                );
             }
             _ => return Ok(false),
         }
@@ -1115,6 +1135,33 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("baton.io/gap_fill_min_share"), "{err}");
+    }
+
+    #[test]
+    fn a_containers_gpu_memory_is_a_quantity_and_the_headroom_the_nodes() {
+        let a =
+            |k: &str, v: &str| -> HashMap<String, String> { [(k.to_owned(), v.to_owned())].into() };
+        let s = BatonSettings::default()
+            .with_annotations(&a("baton.io/gpu-memory", "24Gi"), "container")
+            .unwrap();
+        assert_eq!(s.gpu_memory, Some(24 << 30));
+        assert_eq!(
+            s.for_sandbox().gpu_memory,
+            None,
+            "the pause process needs none"
+        );
+        let err = BatonSettings::default()
+            .with_annotations(&a("baton.io/gpu-memory", "24GB"), "container")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("24Gi") && err.contains("quantity"), "{err}");
+        let cfg = parse_toml_options("gpu_memory_headroom = \"2Gi\"\n").unwrap();
+        assert_eq!(cfg.baton.gpu_memory_headroom, Some(2 << 30));
+        let err = BatonSettings::default()
+            .with_annotations(&a("baton.io/gpu_memory_headroom", "0"), "pod")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not allowed in annotations"), "{err}");
     }
 
     #[test]

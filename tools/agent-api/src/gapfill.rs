@@ -76,6 +76,9 @@ pub struct GpuGapFill {
     pub projected_share: Option<f64>,
     /// Whether the agent fills this GPU (resumes its parked co-runners when no server needs it).
     pub filling: bool,
+    /// Its memory as the gate counts it: capacity, what each holder has, the room, the waiters' needs.
+    #[serde(default)]
+    pub room: crate::room::GpuRoom,
 }
 
 /// Gap-fill, in `status`.

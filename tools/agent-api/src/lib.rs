@@ -14,6 +14,7 @@ pub mod lines;
 pub mod option_keys;
 pub mod preempt;
 pub mod protocol;
+pub mod room;
 
 pub use client::{Client, ClientError, Endpoint, connect_or_start};
 pub use control::*;

@@ -61,6 +61,18 @@ impl Request {
                 if let Some(g) = r.settings.rate_gate.as_deref() {
                     check_rate_gate(g)?;
                 }
+                let memory = [
+                    ("gpu_memory", r.gpu_memory),
+                    ("gpu_memory_headroom", r.settings.gpu_memory_headroom),
+                ];
+                for (name, bytes) in memory {
+                    if let Some(b) = bytes.filter(|b| *b > crate::room::MAX_GPU_MEMORY) {
+                        return Err(format!(
+                            "register: {name} {b} bytes is more than {} (1 PiB)",
+                            crate::room::MAX_GPU_MEMORY
+                        ));
+                    }
+                }
             }
             Request::Preempt(p) if p.pids.len() > MAX_PREEMPT_PIDS => {
                 return Err(format!(

@@ -65,8 +65,15 @@ pub const GAP_FILL_WINDOW: &str = "gap_fill_window";
 /// "raise" (its limit, while parked) or "refuse" (node only; [`crate::ParkMemory`]).
 pub const PARK_MEMORY: &str = "park_memory";
 
+/// The video memory a container needs on each GPU it sees (a quantity, `24Gi`): its Start goes through the
+/// GPU-free gate once that much is free beside the holders, instead of waiting for an empty GPU.
+pub const GPU_MEMORY: &str = "gpu-memory";
+/// The memory the gate keeps free on each GPU beside what the holders have (node only; a quantity,
+/// default none).
+pub const GPU_MEMORY_HEADROOM: &str = "gpu_memory_headroom";
+
 /// Every Baton key, in TOML and (prefixed with [`ANNOTATION_PREFIX`]) in annotations.
-pub const BATON_KEYS: [&str; 21] = [
+pub const BATON_KEYS: [&str; 23] = [
     EBPF,
     CUDA_CHECKPOINT_PATH,
     CUDA_DRIVER_PATH,
@@ -88,6 +95,8 @@ pub const BATON_KEYS: [&str; 21] = [
     GAP_FILL_WINDOW,
     PARK_WHEN_IDLE,
     PARK_MEMORY,
+    GPU_MEMORY,
+    GPU_MEMORY_HEADROOM,
 ];
 
 /// The keys only the node's TOML may set, as annotations come from whoever writes the pod spec: they name
@@ -96,7 +105,7 @@ pub const BATON_KEYS: [&str; 21] = [
 /// container's gate sees, and distinct prefixes would use up the probe set's few slots for the whole node), or
 /// bound a preemption (a tiny `cuda_checkpoint_timeout` would make a container impossible to preempt), or
 /// concern every container of the node (gap-fill's rate gate).
-pub const NODE_ONLY_KEYS: [&str; 13] = [
+pub const NODE_ONLY_KEYS: [&str; 14] = [
     CUDA_CHECKPOINT_PATH,
     CUDA_DRIVER_PATH,
     CRIU_PATH,
@@ -110,6 +119,7 @@ pub const NODE_ONLY_KEYS: [&str; 13] = [
     PARK_MEMORY,
     GAP_FILL_MIN_SHARE,
     GAP_FILL_WINDOW,
+    GPU_MEMORY_HEADROOM,
 ];
 
 /// runc's `Options` keys (Go spelling) that `baton install` copies from the node's runc runtime, so that

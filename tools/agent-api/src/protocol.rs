@@ -168,6 +168,10 @@ pub struct Registration {
     /// so that a `Request` stays small.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kubernetes: Option<Box<KubernetesRef>>,
+    /// The video memory it needs on each GPU it sees (`baton.io/gpu-memory`), bytes; `None`: the whole GPU.
+    /// The gate lets its Start through once that much is free there (see [`crate::room`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_memory: Option<u64>,
 }
 
 /// A container as Kubernetes names it (CRI's `io.kubernetes.cri.sandbox-namespace`, `sandbox-name` and
@@ -229,6 +233,10 @@ pub struct WatchSettings {
     /// Boxed, so that a `Request` stays small.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rate_gate: Option<Box<crate::gapfill::RateGateSettings>>,
+    /// The memory the gate keeps free on each GPU (`gpu_memory_headroom`, node only), bytes, when the TOML
+    /// sets it: node-wide, the latest registration that carries it wins.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_memory_headroom: Option<u64>,
 }
 
 impl Default for WatchSettings {
@@ -236,6 +244,7 @@ impl Default for WatchSettings {
         Self {
             trace_prefix: "/dev/nvidia".to_owned(),
             rate_gate: None,
+            gpu_memory_headroom: None,
         }
     }
 }

@@ -82,8 +82,34 @@ fn nvml() -> Option<&'static Nvml> {
 /// with one).
 pub fn initialise_in_background() {
     std::thread::spawn(|| {
-        nvml();
+        if let Some(capacities) = read_capacities() {
+            tracing::info!(
+                ?capacities,
+                "agent: NVML: each GPU's memory (by minor): the gate lets a Start through beside holders when \
+                 its baton.io/gpu-memory fits"
+            );
+            let _ = CAPACITIES.set(capacities);
+        }
     });
+}
+
+/// Each GPU's memory by minor, read once after NVML's initialisation.
+static CAPACITIES: OnceLock<BTreeMap<u32, u64>> = OnceLock::new();
+
+/// Each GPU's memory (NVML's total) by its minor number (N of `/dev/nvidiaN`): `None` without NVML, or
+/// while it is still being initialised. Never blocks: the core calls it.
+pub fn capacity_by_minor() -> Option<&'static BTreeMap<u32, u64>> {
+    CAPACITIES.get()
+}
+
+/// NVML's total memory of each device by minor (blocking: NVML's calls; `None` without NVML).
+fn read_capacities() -> Option<BTreeMap<u32, u64>> {
+    Some(
+        devices()?
+            .iter()
+            .filter_map(|(_, d)| Some((d.minor_number().ok()?, d.memory_info().ok()?.total)))
+            .collect(),
+    )
 }
 
 /// NVML's devices with their indices; `None` without NVML.

@@ -138,7 +138,8 @@ pub fn render_status(s: &NodeStatus, now_ns: u64) -> String {
 /// Gap-fill's part of `baton status`: the co-runners the agent parked by itself, in the order it resumes
 /// them, with their ages; those it is preempting; those that finished instead (nothing when all are empty).
 fn render_gap_fill(g: &baton_agent_api::GapFillStatus) -> String {
-    let mut out = render_rate_gate(g);
+    let mut out = render_room(g);
+    out.push_str(&render_rate_gate(g));
     if g.parked.is_empty() && g.preempting.is_empty() && g.finished.is_empty() {
         return out;
     }
@@ -184,6 +185,51 @@ fn render_gap_fill(g: &baton_agent_api::GapFillStatus) -> String {
         out.push_str(&format!(
             "finished {} (namespace {}): {}\n",
             f.container.id, f.container.namespace, f.detail
+        ));
+    }
+    out
+}
+
+/// The gate's room per GPU in `baton status`: capacity, headroom, room, what each holder has and what each
+/// waiting Start needs (`whole`: the whole GPU; nothing without a GPU row).
+fn render_room(g: &baton_agent_api::GapFillStatus) -> String {
+    use baton_agent_api::room::show_bytes;
+    if g.gpus.is_empty() {
+        return String::new();
+    }
+    let amount = |b: Option<u64>| b.map_or_else(|| "whole".to_owned(), show_bytes);
+    let mut out = format!(
+        "GPU memory (a Start with baton.io/gpu-memory goes through when its need fits in ROOM)\n{:<12} {:>11} {:>9} {:>11}  {:<32} {}\n",
+        "GPU", "CAPACITY", "HEADROOM", "ROOM", "HOLDERS", "WAITERS (NEED)"
+    );
+    for gpu in &g.gpus {
+        let r = &gpu.room;
+        let held: Vec<String> = r
+            .held
+            .iter()
+            .map(|h| format!("{} {}", h.container.id, amount(h.bytes)))
+            .collect();
+        let needs: Vec<String> = r
+            .needs
+            .iter()
+            .map(|n| format!("{} {}", n.container.id, amount(n.bytes)))
+            .collect();
+        let list = |l: Vec<String>| {
+            if l.is_empty() {
+                "-".to_owned()
+            } else {
+                l.join(", ")
+            }
+        };
+        out.push_str(&format!(
+            "{:<12} {:>11} {:>9} {:>11}  {:<32} {}\n",
+            gpu.device,
+            r.capacity_bytes
+                .map_or_else(|| "unknown".to_owned(), show_bytes),
+            show_bytes(r.headroom_bytes),
+            r.room_bytes.map_or_else(|| "-".to_owned(), show_bytes),
+            list(held),
+            list(needs)
         ));
     }
     out

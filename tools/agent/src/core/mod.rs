@@ -80,6 +80,8 @@ pub struct Core {
     pub(crate) node_scan: Option<crate::holders::NodeScan>,
     /// How many NVIDIA fds of one container the probes follow (`--probe-fd-quota`).
     pub fd_quota: u32,
+    /// The memory the gate keeps free on each GPU (`gpu_memory_headroom`, from the shims' registrations).
+    pub(crate) gpu_headroom: u64,
 }
 
 impl Core {
@@ -114,6 +116,7 @@ impl Core {
             gapfill: GapFill::default(),
             idle: Default::default(),
             fd_quota: baton_tracer::DEFAULT_FD_QUOTA,
+            gpu_headroom: 0,
         }
     }
 }

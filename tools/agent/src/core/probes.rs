@@ -240,6 +240,7 @@ mod tests {
             hidden_logged: false,
             clear_since_ns: None,
             devices: Default::default(),
+            need: None,
             asked_ns: now_monotonic_ns(),
             deadline: tokio::time::Instant::now() + std::time::Duration::from_secs(60),
             reply,

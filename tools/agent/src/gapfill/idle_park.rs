@@ -246,6 +246,7 @@ impl Core {
             hidden_logged: false,
             clear_since_ns: None,
             devices: gate::devices_seen(w.registration.init_pid, &w.registration.devices),
+            need: w.registration.gpu_memory,
             asked_ns: now_monotonic_ns(),
             deadline: Instant::now() + within,
             reply,

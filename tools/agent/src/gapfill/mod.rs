@@ -18,17 +18,18 @@
 //!
 //! This module keeps the state and runs the shim calls; the core tells it what the probes and the gate
 //! see (it owns the watched containers).
-use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use baton_agent_api::{
     ContainerRef, FinishedCoRunner, GapFillStatus, Outcome, ParkedCoRunner, Phase, PreemptMode,
-    PreemptPhase, PreemptRequest, Preempting, Reply, Request, Role, RoleSpec, Step, Target,
+    PreemptPhase, PreemptRequest, Preempting, Request, Role, RoleSpec, Step, Target,
     gapfill::{MAX_FINISHED_SHOWN, effective_priority},
     names_container,
 };
 use tokio::{sync::mpsc, time::Instant};
 
+mod core_side;
+mod fit;
 mod idle_park;
 mod rate_gate;
 mod rate_store;
@@ -37,8 +38,8 @@ pub(crate) use idle_park::IdlePark;
 use rate_gate::RateGate;
 
 use crate::{
-    core::{Core, Note, Resolved},
-    gate::{self, DeviceKey, Waiter},
+    core::Resolved,
+    gate::{self, DeviceKey},
     preempt::run_unattended,
     registry::watched::Watched,
 };
@@ -109,6 +110,8 @@ struct InFlight {
     mode: PreemptMode,
     priority: i32,
     devices: BTreeSet<DeviceKey>,
+    /// Its video memory when it was picked (`None`: not measurable).
+    bytes: Option<u64>,
     /// When the agent asked for the preemption (CLOCK_MONOTONIC ns): where its cost C starts.
     requested_ns: u64,
     /// Whether its release signal came (the probes confirmed every NVIDIA file and mapping gone).
@@ -121,6 +124,9 @@ struct Parked {
     mode: PreemptMode,
     priority: i32,
     devices: BTreeSet<DeviceKey>,
+    /// Its video memory when it was parked (`None`: not measurable, or adopted after a restart): it may
+    /// resume beside its server once that much is free (`fit.rs`).
+    bytes: Option<u64>,
     /// CLOCK_MONOTONIC ns when it was parked.
     since_ns: u64,
     /// When the agent asked for its preemption (CLOCK_MONOTONIC ns).
@@ -147,6 +153,8 @@ pub struct Pick {
     pub mode: PreemptMode,
     priority: i32,
     devices: BTreeSet<DeviceKey>,
+    /// Its video memory (`None`: not measurable; set by the core, which has the ledger).
+    bytes: Option<u64>,
 }
 
 /// The gap-fill state of the agent.
@@ -251,6 +259,7 @@ impl GapFill {
                     mode: role.preemptible?,
                     priority: role.priority,
                     devices: gate::devices_seen(h.registration.init_pid, &h.registration.devices),
+                    bytes: None,
                 })
             })
             .collect()
@@ -291,6 +300,7 @@ impl GapFill {
                 mode: pick.mode,
                 priority: pick.priority,
                 devices: pick.devices,
+                bytes: pick.bytes,
                 requested_ns,
                 released: false,
             },
@@ -350,6 +360,7 @@ impl GapFill {
                         mode: f.mode,
                         priority: f.priority,
                         devices: f.devices,
+                        bytes: f.bytes,
                         since_ns: now_monotonic_ns(),
                         requested_ns: f.requested_ns,
                         resuming: false,
@@ -484,6 +495,7 @@ impl GapFill {
                 mode: p.mode,
                 priority,
                 devices: gate::devices_seen(w.registration.init_pid, &w.registration.devices),
+                bytes: None,
                 since_ns: p.since_ns,
                 requested_ns: p.since_ns,
                 resuming: false,
@@ -583,7 +595,7 @@ impl GapFill {
     /// latency-critical container that `co` yields to holds or waits for one of `devices`.
     pub fn next_resume(
         &self,
-        blocks: impl Fn(&ContainerRef, &BTreeSet<DeviceKey>) -> bool,
+        blocks: impl Fn(&ContainerRef, &BTreeSet<DeviceKey>, Option<u64>) -> bool,
     ) -> Option<ContainerRef> {
         if self.parked.values().any(|p| p.resuming) {
             return None;
@@ -593,7 +605,7 @@ impl GapFill {
             .into_iter()
             .filter(|(_, p)| p.mode == PreemptMode::Park && p.retry_at.is_none())
             .filter(|(_, p)| self.rate.filling(&p.devices, now))
-            .find(|(c, p)| !blocks(c, &p.devices))
+            .find(|(c, p)| !blocks(c, &p.devices, p.bytes))
             .map(|(c, _)| c.clone())
     }
 
@@ -722,133 +734,6 @@ fn finished_detail(steps: &[Step], otherwise: &str) -> String {
                 None => s.detail.clone(),
             },
         )
-}
-
-/// The core's side of gap-fill: what it does on the gate, on a shim call's end and on each turn.
-impl Core {
-    /// Starts the preemptions waiter `w`, still blocked at the gate, calls for (none unless it is
-    /// latency-critical).
-    pub(crate) fn gap_fill_preempt_for(&mut self, w: &Waiter) {
-        let Some(server) = self.watched.get(&w.container) else {
-            return;
-        };
-        let holders = self.holders(&w.container, &w.devices);
-        let picks = self.gapfill.to_preempt(server, &holders);
-        let requested_ns = now_monotonic_ns();
-        let mut gpus = BTreeSet::new();
-        for pick in picks {
-            match self.resolve(&Target::exact(&pick.container)) {
-                Ok(r) if !r.pids.is_empty() => {
-                    gpus.extend(pick.devices.iter().cloned());
-                    self.gapfill.preempt(pick, r, &w.container, requested_ns);
-                }
-                Ok(_) => {}
-                Err(e) => tracing::warn!(id = pick.container.id, "agent: gap-fill: {e}"),
-            }
-        }
-        if !gpus.is_empty() {
-            // One preemption of each GPU per server arrival, however many co-runners it parks.
-            self.gapfill.rate.preempted(&gpus, requested_ns);
-        }
-    }
-
-    /// A shim call the agent ran by itself ended.
-    pub(crate) fn on_gap_fill_done(&mut self, done: Done) {
-        match done {
-            Done::Preempted {
-                container,
-                steps,
-                result,
-            } => {
-                self.gapfill.preempted(&container, &steps, &result);
-                if let Ok(o) = &result {
-                    self.set_preemption(&container, o.preemption.clone());
-                }
-                for (co, error) in self.gapfill.take_failures() {
-                    self.fail_waiters_for(&co, &error);
-                }
-            }
-            Done::Resumed {
-                container,
-                steps,
-                result,
-            } => {
-                self.gapfill.resumed(&container, &steps, &result);
-                if let Ok(o) = &result {
-                    self.set_preemption(&container, o.preemption.clone());
-                }
-            }
-            Done::Step(step) => {
-                self.note(&Note::of_step(&step));
-                return;
-            }
-            Done::ServerParked { container, result } => self.idle_parked(&container, &result),
-            Done::ServerResumed { container, result } => self.idle_resumed(&container, &result),
-        }
-        self.show_rate_gate_changes();
-        self.check_gates();
-    }
-
-    /// Answers with `error` the latency-critical waiters that co-runner `co`, whose preemption failed, keeps
-    /// waiting (it still holds their GPU).
-    fn fail_waiters_for(&mut self, co: &ContainerRef, error: &str) {
-        let waiters = std::mem::take(&mut self.waiters);
-        let (failed, kept): (Vec<Waiter>, Vec<Waiter>) = waiters.into_iter().partition(|w| {
-            self.watched.get(&w.container).is_some_and(is_server)
-                && self
-                    .holders(&w.container, &w.devices)
-                    .iter()
-                    .any(|h| h.registration.container == *co)
-        });
-        self.waiters = kept;
-        for w in failed {
-            let _ = w.reply.send(Reply::Error {
-                error: error.to_owned(),
-            });
-        }
-    }
-
-    /// Resumes the next parked co-runner no latency-critical container needs the GPU of, if any.
-    pub(crate) fn gap_fill_resume(&mut self) {
-        if !self.gapfill.has_parked() {
-            return;
-        }
-        let Some(tracer) = self.tracer.as_ref() else {
-            return;
-        };
-        let watched = &self.watched;
-        // One view of what each container holds for the whole decision: read afresh for each candidate,
-        // a server exiting between two reads blocked the first candidate (it still held the GPU) and not
-        // the next (it no longer did), and a lower-priority co-runner was resumed first.
-        let seen: RefCell<BTreeMap<u64, BTreeSet<DeviceKey>>> = RefCell::default();
-        let held = |w: &Watched| {
-            seen.borrow_mut()
-                .entry(w.cgroup_id)
-                .or_insert_with(|| gate::devices_holding(tracer, w))
-                .clone()
-        };
-        self.gapfill
-            .settle_claims(|c| watched.get(c).is_none_or(Watched::is_held));
-        let mut waiting: Vec<(ContainerRef, BTreeSet<DeviceKey>)> = self
-            .waiters
-            .iter()
-            .map(|w| (w.container.clone(), w.devices.clone()))
-            .collect();
-        waiting.extend(self.gapfill.claims());
-        waiting.extend(self.servers_handed_back());
-        let next = self.gapfill.next_resume(|c, devices| {
-            server_needs(watched.get(c), watched, devices, held, &waiting)
-        });
-        let Some(c) = next else {
-            return;
-        };
-        match self.resolve(&Target::exact(&c)) {
-            Ok(r) => self.gapfill.resume(r),
-            Err(e) => self
-                .gapfill
-                .finish(&c, format!("it can no longer be resumed: {e}")),
-        }
-    }
 }
 
 #[cfg(test)]

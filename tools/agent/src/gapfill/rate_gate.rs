@@ -317,6 +317,7 @@ impl Core {
                     preemptions_per_hour: f.per_hour,
                     projected_share: f.share,
                     filling: f.filling,
+                    room: self.room_status(k),
                 }
             })
             .collect();

@@ -18,6 +18,7 @@ fn park(g: &mut GapFill, id: &str, priority: i32, parked_s_ago: u64) {
             mode: PreemptMode::Park,
             priority,
             devices: BTreeSet::new(),
+            bytes: None,
             since_ns: now_monotonic_ns().saturating_sub(parked_s_ago * 1_000_000_000),
             requested_ns: 0,
             resuming: false,
@@ -52,14 +53,14 @@ async fn the_resume_order_is_the_priority_aged_by_the_time_parked_and_one_resume
         .collect();
     // 0 + 0.1 * 200 s = 20 > 5 > 0.
     assert_eq!(order, ["old-low", "fresh-high", "fresh-low"]);
-    assert_eq!(g.next_resume(|_, _| false), Some(c("old-low")));
+    assert_eq!(g.next_resume(|_, _, _| false), Some(c("old-low")));
     // One a server still needs is skipped; the next goes first.
     assert_eq!(
-        g.next_resume(|co, _| *co == c("old-low")),
+        g.next_resume(|co, _, _| *co == c("old-low")),
         Some(c("fresh-high"))
     );
     g.parked.get_mut(&c("old-low")).unwrap().resuming = true;
-    assert_eq!(g.next_resume(|_, _| false), None, "one resume at a time");
+    assert_eq!(g.next_resume(|_, _, _| false), None, "one resume at a time");
 }
 
 #[tokio::test]
@@ -71,12 +72,12 @@ async fn a_failed_resume_waits_before_its_retry_and_a_snapshotted_co_runner_is_n
     g.parked.get_mut(&c("t")).unwrap().resuming = true;
     g.resumed(&c("t"), &[], &Err("injected at restore".into()));
     assert!(g.has_parked());
-    assert_eq!(g.next_resume(|_, _| false), None);
+    assert_eq!(g.next_resume(|_, _, _| false), None);
     let due = g.next_due().unwrap();
     assert!(due > Instant::now() + RETRY_RESUME / 2, "a retry later");
     g.parked.get_mut(&c("t")).unwrap().retry_at = Some(Instant::now());
     g.expire();
-    assert_eq!(g.next_resume(|_, _| false), Some(c("t")));
+    assert_eq!(g.next_resume(|_, _, _| false), Some(c("t")));
     // The second failure in a row waits twice as long, and the status says why.
     g.parked.get_mut(&c("t")).unwrap().resuming = true;
     g.resumed(&c("t"), &[], &Err("injected again".into()));
@@ -110,6 +111,7 @@ async fn a_failed_preemption_is_told_once_and_a_co_runner_that_finishes_at_its_r
         mode: PreemptMode::Park,
         priority: 0,
         devices: BTreeSet::new(),
+        bytes: None,
         requested_ns: 0,
         released: false,
     };

@@ -3,6 +3,7 @@
 //! a container holds a file of them that the probes do not follow. Devices are told apart by device number
 //! where the files are character devices (the real driver), and by name where they are not (the FUSE mock).
 pub(crate) mod gpu_users;
+pub(crate) mod room;
 mod waiters;
 
 use std::{
@@ -158,6 +159,8 @@ pub struct Waiter {
     pub clear_since_ns: Option<u64>,
     /// The devices it sees.
     pub devices: BTreeSet<DeviceKey>,
+    /// The video memory it needs on each (`baton.io/gpu-memory`); `None`: the whole GPU.
+    pub need: Option<u64>,
     /// When it asked (monotonic ns).
     pub asked_ns: u64,
     /// When it gives up.

@@ -32,12 +32,14 @@ impl Core {
         let timeout = std::time::Duration::from_millis(request.timeout_ms)
             .min(baton_agent_api::MAX_WAIT_GPU_FREE);
         let cgroup = w.registration.cgroup.clone();
+        let need = w.registration.gpu_memory;
         self.waiters.push(Waiter {
             container: request.container,
             cgroup,
             hidden_logged: false,
             clear_since_ns: None,
             devices,
+            need,
             asked_ns: now_monotonic_ns(),
             deadline: tokio::time::Instant::now() + timeout,
             reply,
@@ -207,7 +209,13 @@ impl Core {
         let mut ask_nvml = false;
         let mut scan_for = std::collections::BTreeSet::new();
         for mut w in waiters {
-            let watched = self.watched_holders(&w);
+            // One whose need fits beside the holders is kept out by none of them (see `room.rs`).
+            let fit = self.fit_of(&w);
+            let watched = if fit.fits() {
+                Vec::new()
+            } else {
+                self.watched_holders(&w)
+            };
             let hidden = if watched.is_empty() {
                 w.clear_since_ns.get_or_insert(now);
                 self.hidden_holders(&w, true)
@@ -223,7 +231,9 @@ impl Core {
                 None => {
                     // Not known yet: the gate stays shut until a scan asked from now on comes back.
                     scan_for.extend(w.devices.iter().cloned());
-                    self.gap_fill_preempt_for(&w);
+                    if !fit.fits() {
+                        self.gap_fill_preempt_for(&w);
+                    }
                     self.waiters.push(w);
                     continue;
                 }
@@ -231,14 +241,16 @@ impl Core {
             // A co-runner preempted for it lets it through on its release signal (confirmed), not before.
             let unreleased = self.gapfill.awaits_release(&w.devices);
             if watched.is_empty() && hidden.is_empty() && !unreleased {
-                self.open_gate(w);
+                self.open_gate(w, fit);
                 continue;
             }
             if !hidden.is_empty() {
                 hidden_wait = true;
                 log_hidden_once(&mut w, &hidden);
             }
-            self.gap_fill_preempt_for(&w);
+            if !fit.fits() {
+                self.gap_fill_preempt_for(&w);
+            }
             self.waiters.push(w);
         }
         self.scan_node_for(scan_for);
@@ -273,12 +285,26 @@ impl Core {
 
     /// Lets waiter `w` start: its GPU is free, and claimed for it until it holds GPU state there (against the
     /// other waiters and gap-fill).
-    fn open_gate(&mut self, w: Waiter) {
+    fn open_gate(&mut self, w: Waiter, fit: super::room::Fit) {
         let now = now_monotonic_ns();
-        tracing::info!(
-            id = w.container.id,
-            "agent: the GPU is free: the gate opens"
-        );
+        let beside: Vec<String> = self
+            .holders(&w.container, &w.devices)
+            .iter()
+            .map(|h| h.registration.container.id.clone())
+            .collect();
+        if fit.fits() && !beside.is_empty() {
+            tracing::info!(
+                id = w.container.id,
+                "agent: the gate opens: started beside {} (fits: {})",
+                beside.join(", "),
+                fit.describe()
+            );
+        } else {
+            tracing::info!(
+                id = w.container.id,
+                "agent: the GPU is free: the gate opens"
+            );
+        }
         self.gapfill.claim(&w.container, &w.devices);
         let _ = w.reply.send(Reply::GpuFree {
             waited_ns: now.saturating_sub(w.asked_ns),
@@ -309,8 +335,13 @@ impl Core {
             .unwrap_or_default();
         let waited = std::time::Duration::from_nanos(now_monotonic_ns().saturating_sub(w.asked_ns));
         if !watched.is_empty() {
+            let fit = self.fit_of(w);
+            let room = match fit {
+                super::room::Fit::Short { .. } => format!(" ({})", fit.describe()),
+                _ => String::new(),
+            };
             format!(
-                "the GPU is still held by {} after {waited:?}",
+                "the GPU is still held by {} after {waited:?}{room}",
                 watched.join(", ")
             )
         } else if !hidden.is_empty() {

@@ -186,13 +186,16 @@ struct GpuLabels {
     device: String,
 }
 
-/// Gap-fill's rate gate per GPU: C, the preemptions per hour, the projected share, filling, parked.
+/// Gap-fill's rate gate per GPU: C, the preemptions per hour, the projected share, filling, parked; and the
+/// gate's room (capacity, room).
 fn gap_fill(r: &mut Registry, s: &Snapshot) {
     let cost = Family::<GpuLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
     let rate = Family::<GpuLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
     let share = Family::<GpuLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
     let filling = Family::<GpuLabels, Gauge>::default();
     let parked = Family::<GpuLabels, Gauge>::default();
+    let capacity = Family::<GpuLabels, Gauge>::default();
+    let room = Family::<GpuLabels, Gauge>::default();
     for g in &s.gap_fill.gpus {
         let l = GpuLabels {
             device: g.device.clone(),
@@ -206,7 +209,29 @@ fn gap_fill(r: &mut Registry, s: &Snapshot) {
         rate.get_or_create(&l).set(g.preemptions_per_hour);
         filling.get_or_create(&l).set(i64::from(g.filling));
         parked.get_or_create(&l).set(gauge(g.parked.len()));
+        if let Some(c) = g.room.capacity_bytes {
+            capacity
+                .get_or_create(&l)
+                .set(i64::try_from(c).unwrap_or(i64::MAX));
+        }
+        if let Some(b) = g.room.room_bytes {
+            room.get_or_create(&l)
+                .set(i64::try_from(b).unwrap_or(i64::MAX));
+        }
     }
+    r.register_with_unit(
+        "gpu_memory_capacity",
+        "The GPU's memory as NVML reports it (absent without NVML)",
+        Unit::Bytes,
+        capacity,
+    );
+    r.register_with_unit(
+        "gpu_memory_room",
+        "What the gate counts free on the GPU for a Start with baton.io/gpu-memory: capacity less \
+         gpu_memory_headroom less what every holder has (0 when a holder counts as the whole GPU)",
+        Unit::Bytes,
+        room,
+    );
     r.register_with_unit(
         "gapfill_preemption_cost",
         "C: the co-runners' time lost per gap-fill preemption of the GPU (request to running again), \

@@ -128,6 +128,7 @@ mod tests {
             preemption: None,
             role: None,
             kubernetes: None,
+            gpu_memory: None,
         }
     }
 

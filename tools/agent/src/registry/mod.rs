@@ -45,6 +45,9 @@ impl Core {
         if let Some(settings) = reg.settings.rate_gate.as_deref().copied() {
             self.gapfill.rate.set(settings);
         }
+        if let Some(headroom) = reg.settings.gpu_memory_headroom {
+            self.gpu_headroom = headroom;
+        }
         if let Some(w) = self.watched.get_mut(&reg.container) {
             let tracer = self.tracer.as_mut().ok_or("the probes are not loaded")?;
             return register_again(w, tracer, reg, owner);

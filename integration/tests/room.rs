@@ -1,0 +1,194 @@
+//! Room, not emptiness (issue 31): a server that says what it needs (`baton.io/gpu-memory`) starts at once
+//! beside running co-runners when that much is free on its GPU, two that both fit start together, and one that
+//! does not fit parks the lowest-priority co-runners until it fits, and no more; a parked co-runner resumes
+//! beside the server as soon as its memory fits again. Real components: containerd,
+//! runc, the Baton shim and agent, the FUSE mock driver (a GPU of 2 GiB here), the mock CUDA trainers and the
+//! cuda-checkpoint stand-in; NVML is the fake library (integration/fake-nvml), which reports the mock's
+//! capacity as NVML reports a GPU's total memory.
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers fail the test by panicking"
+)]
+use std::time::Duration;
+
+use baton_integration::{
+    agent::{AgentProcess, wait_until},
+    api::Api,
+    cuda::{CudaRig, PREEMPTIBLE, Running, SERVER, Trainer, WITHIN},
+    fake_nvml::FakeNvml,
+};
+use serde_json::{Value, json};
+
+const MIB: u64 = 1 << 20;
+
+/// The rig with a GPU of 2 GiB and an agent that has NVML (the fake one), started before any container.
+fn rig_with_nvml(name: &str) -> Option<(CudaRig, AgentProcess, tempfile::TempDir)> {
+    let rig = CudaRig::start_with(name, |o| o.with_vram_mib(2048))?;
+    let dir = tempfile::tempdir().unwrap();
+    let nvml = FakeNvml::install(
+        dir.path(),
+        rig.gpu.mock_dir.path(),
+        Duration::from_millis(1),
+    )
+    .unwrap();
+    let agent = AgentProcess::start_with_env(
+        &rig.gpu.env.containerd().agent_socket(),
+        &dir.path().join("agent.log"),
+        &["--nvml-library", nvml.library.to_str().unwrap()],
+        &nvml.env(),
+    )
+    .unwrap();
+    Some((rig, agent, dir))
+}
+
+/// A trainer of `mib` MiB the agent may park, with base priority `priority`.
+fn run_trainer(rig: &CudaRig, id: &str, mib: u64, priority: &str) -> Running {
+    let mut annotations = PREEMPTIBLE.to_vec();
+    annotations.push(("baton.io/priority", priority));
+    let t = Trainer {
+        vram_mib: mib,
+        ..Trainer::default()
+    };
+    let running = rig.run(id, &t, &annotations);
+    rig.wait_held(id);
+    running
+}
+
+/// Creates server `id` (256 MiB) that says it needs `need`.
+fn create_server(rig: &CudaRig, id: &str, need: &str) -> Running {
+    let mut annotations = SERVER.to_vec();
+    annotations.push(("baton.io/gpu-memory", need));
+    rig.create(id, &Trainer::default(), &annotations)
+}
+
+/// Starts task `id` through containerd's API in a thread.
+fn start_in_background(rig: &CudaRig, id: &str) -> std::thread::JoinHandle<Result<u32, String>> {
+    let socket = rig.gpu.env.containerd().socket();
+    let namespace = rig.gpu.env.namespace().to_owned();
+    let id = id.to_owned();
+    std::thread::spawn(move || {
+        let api = Api::connect(&socket, &namespace).unwrap();
+        api.start(&id, "").map_err(|e| e.to_string())
+    })
+}
+
+/// `baton status --json`'s row of the mock's `nvidia0` in gap-fill, once there is one.
+fn gpu_row(rig: &CudaRig) -> Value {
+    let (out, _, _) = rig.baton(&["status", "--json"]);
+    let v: Value = serde_json::from_str(&out).unwrap_or(Value::Null);
+    v["gap_fill"]["gpus"]
+        .as_array()
+        .and_then(|g| g.iter().find(|r| r["device"] == json!("nvidia0")))
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+/// The container's preemption state in the agent (null: never preempted).
+fn preemption(rig: &CudaRig, id: &str) -> Value {
+    rig.gpu.status(id)["preemption"].clone()
+}
+
+#[test]
+fn servers_that_fit_start_beside_the_co_runners_and_one_that_does_not_parks_the_lowest_priority_one_only()
+ {
+    let Some((rig, _agent, _dir)) = rig_with_nvml("room") else {
+        return;
+    };
+    let mut low = run_trainer(&rig, "trainer-low", 768, "0");
+    let _high = run_trainer(&rig, "trainer-high", 768, "5");
+    assert!(
+        wait_until(WITHIN, || gpu_row(&rig)["room"]["capacity_bytes"]
+            == json!(2048 * MIB)),
+        "the agent knows the GPU's memory from NVML: {}",
+        gpu_row(&rig)
+    );
+    assert_eq!(gpu_row(&rig)["room"]["room_bytes"], json!(512 * MIB));
+
+    // Two servers of 256 MiB each: both fit beside the trainers (512 MiB free) and start together, without
+    // a park.
+    let _a = create_server(&rig, "server-a", "256Mi");
+    let _b = create_server(&rig, "server-b", "256Mi");
+    let a = start_in_background(&rig, "server-a");
+    let b = start_in_background(&rig, "server-b");
+    a.join()
+        .unwrap()
+        .expect("server-a starts beside the trainers");
+    b.join()
+        .unwrap()
+        .expect("server-b starts beside the trainers");
+    rig.wait_held("server-a");
+    rig.wait_held("server-b");
+    for t in ["trainer-low", "trainer-high"] {
+        assert!(
+            preemption(&rig, t).is_null(),
+            "{t} was not preempted: {}",
+            rig.gpu.status(t)
+        );
+    }
+    assert!(
+        wait_until(WITHIN, || gpu_row(&rig)["room"]["room_bytes"] == json!(0)),
+        "the room is taken: {}",
+        gpu_row(&rig)
+    );
+    let (out, _, _) = rig.baton(&["status"]);
+    assert!(
+        out.contains("GPU memory") && out.contains("server-a 256 MiB"),
+        "baton status shows each holder's memory:\n{out}"
+    );
+
+    // A server that needs 512 MiB does not fit (none free): the agent parks the lowest-priority co-runner,
+    // whose 768 MiB are enough, and not the other.
+    let _c = create_server(&rig, "server-c", "512Mi");
+    let c = start_in_background(&rig, "server-c");
+    c.join()
+        .unwrap()
+        .expect("server-c starts once the low-priority trainer is parked");
+    rig.wait_held("server-c");
+    assert_eq!(
+        preemption(&rig, "trainer-low")["state"],
+        json!("parked"),
+        "{}",
+        rig.gpu.status("trainer-low")
+    );
+    assert!(
+        preemption(&rig, "trainer-high").is_null(),
+        "the high-priority trainer keeps running beside the servers: {}",
+        rig.gpu.status("trainer-high")
+    );
+    let row = gpu_row(&rig);
+    assert_eq!(row["parked"][0]["id"], json!("trainer-low"), "{row}");
+    let held: u64 = row["room"]["held"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["bytes"].as_u64().unwrap())
+        .sum();
+    assert!(
+        held <= 2048 * MIB,
+        "nothing oversubscribes the GPU: {held} bytes held: {row}"
+    );
+
+    // Two servers go: 1 GiB is free beside server-c and the high-priority trainer, and the parked trainer's
+    // 768 MiB fit: it resumes while server-c still runs, its weights intact.
+    let api = rig.gpu.env.api().unwrap();
+    for id in ["server-a", "server-b"] {
+        delete_task(&api, id);
+    }
+    let line = low.wait_line("restored checksum");
+    assert!(line.ends_with("intact"), "{line}");
+    assert!(
+        wait_until(WITHIN, || preemption(&rig, "trainer-low").is_null()),
+        "{}",
+        rig.gpu.status("trainer-low")
+    );
+    assert_eq!(rig.gpu.status("server-c")["gpu"], json!("held"));
+    assert!(preemption(&rig, "server-c").is_null());
+    assert_eq!(gpu_row(&rig)["room"]["room_bytes"], json!(256 * MIB));
+}
+
+/// Kills and deletes task `id`.
+fn delete_task(api: &Api, id: &str) {
+    api.kill(id, "", 9, true).unwrap();
+    api.wait(id, "", WITHIN).unwrap();
+    api.delete_task(id).unwrap();
+}

@@ -1,0 +1,159 @@
+//! The core's side of gap-fill: the preemptions a waiter behind the gate calls for, the answers of the shim
+//! calls the agent ran by itself, and the resume of the next parked co-runner.
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+
+use baton_agent_api::{ContainerRef, Reply, Target};
+
+use super::{Done, is_server, server_needs};
+use crate::{
+    core::{Core, Note},
+    gate::{self, DeviceKey, Waiter},
+    registry::watched::Watched,
+};
+use baton_tracer::now_monotonic_ns;
+
+/// The core's side of gap-fill: what it does on the gate, on a shim call's end and on each turn.
+impl Core {
+    /// Starts the preemptions waiter `w`, still blocked at the gate, calls for (none unless it is
+    /// latency-critical).
+    pub(crate) fn gap_fill_preempt_for(&mut self, w: &Waiter) {
+        let Some(server) = self.watched.get(&w.container) else {
+            return;
+        };
+        let holders = self.holders(&w.container, &w.devices);
+        let mut picks = self.gapfill.to_preempt(server, &holders);
+        for p in &mut picks {
+            p.bytes = self.ledger_bytes(&p.container);
+        }
+        let fit = self.fit_of(w);
+        if let Some(deficit) = fit.deficit() {
+            picks = self.enough_to_fit(picks, deficit, &holders);
+            for p in &picks {
+                tracing::info!(
+                    id = p.container.id,
+                    server = w.container.id,
+                    "agent: gap-fill: parking {} for {} ({})",
+                    p.container.id,
+                    w.container.id,
+                    fit.describe()
+                );
+            }
+        }
+        let requested_ns = now_monotonic_ns();
+        let mut gpus = BTreeSet::new();
+        for pick in picks {
+            match self.resolve(&Target::exact(&pick.container)) {
+                Ok(r) if !r.pids.is_empty() => {
+                    gpus.extend(pick.devices.iter().cloned());
+                    self.gapfill.preempt(pick, r, &w.container, requested_ns);
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(id = pick.container.id, "agent: gap-fill: {e}"),
+            }
+        }
+        if !gpus.is_empty() {
+            // One preemption of each GPU per server arrival, however many co-runners it parks.
+            self.gapfill.rate.preempted(&gpus, requested_ns);
+        }
+    }
+
+    /// A shim call the agent ran by itself ended.
+    pub(crate) fn on_gap_fill_done(&mut self, done: Done) {
+        match done {
+            Done::Preempted {
+                container,
+                steps,
+                result,
+            } => {
+                self.gapfill.preempted(&container, &steps, &result);
+                if let Ok(o) = &result {
+                    self.set_preemption(&container, o.preemption.clone());
+                }
+                for (co, error) in self.gapfill.take_failures() {
+                    self.fail_waiters_for(&co, &error);
+                }
+            }
+            Done::Resumed {
+                container,
+                steps,
+                result,
+            } => {
+                self.gapfill.resumed(&container, &steps, &result);
+                if let Ok(o) = &result {
+                    self.set_preemption(&container, o.preemption.clone());
+                }
+            }
+            Done::Step(step) => {
+                self.note(&Note::of_step(&step));
+                return;
+            }
+            Done::ServerParked { container, result } => self.idle_parked(&container, &result),
+            Done::ServerResumed { container, result } => self.idle_resumed(&container, &result),
+        }
+        self.show_rate_gate_changes();
+        self.check_gates();
+    }
+
+    /// Answers with `error` the latency-critical waiters that co-runner `co`, whose preemption failed, keeps
+    /// waiting (it still holds their GPU).
+    fn fail_waiters_for(&mut self, co: &ContainerRef, error: &str) {
+        let waiters = std::mem::take(&mut self.waiters);
+        let (failed, kept): (Vec<Waiter>, Vec<Waiter>) = waiters.into_iter().partition(|w| {
+            self.watched.get(&w.container).is_some_and(is_server)
+                && self
+                    .holders(&w.container, &w.devices)
+                    .iter()
+                    .any(|h| h.registration.container == *co)
+        });
+        self.waiters = kept;
+        for w in failed {
+            let _ = w.reply.send(Reply::Error {
+                error: error.to_owned(),
+            });
+        }
+    }
+
+    /// Resumes the next parked co-runner no latency-critical container needs the GPU of, if any.
+    pub(crate) fn gap_fill_resume(&mut self) {
+        if !self.gapfill.has_parked() {
+            return;
+        }
+        let Some(tracer) = self.tracer.as_ref() else {
+            return;
+        };
+        let watched = &self.watched;
+        // One view of what each container holds for the whole decision: read afresh for each candidate,
+        // a server exiting between two reads blocked the first candidate (it still held the GPU) and not
+        // the next (it no longer did), and a lower-priority co-runner was resumed first.
+        let seen: RefCell<BTreeMap<u64, BTreeSet<DeviceKey>>> = RefCell::default();
+        let held = |w: &Watched| {
+            seen.borrow_mut()
+                .entry(w.cgroup_id)
+                .or_insert_with(|| gate::devices_holding(tracer, w))
+                .clone()
+        };
+        self.gapfill
+            .settle_claims(|c| watched.get(c).is_none_or(Watched::is_held));
+        let mut waiting: Vec<(ContainerRef, BTreeSet<DeviceKey>)> = self
+            .waiters
+            .iter()
+            .map(|w| (w.container.clone(), w.devices.clone()))
+            .collect();
+        waiting.extend(self.gapfill.claims());
+        waiting.extend(self.servers_handed_back());
+        let next = self.gapfill.next_resume(|c, devices, bytes| {
+            server_needs(watched.get(c), watched, devices, held, &waiting)
+                && !self.fits_beside(c, devices, bytes)
+        });
+        let Some(c) = next else {
+            return;
+        };
+        match self.resolve(&Target::exact(&c)) {
+            Ok(r) => self.gapfill.resume(r),
+            Err(e) => self
+                .gapfill
+                .finish(&c, format!("it can no longer be resumed: {e}")),
+        }
+    }
+}

@@ -1,0 +1,88 @@
+//! Gap-fill with room: a server short of room parks only the co-runners it must (lowest priority first, until
+//! the deficit is covered), and a parked co-runner resumes beside its server as soon as its memory fits again
+//! (see `gate/room.rs` for how room is counted).
+use std::collections::BTreeSet;
+
+use baton_agent_api::{ContainerRef, room::show_bytes};
+
+use super::Pick;
+use crate::{core::Core, gate::DeviceKey, registry::watched::Watched};
+
+impl Core {
+    /// Container `c`'s video memory in the ledger; `None` when the ledger cannot measure it (open files whose
+    /// contents the probes never saw) or it is not watched.
+    pub(crate) fn ledger_bytes(&self, c: &ContainerRef) -> Option<u64> {
+        let w = self.watched.get(c)?;
+        let s = self.tracer.as_ref()?.gpu_state(w.cgroup_id);
+        (s.opaque_files == 0).then_some(s.vram_bytes)
+    }
+
+    /// The fewest of `picks`, lowest priority first, whose memory frees `deficit` beside what the co-runners
+    /// already being preempted off these GPUs will free (none when those do); all of them when even all
+    /// would not (then the server waits for the other holders, as for the whole GPU). A co-runner whose
+    /// memory the ledger cannot measure frees the whole GPU.
+    pub(super) fn enough_to_fit(
+        &self,
+        mut picks: Vec<Pick>,
+        deficit: u64,
+        holders: &[&Watched],
+    ) -> Vec<Pick> {
+        let mut freed = 0u64;
+        for h in holders {
+            let c = &h.registration.container;
+            if self.gapfill.is_being_preempted(c) {
+                freed = freed.saturating_add(self.ledger_bytes(c).unwrap_or(u64::MAX));
+            }
+        }
+        if freed >= deficit {
+            return Vec::new();
+        }
+        picks.sort_by_key(|p| p.priority);
+        let mut enough = Vec::new();
+        for p in picks.drain(..) {
+            if freed >= deficit {
+                break;
+            }
+            freed = freed.saturating_add(p.bytes.unwrap_or(u64::MAX));
+            enough.push(p);
+        }
+        enough
+    }
+
+    /// Whether parked co-runner `c` (`bytes` of video memory when it was parked) may resume beside the
+    /// servers on `devices`: its memory is free on each of them and no Start waits for one of them (a waiting
+    /// server comes first).
+    pub(super) fn fits_beside(
+        &self,
+        c: &ContainerRef,
+        devices: &BTreeSet<DeviceKey>,
+        bytes: Option<u64>,
+    ) -> bool {
+        let Some(bytes) = bytes else {
+            return false;
+        };
+        if devices.is_empty()
+            || self.waiters.iter().any(|w| {
+                w.devices
+                    .iter()
+                    .any(|d| devices.iter().any(|k| k.same_device(d)))
+            })
+        {
+            return false;
+        }
+        let mut tightest = u64::MAX;
+        for d in devices {
+            match self.room_on(d, c) {
+                Some(room) if room.free >= bytes => tightest = tightest.min(room.free),
+                _ => return false,
+            }
+        }
+        tracing::info!(
+            id = c.id,
+            "agent: gap-fill: the co-runner fits beside the servers again (needs {}, {} free): resuming it",
+            show_bytes(bytes),
+            show_bytes(tightest)
+        );
+        true
+    }
+}
