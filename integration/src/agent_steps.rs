@@ -1,5 +1,5 @@
 //! What the agent did by itself, as a test sees it: the agent's own steps on a container (`baton trace --json
-//! --container ID`: the preemptions, resumes and gap-fill decisions it made), and requests told to it as a
+//! --container ID`: the preemptions, resumes, gap-fill and room decisions it made), and requests told to it as a
 //! request proxy tells them.
 use serde_json::Value;
 
@@ -63,7 +63,10 @@ impl AgentSteps {
             .unwrap_or_default()
             .lines()
             .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .filter(|o| o["event"] == "preemption" || o["event"] == "gap_fill")
+            .filter(|o| {
+                ["preemption", "gap_fill", "room"]
+                    .contains(&o["event"].as_str().unwrap_or_default())
+            })
             .map(|o| {
                 let text = |k: &str| o[k].as_str().unwrap_or_default().to_owned();
                 (text("phase"), text("detail"))

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use baton_integration::{
     agent::{AgentProcess, wait_until},
+    agent_steps::AgentSteps,
     api::Api,
     cuda::{CudaRig, PREEMPTIBLE, Running, SERVER, Trainer, WITHIN},
     fake_nvml::FakeNvml,
@@ -108,6 +109,8 @@ fn servers_that_fit_start_beside_the_co_runners_and_one_that_does_not_parks_the_
     // a park.
     let _a = create_server(&rig, "server-a", "256Mi");
     let _b = create_server(&rig, "server-b", "256Mi");
+    let server_a_steps = AgentSteps::start(&rig, "server-a");
+    let low_steps = AgentSteps::start(&rig, "trainer-low");
     let a = start_in_background(&rig, "server-a");
     let b = start_in_background(&rig, "server-b");
     a.join()
@@ -135,6 +138,12 @@ fn servers_that_fit_start_beside_the_co_runners_and_one_that_does_not_parks_the_
         out.contains("GPU memory") && out.contains("server-a 256 MiB"),
         "baton status shows each holder's memory:\n{out}"
     );
+    // Its trace says where it started and why.
+    server_a_steps.wait_for_matching("beside", |d| {
+        d.starts_with("started beside ")
+            && d.contains("trainer-low")
+            && d.contains("(fits: needs 256 MiB, ")
+    });
 
     // A server that needs 512 MiB does not fit (none free): the agent parks the lowest-priority co-runner,
     // whose 768 MiB are enough, and not the other.
@@ -155,6 +164,10 @@ fn servers_that_fit_start_beside_the_co_runners_and_one_that_does_not_parks_the_
         "the high-priority trainer keeps running beside the servers: {}",
         rig.gpu.status("trainer-high")
     );
+    low_steps.wait_for(
+        "parked",
+        "parked trainer-low for server-c (needs 512 MiB, 0 MiB free)",
+    );
     let row = gpu_row(&rig);
     assert_eq!(row["parked"][0]["id"], json!("trainer-low"), "{row}");
     let held: u64 = row["room"]["held"]
@@ -168,8 +181,8 @@ fn servers_that_fit_start_beside_the_co_runners_and_one_that_does_not_parks_the_
         "nothing oversubscribes the GPU: {held} bytes held: {row}"
     );
 
-    // Two servers go: 1 GiB is free beside server-c and the high-priority trainer, and the parked trainer's
-    // 768 MiB fit: it resumes while server-c still runs, its weights intact.
+    // Two servers go: with the first 768 MiB are free beside the others, and the parked trainer's 768 MiB
+    // fit: it resumes while server-c still runs, its weights intact.
     let api = rig.gpu.env.api().unwrap();
     for id in ["server-a", "server-b"] {
         delete_task(&api, id);
@@ -181,9 +194,31 @@ fn servers_that_fit_start_beside_the_co_runners_and_one_that_does_not_parks_the_
         "{}",
         rig.gpu.status("trainer-low")
     );
+    low_steps.wait_for_matching("resumed", |d| {
+        d.starts_with("resumed trainer-low beside its servers: it fits again (needs 768 MiB, ")
+    });
     assert_eq!(rig.gpu.status("server-c")["gpu"], json!("held"));
     assert!(preemption(&rig, "server-c").is_null());
     assert_eq!(gpu_row(&rig)["room"]["room_bytes"], json!(256 * MIB));
+
+    // The agent remembers each name's peak past its end, to set baton.io/gpu-memory from.
+    let (out, _, _) = rig.baton(&["status", "--json"]);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let peak = |name: &str| {
+        v["peaks"]
+            .as_array()
+            .and_then(|p| p.iter().find(|x| x["name"] == json!(name)))
+            .map(|x| x["peak_bytes"].clone())
+    };
+    assert_eq!(peak("server-a"), Some(json!(256 * MIB)), "{}", v["peaks"]);
+    assert_eq!(
+        peak("trainer-high"),
+        Some(json!(768 * MIB)),
+        "{}",
+        v["peaks"]
+    );
+    let (out, _, _) = rig.baton(&["status"]);
+    assert!(out.contains("peak GPU memory per container name"), "{out}");
 }
 
 /// Kills and deletes task `id`.
@@ -191,4 +226,38 @@ fn delete_task(api: &Api, id: &str) {
     api.kill(id, "", 9, true).unwrap();
     api.wait(id, "", WITHIN).unwrap();
     api.delete_task(id).unwrap();
+}
+
+#[test]
+fn a_server_that_can_never_fit_parks_nothing_and_its_start_fails_naming_the_figures() {
+    let Some((rig, _agent, _dir)) = rig_with_nvml("room-never") else {
+        return;
+    };
+    let _trainer = run_trainer(&rig, "trainer", 768, "0");
+    assert!(
+        wait_until(WITHIN, || gpu_row(&rig)["room"]["capacity_bytes"]
+            == json!(2048 * MIB)),
+        "{}",
+        gpu_row(&rig)
+    );
+    let annotations = [
+        ("baton.io/role", "latency-critical"),
+        ("baton.io/wait-gpu-free", "3s"),
+        ("baton.io/gpu-memory", "4Gi"),
+    ];
+    let _server = rig.create("server", &Trainer::default(), &annotations);
+    let error = start_in_background(&rig, "server")
+        .join()
+        .unwrap()
+        .expect_err("a server that needs more than the GPU has never starts");
+    assert!(
+        error.contains("needs 4 GiB, more than the GPU has for containers (2 GiB)")
+            && error.contains("trainer"),
+        "{error}"
+    );
+    assert!(
+        preemption(&rig, "trainer").is_null(),
+        "nothing was parked for it: {}",
+        rig.gpu.status("trainer")
+    );
 }

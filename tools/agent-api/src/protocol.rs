@@ -383,6 +383,10 @@ pub struct NodeStatus {
     /// Each GPU the watched containers see, its video memory by the ledger beside NVML's.
     #[serde(default)]
     pub gpus: Vec<GpuMemory>,
+    /// The ledger's peak per container name and namespace, over the containers watched since the agent
+    /// started (what to set `baton.io/gpu-memory` from).
+    #[serde(default)]
+    pub peaks: Vec<crate::room::PeakMemory>,
 }
 
 /// A GPU's video memory as the agent's ledger counts it and as NVML reports it (the cross-check).

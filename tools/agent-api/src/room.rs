@@ -125,6 +125,20 @@ pub struct GpuRoom {
     pub needs: Vec<NeededMemory>,
 }
 
+/// The most video memory containers of one name held, remembered by the agent past their end, so that a
+/// user can set `baton.io/gpu-memory` from what was measured.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeakMemory {
+    /// The namespace: the pod's under Kubernetes, else containerd's.
+    pub namespace: String,
+    /// The container's name in its pod spec under Kubernetes, else its id.
+    pub name: String,
+    /// The ledger's peak of video memory over every container of that name the agent watched.
+    pub peak_bytes: u64,
+    /// How many containers of that name it watched (ended or not).
+    pub containers: u64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

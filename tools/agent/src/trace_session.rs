@@ -172,6 +172,7 @@ impl TraceSession {
                 filling: *filling,
                 detail,
             },
+            NoteKind::Room { what, detail } => StateKind::Room { what, detail },
         };
         if let Err(e) = self.output.state(cgroup_id, note.t_ns, change, tracer) {
             tracing::warn!("agent: trace: {e:#}");

@@ -132,6 +132,28 @@ pub fn render_status(s: &NodeStatus, now_ns: u64) -> String {
     out.push_str(&render_gpus(&s.gpus));
     out.push_str(&render_controller(&s.controller));
     out.push_str(&render_gap_fill(&s.gap_fill));
+    out.push_str(&render_peaks(&s.peaks));
+    out
+}
+
+/// The ledger's peak per container name in `baton status` (nothing when none was watched).
+fn render_peaks(peaks: &[baton_agent_api::room::PeakMemory]) -> String {
+    if peaks.is_empty() {
+        return String::new();
+    }
+    let mut out = format!(
+        "peak GPU memory per container name (what to set baton.io/gpu-memory from)\n{:<16} {:<24} {:>11} {:>10}\n",
+        "NAMESPACE", "NAME", "PEAK", "CONTAINERS"
+    );
+    for p in peaks {
+        out.push_str(&format!(
+            "{:<16} {:<24} {:>11} {:>10}\n",
+            p.namespace,
+            p.name,
+            baton_agent_api::room::show_bytes(p.peak_bytes),
+            p.containers
+        ));
+    }
     out
 }
 

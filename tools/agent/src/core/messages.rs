@@ -95,6 +95,14 @@ pub enum NoteKind {
         /// The GPU and the rule with its figures.
         detail: String,
     },
+    /// The gate's room decided for it: `what` is `beside` (its Start went through beside holders),
+    /// `parked` (a co-runner was parked to make room) or `resumed` (a parked co-runner fits again).
+    Room {
+        /// What happened.
+        what: &'static str,
+        /// Who, and the figures (`started beside trainer (fits: needs 1 GiB, 61 GiB free)`).
+        detail: String,
+    },
     /// A step of a preemption, resume or handoff.
     Preemption {
         /// The step.

@@ -82,6 +82,8 @@ pub struct Core {
     pub fd_quota: u32,
     /// The memory the gate keeps free on each GPU (`gpu_memory_headroom`, from the shims' registrations).
     pub(crate) gpu_headroom: u64,
+    /// The ledger's peak per container name, past each container's end.
+    pub(crate) peaks: crate::registry::peaks::Peaks,
 }
 
 impl Core {
@@ -117,6 +119,7 @@ impl Core {
             idle: Default::default(),
             fd_quota: baton_tracer::DEFAULT_FD_QUOTA,
             gpu_headroom: 0,
+            peaks: Default::default(),
         }
     }
 }

@@ -74,7 +74,23 @@ impl Core {
             controller: self.controller_status(),
             gap_fill: self.gap_fill_status(),
             gpus,
+            peaks: self.peaks_status(),
         }
+    }
+
+    /// The peaks per container name, the watched containers' own so far counted in.
+    fn peaks_status(&self) -> Vec<baton_agent_api::room::PeakMemory> {
+        let Some(t) = self.tracer.as_ref() else {
+            return self.peaks.list([]);
+        };
+        let live = self.watched.values().map(|w| {
+            let peak = t
+                .ledger()
+                .container(w.cgroup_id)
+                .map_or(0, |l| l.peak_vram_bytes());
+            (crate::registry::peaks::name_of(w), peak)
+        });
+        self.peaks.list(live)
     }
 
     /// The controller's status, with each co-runner's launches counted up to now (the tracer's counts: the

@@ -7,7 +7,7 @@ use baton_agent_api::{ContainerRef, Reply, Target};
 
 use super::{Done, is_server, server_needs};
 use crate::{
-    core::{Core, Note},
+    core::{Core, Note, NoteKind},
     gate::{self, DeviceKey, Waiter},
     registry::watched::Watched,
 };
@@ -27,17 +27,30 @@ impl Core {
             p.bytes = self.ledger_bytes(&p.container);
         }
         let fit = self.fit_of(w);
+        if matches!(fit, crate::gate::room::Fit::Never { .. }) {
+            // Parking every co-runner would not make room for it.
+            return;
+        }
         if let Some(deficit) = fit.deficit() {
             picks = self.enough_to_fit(picks, deficit, &holders);
             for p in &picks {
-                tracing::info!(
-                    id = p.container.id,
-                    server = w.container.id,
-                    "agent: gap-fill: parking {} for {} ({})",
+                let detail = format!(
+                    "parked {} for {} ({})",
                     p.container.id,
                     w.container.id,
                     fit.describe()
                 );
+                tracing::info!(id = p.container.id, "agent: gap-fill: {detail}");
+                for c in [&p.container, &w.container] {
+                    self.note(&Note {
+                        container: c.clone(),
+                        t_ns: now_monotonic_ns(),
+                        kind: NoteKind::Room {
+                            what: "parked",
+                            detail: detail.clone(),
+                        },
+                    });
+                }
             }
         }
         let requested_ns = now_monotonic_ns();
@@ -142,13 +155,30 @@ impl Core {
             .collect();
         waiting.extend(self.gapfill.claims());
         waiting.extend(self.servers_handed_back());
+        // Why the one chosen may resume while a server needs its GPU: it fits beside (the figures).
+        let beside: RefCell<Option<String>> = RefCell::default();
         let next = self.gapfill.next_resume(|c, devices, bytes| {
-            server_needs(watched.get(c), watched, devices, held, &waiting)
-                && !self.fits_beside(c, devices, bytes)
+            if !server_needs(watched.get(c), watched, devices, held, &waiting) {
+                return false;
+            }
+            let fits = self.fits_beside(c, devices, bytes);
+            *beside.borrow_mut() = fits.clone();
+            fits.is_none()
         });
         let Some(c) = next else {
             return;
         };
+        if let Some(detail) = beside.into_inner() {
+            tracing::info!(id = c.id, "agent: gap-fill: {detail}");
+            self.note(&Note {
+                container: c.clone(),
+                t_ns: now_monotonic_ns(),
+                kind: NoteKind::Room {
+                    what: "resumed",
+                    detail,
+                },
+            });
+        }
         match self.resolve(&Target::exact(&c)) {
             Ok(r) => self.gapfill.resume(r),
             Err(e) => self

@@ -51,16 +51,14 @@ impl Core {
 
     /// Whether parked co-runner `c` (`bytes` of video memory when it was parked) may resume beside the
     /// servers on `devices`: its memory is free on each of them and no Start waits for one of them (a waiting
-    /// server comes first).
+    /// server comes first). `Some(what a trace says)` when it may.
     pub(super) fn fits_beside(
         &self,
         c: &ContainerRef,
         devices: &BTreeSet<DeviceKey>,
         bytes: Option<u64>,
-    ) -> bool {
-        let Some(bytes) = bytes else {
-            return false;
-        };
+    ) -> Option<String> {
+        let bytes = bytes?;
         if devices.is_empty()
             || self.waiters.iter().any(|w| {
                 w.devices
@@ -68,21 +66,18 @@ impl Core {
                     .any(|d| devices.iter().any(|k| k.same_device(d)))
             })
         {
-            return false;
+            return None;
         }
         let mut tightest = u64::MAX;
         for d in devices {
-            match self.room_on(d, c) {
-                Some(room) if room.free >= bytes => tightest = tightest.min(room.free),
-                _ => return false,
-            }
+            let room = self.room_on(d, c).filter(|r| r.free >= bytes)?;
+            tightest = tightest.min(room.free);
         }
-        tracing::info!(
-            id = c.id,
-            "agent: gap-fill: the co-runner fits beside the servers again (needs {}, {} free): resuming it",
+        Some(format!(
+            "resumed {} beside its servers: it fits again (needs {}, {} free)",
+            c.id,
             show_bytes(bytes),
             show_bytes(tightest)
-        );
-        true
+        ))
     }
 }

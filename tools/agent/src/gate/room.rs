@@ -57,6 +57,14 @@ pub enum Fit {
         /// Free memory on the tightest GPU.
         free: u64,
     },
+    /// Its need is more than a GPU it sees has, less the headroom: it never fits, and nothing is parked
+    /// for it.
+    Never {
+        /// Its need.
+        need: u64,
+        /// What that GPU has for containers (capacity less headroom).
+        most: u64,
+    },
     /// Its need is not free on some GPU (`free`: on the tightest).
     Short {
         /// Its need.
@@ -91,6 +99,12 @@ impl Fit {
             Self::Fits { need, free } | Self::Short { need, free } => {
                 format!("needs {}, {} free", show_bytes(need), show_bytes(free))
             }
+            Self::Never { need, most } => format!(
+                "needs {}, more than the GPU has for containers ({}): it never fits; lower its \
+                 baton.io/gpu-memory",
+                show_bytes(need),
+                show_bytes(most)
+            ),
         }
     }
 }
@@ -162,10 +176,14 @@ impl Core {
         }
         let mut tightest = u64::MAX;
         for key in &w.devices {
-            match self.room_on(key, &w.container) {
-                Some(room) => tightest = tightest.min(room.free),
-                None => return Fit::Unknown,
+            let Some(room) = self.room_on(key, &w.container) else {
+                return Fit::Unknown;
+            };
+            let most = room.capacity.saturating_sub(self.gpu_headroom);
+            if need > most {
+                return Fit::Never { need, most };
             }
+            tightest = tightest.min(room.free);
         }
         if need <= tightest {
             Fit::Fits {

@@ -293,12 +293,20 @@ impl Core {
             .map(|h| h.registration.container.id.clone())
             .collect();
         if fit.fits() && !beside.is_empty() {
-            tracing::info!(
-                id = w.container.id,
-                "agent: the gate opens: started beside {} (fits: {})",
+            let detail = format!(
+                "started beside {} (fits: {})",
                 beside.join(", "),
                 fit.describe()
             );
+            tracing::info!(id = w.container.id, "agent: the gate opens: {detail}");
+            self.note(&crate::core::Note {
+                container: w.container.clone(),
+                t_ns: now,
+                kind: crate::core::NoteKind::Room {
+                    what: "beside",
+                    detail,
+                },
+            });
         } else {
             tracing::info!(
                 id = w.container.id,
@@ -337,7 +345,9 @@ impl Core {
         if !watched.is_empty() {
             let fit = self.fit_of(w);
             let room = match fit {
-                super::room::Fit::Short { .. } => format!(" ({})", fit.describe()),
+                super::room::Fit::Short { .. } | super::room::Fit::Never { .. } => {
+                    format!(" ({})", fit.describe())
+                }
                 _ => String::new(),
             };
             format!(

@@ -3,6 +3,7 @@
 //! are gone, resolving a container a user names, and each container's preemption state as its shim pushes
 //! it.
 mod checks;
+pub mod peaks;
 mod publish;
 pub mod watched;
 
@@ -110,6 +111,12 @@ impl Core {
         self.by_cgroup.remove(&w.cgroup_id);
         self.ioctls.remove(&w.cgroup_id);
         let body = self.unwatch(&w);
+        if let EventBody::Unregistered {
+            peak_vram_bytes, ..
+        } = &body
+        {
+            self.peaks.ended(peaks::name_of(&w), *peak_vram_bytes);
+        }
         log_unwatched(c, &body);
         self.publish(c, w.owner, body);
         self.gapfill.gone(c);

@@ -195,6 +195,13 @@ pub enum StateKind<'a> {
         /// What it says.
         detail: &'a str,
     },
+    /// The gate's room decided for the container (`beside`, `parked`, `resumed`).
+    Room {
+        /// What happened.
+        what: &'a str,
+        /// Who, and the figures.
+        detail: &'a str,
+    },
     /// The rate gate started (`filling`) or stopped filling a GPU the container is on.
     GapFill {
         /// Whether the agent fills it now.
@@ -224,6 +231,7 @@ impl<W: Write, T: TimelineSink> Output<W, T> {
                 Some(detail).filter(|d| !d.is_empty()),
                 None,
             ),
+            StateKind::Room { what, detail } => ("room", Some(what), Some(detail), None),
             StateKind::GapFill { filling, detail } => (
                 "gap_fill",
                 Some(if filling { "on" } else { "off" }),
