@@ -55,6 +55,24 @@ impl FakeNvml {
         ]
     }
 
+    /// The node's agent on `socket`, with this library (`--nvml-library`, its environment) and `flags`,
+    /// logging to `log`: started before any container, so that the shims find it rather than start one
+    /// without NVML.
+    pub fn start_agent(
+        &self,
+        socket: &Path,
+        log: &Path,
+        flags: &[&str],
+    ) -> anyhow::Result<crate::agent::AgentProcess> {
+        let library = self
+            .library
+            .to_str()
+            .ok_or_else(|| anyhow::anyhow!("{} is not UTF-8", self.library.display()))?;
+        let mut all = vec!["--nvml-library", library];
+        all.extend_from_slice(flags);
+        crate::agent::AgentProcess::start_with_env(socket, log, &all, &self.env())
+    }
+
     /// NVML answers no device query until [`FakeNvml::answer`].
     pub fn hold(&self) -> std::io::Result<()> {
         std::fs::write(&self.hold, b"")

@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use baton_integration::{
-    agent::{AgentProcess, container_status, wait_until},
+    agent::{container_status, wait_until},
     fake_nvml::FakeNvml,
     holder::{GpuRig, HolderContainer},
 };
@@ -38,13 +38,9 @@ fn an_unwatched_daemon_with_open_device_files_does_not_shut_the_gate_and_one_wit
     let nvml =
         FakeNvml::install(dir.path(), rig.mock_dir.path(), Duration::from_millis(1)).unwrap();
     let log = dir.path().join("agent.log");
-    let _agent = AgentProcess::start_with_env(
-        &rig.env.containerd().agent_socket(),
-        &log,
-        &["--nvml-library", nvml.library.to_str().unwrap()],
-        &nvml.env(),
-    )
-    .unwrap();
+    let _agent = nvml
+        .start_agent(&rig.env.containerd().agent_socket(), &log, &[])
+        .unwrap();
     // A daemon as the device plugin is: the GPU's files open, no client.
     let mut daemon = HolderContainer::start_with_runtime(
         &rig.env,

@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use baton_integration::{
-    agent::{AgentProcess, AgentWatch, CtrEvents},
+    agent::{AgentWatch, CtrEvents},
     fake_nvml::FakeNvml,
     holder::{GpuRig, HolderContainer},
 };
@@ -100,14 +100,13 @@ fn released_goes_out_without_waiting_for_nvml_and_the_nvml_check_follows() {
     // The node's agent, started before any container (the shims find it on the socket), with the fake
     // NVML; its time bound is far above what the test waits, so that a held query never times out.
     let log = dir.path().join("agent.log");
-    let library = nvml.library.to_str().unwrap();
-    let _agent = AgentProcess::start_with_env(
-        &rig.env.containerd().agent_socket(),
-        &log,
-        &["--nvml-library", library, "--nvml-timeout-ms", "60000"],
-        &nvml.env(),
-    )
-    .unwrap();
+    let _agent = nvml
+        .start_agent(
+            &rig.env.containerd().agent_socket(),
+            &log,
+            &["--nvml-timeout-ms", "60000"],
+        )
+        .unwrap();
     let _log = LogOnPanic(log);
     let ctr = CtrEvents::start(rig.env.containerd()).unwrap();
     let id = "firstevent";

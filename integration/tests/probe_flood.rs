@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use baton_integration::{
-    agent::{AgentProcess, wait_until},
+    agent::wait_until,
     cuda::{CudaRig, PREEMPTIBLE, SERVER, Trainer, WITHIN},
     fake_nvml::FakeNvml,
     holder::HolderContainer,
@@ -39,18 +39,13 @@ fn a_tenant_that_floods_the_probes_fd_map_is_followed_through_proc_and_the_other
     )
     .unwrap();
     let log = dir.path().join("agent.log");
-    let _agent = AgentProcess::start_with_env(
-        &rig.gpu.env.containerd().agent_socket(),
-        &log,
-        &[
-            "--nvml-library",
-            nvml.library.to_str().unwrap(),
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ],
-        &nvml.env(),
-    )
-    .unwrap();
+    let _agent = nvml
+        .start_agent(
+            &rig.gpu.env.containerd().agent_socket(),
+            &log,
+            &["--metrics-addr", "127.0.0.1:0"],
+        )
+        .unwrap();
     let url = metrics::url_from_log(&log, WITHIN).unwrap();
 
     // The victim, registered first: a preemptible trainer.

@@ -32,13 +32,13 @@ fn rig_with_nvml(name: &str) -> Option<(CudaRig, AgentProcess, tempfile::TempDir
         Duration::from_millis(1),
     )
     .unwrap();
-    let agent = AgentProcess::start_with_env(
-        &rig.gpu.env.containerd().agent_socket(),
-        &dir.path().join("agent.log"),
-        &["--nvml-library", nvml.library.to_str().unwrap()],
-        &nvml.env(),
-    )
-    .unwrap();
+    let agent = nvml
+        .start_agent(
+            &rig.gpu.env.containerd().agent_socket(),
+            &dir.path().join("agent.log"),
+            &[],
+        )
+        .unwrap();
     Some((rig, agent, dir))
 }
 
