@@ -124,14 +124,12 @@ impl Core {
     fn held_on(&self, key: &DeviceKey, me: &ContainerRef) -> Vec<HeldMemory> {
         let mut held = Vec::new();
         let devices: BTreeSet<DeviceKey> = [key.clone()].into();
-        if let Some(t) = self.tracer.as_ref() {
-            for h in self.holders(me, &devices) {
-                let s = t.gpu_state(h.cgroup_id);
-                held.push(HeldMemory {
-                    container: h.registration.container.clone(),
-                    bytes: (s.opaque_files == 0).then_some(s.vram_bytes),
-                });
-            }
+        for h in self.holders(me, &devices) {
+            let c = &h.registration.container;
+            held.push(HeldMemory {
+                container: c.clone(),
+                bytes: self.ledger_bytes(c),
+            });
         }
         for (c, on) in self.gapfill.claims() {
             let here = on.is_empty() || on.iter().any(|d| d.same_device(key));

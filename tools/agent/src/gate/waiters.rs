@@ -287,12 +287,16 @@ impl Core {
     /// other waiters and gap-fill).
     fn open_gate(&mut self, w: Waiter, fit: super::room::Fit) {
         let now = now_monotonic_ns();
-        let beside: Vec<String> = self
-            .holders(&w.container, &w.devices)
-            .iter()
-            .map(|h| h.registration.container.id.clone())
-            .collect();
-        if fit.fits() && !beside.is_empty() {
+        // Who it starts beside is read only for a Start that went through on room (a whole-GPU one has none).
+        let beside: Vec<String> = if fit.fits() {
+            self.holders(&w.container, &w.devices)
+                .iter()
+                .map(|h| h.registration.container.id.clone())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        if !beside.is_empty() {
             let detail = format!(
                 "started beside {} (fits: {})",
                 beside.join(", "),
