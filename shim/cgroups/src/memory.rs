@@ -123,18 +123,49 @@ impl MemoryCgroup {
 
     /// Sets its limit (`None`: none). Lowering it below what the cgroup uses makes the kernel reclaim, and
     /// fails (v1: EBUSY) where it cannot.
+    ///
+    /// v1 with swap accounting keeps `memory.limit_in_bytes` at or below `memory.memsw.limit_in_bytes` (EINVAL
+    /// otherwise), and the kubelet's pods have both at their limit (no swap). So the memory+swap limit moves
+    /// with the memory limit, keeping the swap it allowed: raised first when the limit goes up, lowered after
+    /// it when the limit goes down.
     pub fn set_limit(&self, bytes: Option<u64>) -> Result<(), MemoryError> {
         let path = self.limit_file();
-        let text = match (bytes, self.version) {
+        let text = |bytes: Option<u64>| match (bytes, self.version) {
             (Some(n), _) => n.to_string(),
             (None, CgroupVersion::V1) => "-1".to_owned(),
             (None, CgroupVersion::V2) => "max".to_owned(),
         };
-        std::fs::write(&path, text).map_err(|source| MemoryError::Io {
-            action: "write",
-            path,
-            source,
-        })
+        let memsw = self.dir.join("memory.memsw.limit_in_bytes");
+        let with_swap = match self.version {
+            CgroupVersion::V1 if memsw.exists() => {
+                let old_memsw = number(&memsw, &read(&memsw)?)?;
+                let old = number(&path, &read(&path)?)?;
+                (old_memsw < V1_UNLIMITED).then(|| {
+                    let swap = old_memsw.saturating_sub(old);
+                    let new = bytes.map(|n| n.saturating_add(swap));
+                    (new, bytes.is_none_or(|n| n > old))
+                })
+            }
+            _ => None,
+        };
+        let write = |path: &Path, text: String| {
+            std::fs::write(path, text).map_err(|source| MemoryError::Io {
+                action: "write",
+                path: path.to_path_buf(),
+                source,
+            })
+        };
+        match with_swap {
+            Some((memsw_bytes, true)) => {
+                write(&memsw, text(memsw_bytes))?;
+                write(&path, text(bytes))
+            }
+            Some((memsw_bytes, false)) => {
+                write(&path, text(bytes))?;
+                write(&memsw, text(memsw_bytes))
+            }
+            None => write(&path, text(bytes)),
+        }
     }
 }
 
@@ -208,6 +239,27 @@ mod tests {
         assert_eq!(
             std::fs::read_to_string(v1.join("memory.limit_in_bytes")).unwrap(),
             "-1"
+        );
+
+        // A kubelet's pod on v1: memory+swap at the memory limit (no swap); both move together.
+        std::fs::write(v1.join("memory.limit_in_bytes"), "134217728\n").unwrap();
+        std::fs::write(v1.join("memory.memsw.limit_in_bytes"), "134217728\n").unwrap();
+        m.set_limit(Some(512 << 20)).unwrap();
+        assert_eq!(m.limit().unwrap(), Some(512 << 20));
+        let memsw = || std::fs::read_to_string(v1.join("memory.memsw.limit_in_bytes")).unwrap();
+        assert_eq!(memsw(), (512u64 << 20).to_string());
+        m.set_limit(Some(128 << 20)).unwrap();
+        assert_eq!(memsw(), (128u64 << 20).to_string());
+        std::fs::write(
+            v1.join("memory.memsw.limit_in_bytes"),
+            "9223372036854771712\n",
+        )
+        .unwrap();
+        m.set_limit(Some(1 << 30)).unwrap();
+        assert_eq!(
+            memsw(),
+            "9223372036854771712\n",
+            "an unlimited memory+swap stays"
         );
 
         let pure = [cg(0, &[], "/pod/c")];
