@@ -674,7 +674,9 @@ fn an_idle_server_is_parked_for_the_trainer_and_a_request_for_it_hands_the_gpu_b
         rig.gpu.status("trainer")
     );
     rig.wait_held("trainer");
-    assert_eq!(rig.task_status("server").as_deref(), Some("PAUSED"));
+    // Parked unfrozen, the idle park's default: its CPU threads answer a liveness probe.
+    assert_eq!(rig.task_status("server").as_deref(), Some("RUNNING"));
+    assert_eq!(preemption(&rig, "server")["unfrozen"], json!(true));
 
     // A request for the server: the trainer is parked and the server resumed on its release.
     let reply = tell_agent(

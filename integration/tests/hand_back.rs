@@ -61,7 +61,9 @@ fn a_hand_back_whose_gate_fails_leaves_the_server_parked_and_the_next_request_ha
         rig.gpu.status("server"),
         steps.seen()
     );
-    assert_eq!(rig.task_status("server").as_deref(), Some("PAUSED"));
+    // Parked unfrozen, as the idle park parks.
+    assert_eq!(rig.task_status("server").as_deref(), Some("RUNNING"));
+    assert_eq!(rig.preemption("server")["unfrozen"], json!(true));
     assert_eq!(rig.gpu.status("squatter")["gpu"], json!("held"));
 
     // The squatter goes (`ctr run --rm` deletes it): the next request hands the GPU back.

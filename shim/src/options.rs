@@ -80,6 +80,9 @@ pub struct BatonSettings {
     /// What a park does when the container's memory cgroup has no room for the host copy of its device
     /// memory (`park_memory`, node only; default raise).
     pub park_memory: ParkMemory,
+    /// Whether a park freezes the container after its checkpoint (`park-freeze`, "true" | "false"); `None`:
+    /// yes, except for the agent's idle park (see [`BatonSettings::park_freezes`]).
+    pub park_freeze: Option<bool>,
     /// Start waits until no other container holds the NVIDIA devices this one sees, at most this long
     /// (`wait-gpu-free`, e.g. "20s"; `baton.io/wait-gpu-free` on a pod or container). `None`: no wait.
     pub wait_gpu_free: Option<std::time::Duration>,
@@ -129,6 +132,16 @@ impl BatonSettings {
         })
     }
 
+    /// Whether a park of this container freezes it after the checkpoint: `park-freeze` when set, else yes,
+    /// except for an idle park (`idle_park`). An idle-parked server nearly always has liveness probes, which
+    /// the kubelet runs in it (ExecSync) or against it (HTTP, gRPC): frozen, every probe fails and the
+    /// kubelet restarts the container, losing the park. Unfrozen, its CPU threads answer and only its CUDA
+    /// calls wait for the resume. A co-runner parked for a server is frozen: its CPU work (data loading)
+    /// would otherwise compete with the server, and trainers seldom have probes.
+    pub fn park_freezes(&self, idle_park: bool) -> bool {
+        self.park_freeze.unwrap_or(!idle_park)
+    }
+
     /// These (a pod's) settings as they apply to the pod's sandbox container itself: its process (pause)
     /// runs no GPU work, so the pod's role, gate, preemption and idle park are its containers', not its
     /// own. Otherwise a pod's `baton.io/wait-gpu-free` would hold its own sandbox's start, and with it
@@ -161,6 +174,7 @@ impl Default for BatonSettings {
             cuda_lock_timeout: std::time::Duration::from_secs(10),
             cuda_checkpoint_timeout: DEFAULT_CUDA_CHECKPOINT_TIMEOUT,
             park_memory: ParkMemory::Raise,
+            park_freeze: None,
             wait_gpu_free: None,
             role: None,
             yields_to: Vec::new(),
@@ -334,6 +348,13 @@ impl BatonSettings {
                     "refuse" => ParkMemory::Refuse,
                     _ => return Err(invalid("\"raise\" or \"refuse\"")),
                 };
+            }
+            "park-freeze" => {
+                self.park_freeze = Some(match value.trim() {
+                    "true" | "1" | "yes" => true,
+                    "false" | "0" | "no" => false,
+                    _ => return Err(invalid("true or false")),
+                });
             }
             "park-when-idle" => {
                 let after = parse_duration(value)
@@ -946,6 +967,29 @@ mod tests {
             .with_annotations(&bad, "pod")
             .unwrap_err();
         assert!(err.to_string().contains("latency-critical"), "{err}");
+    }
+
+    #[test]
+    fn a_park_freezes_unless_it_is_an_idle_park_or_park_freeze_says_otherwise() {
+        let d = BatonSettings::default();
+        assert!(d.park_freezes(false), "a park for a server freezes");
+        assert!(!d.park_freezes(true), "an idle park does not (probes)");
+        for (value, freezes) in [("false", false), ("true", true)] {
+            let a: HashMap<String, String> =
+                [("baton.io/park-freeze".to_string(), value.to_string())].into();
+            let s = d.clone().with_annotations(&a, "pod").unwrap();
+            assert_eq!(
+                (s.park_freezes(false), s.park_freezes(true)),
+                (freezes, freezes)
+            );
+        }
+        let bad: HashMap<String, String> =
+            [("baton.io/park-freeze".to_string(), "sometimes".to_string())].into();
+        let err = d.with_annotations(&bad, "container").unwrap_err();
+        assert!(
+            err.to_string().contains("park-freeze") && err.to_string().contains("true or false"),
+            "{err}"
+        );
     }
 
     #[test]

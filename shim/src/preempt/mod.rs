@@ -245,6 +245,7 @@ impl Container {
             idle_park,
             host_copy_bytes: vram_bytes.filter(|v| *v > 0),
             raised_limit: raised,
+            unfrozen: mode == PreemptMode::Park && !self.settings.park_freezes(idle_park),
         };
         self.set_preemption(Some(state.clone()));
         steps.state_entered(Some(state.clone()));
@@ -254,6 +255,13 @@ impl Container {
             return Err(e);
         }
         let done = match mode {
+            PreemptMode::Park if state.unfrozen => {
+                tracing::info!(
+                    id = %self.id,
+                    "parked without freezing: its CPU threads run, its CUDA calls wait for the resume"
+                );
+                Ok(())
+            }
             PreemptMode::Park => self.freeze_parked(&mut op, &cuda, &sorted, steps).await,
             PreemptMode::Snapshot => {
                 let image = image.unwrap_or_default();

@@ -68,6 +68,7 @@ mod tests {
                 was_bytes: 1 << 29,
                 raised_to_bytes: 3 << 29,
             }),
+            unfrozen: true,
         };
         save(dir.path(), Some(&state)).unwrap();
         assert_eq!(load(dir.path()), Some(state));

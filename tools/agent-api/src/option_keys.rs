@@ -64,6 +64,10 @@ pub const GAP_FILL_WINDOW: &str = "gap_fill_window";
 /// What a park does when the container's memory cgroup has no room for the host copy of its device memory:
 /// "raise" (its limit, while parked) or "refuse" (node only; [`crate::ParkMemory`]).
 pub const PARK_MEMORY: &str = "park_memory";
+/// Whether a park freezes the container's cgroup after the checkpoint ("true" | "false"; default true, and
+/// false for the agent's idle park, whose servers answer liveness probes): unfrozen, its CPU threads run
+/// and its CUDA calls wait for the resume.
+pub const PARK_FREEZE: &str = "park-freeze";
 
 /// The video memory a container needs on each GPU it sees (a quantity, `24Gi`): its Start goes through the
 /// GPU-free gate once that much is free beside the holders, instead of waiting for an empty GPU.
@@ -73,7 +77,7 @@ pub const GPU_MEMORY: &str = "gpu-memory";
 pub const GPU_MEMORY_HEADROOM: &str = "gpu_memory_headroom";
 
 /// Every Baton key, in TOML and (prefixed with [`ANNOTATION_PREFIX`]) in annotations.
-pub const BATON_KEYS: [&str; 23] = [
+pub const BATON_KEYS: [&str; 24] = [
     EBPF,
     CUDA_CHECKPOINT_PATH,
     CUDA_DRIVER_PATH,
@@ -95,6 +99,7 @@ pub const BATON_KEYS: [&str; 23] = [
     GAP_FILL_WINDOW,
     PARK_WHEN_IDLE,
     PARK_MEMORY,
+    PARK_FREEZE,
     GPU_MEMORY,
     GPU_MEMORY_HEADROOM,
 ];

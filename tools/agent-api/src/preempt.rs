@@ -249,7 +249,7 @@ pub struct StepLine {
 pub enum PreemptPhase {
     /// Being preempted.
     Preempting,
-    /// Parked: checkpointed into host memory and frozen.
+    /// Parked: checkpointed into host memory, and frozen unless `unfrozen`.
     Parked,
     /// Being resumed.
     Resuming,
@@ -286,6 +286,10 @@ pub struct PreemptState {
     /// The memory limit the park raised to make room for that copy, put back at the resume.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub raised_limit: Option<RaisedLimit>,
+    /// Parked without freezing (`baton.io/park-freeze: "false"`, or an idle park): its CPU threads run (a
+    /// liveness probe is answered), its CUDA calls wait for the resume.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unfrozen: bool,
 }
 
 /// A container's memory limit raised while it is parked (`park_memory = "raise"`).

@@ -136,6 +136,7 @@ async fn a_failed_preemption_is_told_once_and_a_co_runner_that_finishes_at_its_r
             idle_park: false,
             host_copy_bytes: None,
             raised_limit: None,
+            unfrozen: false,
         }),
         steps: vec![],
     };
