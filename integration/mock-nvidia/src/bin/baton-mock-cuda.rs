@@ -96,6 +96,11 @@ struct Args {
     /// MADV_DONTFORK one), makes no CUDA call, and lives as long as this process.
     #[arg(long)]
     fork_worker: bool,
+    /// On SIGTERM or SIGINT, make one last step of CUDA calls (a trainer's final checkpoint, a server's
+    /// drain) before exiting, printing `phase saved-at-stop`: a locked process waits for its unlock first, as
+    /// a real one's CUDA calls do, so a parked one that is never resumed never gets there.
+    #[arg(long)]
+    save_at_stop: bool,
 }
 
 fn parse_action(name: &str) -> Result<Action, String> {
@@ -225,7 +230,7 @@ fn run(
             }
             Next::Event(event) => {
                 if !main.apply(event)? {
-                    return Ok(());
+                    return save_at_stop(workload, gate, args);
                 }
             }
         }
@@ -235,10 +240,24 @@ fn run(
         say("phase holding");
         while let Next::Event(event) = gate.next(false) {
             if !main.apply(event)? {
-                break;
+                return save_at_stop(workload, gate, args);
             }
         }
     }
+    Ok(())
+}
+
+/// With `--save-at-stop`, the stop's last step of CUDA calls, once the process may make them.
+fn save_at_stop(workload: &Shared, gate: &Gate, args: &Args) -> anyhow::Result<()> {
+    if !args.save_at_stop {
+        return Ok(());
+    }
+    say("phase stopping");
+    gate.wait_running();
+    let step = lock(workload).step();
+    gate.done();
+    step?;
+    say("phase saved-at-stop");
     Ok(())
 }
 

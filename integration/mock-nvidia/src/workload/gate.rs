@@ -103,6 +103,20 @@ impl Gate {
         }
     }
 
+    /// Waits until the process runs with no lock pending, as a CUDA call of a locked process waits for its
+    /// unlock (cuda-checkpoint: "any CUDA calls made by the process will block"), then marks the main thread
+    /// busy: a stop's last CUDA work (`--save-at-stop`) goes through here.
+    pub fn wait_running(&self) {
+        let mut inner = self.inner();
+        while inner.state != CudaState::Running || inner.locking {
+            inner = self
+                .changed
+                .wait(inner)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        inner.busy = true;
+    }
+
     /// The main thread left its CUDA calls.
     pub fn done(&self) {
         self.inner().busy = false;
