@@ -324,6 +324,36 @@ async fn ask_gpu_free(
     }
 }
 
+/// Asks the agent whether parked container `id` (in `namespace`), being stopped, is to be resumed first (its
+/// GPU is free for it), and why; the error says why no answer came (no agent: it is not resumed).
+pub async fn stop_parked(
+    settings: &BatonSettings,
+    id: &str,
+    namespace: &str,
+) -> Result<(bool, String), String> {
+    let endpoint = Endpoint {
+        autostart: None,
+        ..endpoint_of(settings)
+    };
+    let ask = async {
+        let mut client = baton_agent_api::connect_or_start(&endpoint, REGISTER_TIMEOUT).await?;
+        client
+            .call(Request::StopParked(ContainerRef {
+                id: id.to_owned(),
+                namespace: namespace.to_owned(),
+            }))
+            .await
+    };
+    match tokio::time::timeout(REGISTER_TIMEOUT, ask).await {
+        Ok(Ok(Reply::StopParked { resume_first, why })) => Ok((resume_first, why)),
+        Ok(Ok(other)) => Err(format!("unexpected reply from the agent: {other:?}")),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!(
+            "the baton agent did not answer within {REGISTER_TIMEOUT:?}"
+        )),
+    }
+}
+
 /// What the agent's refusal of a gate request for a container it does not watch says.
 const NOT_WATCHED: &str = "is not watched by the agent";
 

@@ -97,6 +97,13 @@ fn reported_status(c: &Container, state: State, exec_id: &str) -> ApiStatus {
     }
 }
 
+/// A signal that asks a process to end (what a pod deletion or `ctr task kill` sends first), not SIGKILL.
+fn is_stop_signal(signal: u32) -> bool {
+    [libc::SIGTERM, libc::SIGINT, libc::SIGQUIT, libc::SIGHUP]
+        .iter()
+        .any(|s| u32::try_from(*s) == Ok(signal))
+}
+
 impl TaskService {
     /// A service for `namespace` publishing through `events`; Shutdown signals `exit`.
     pub fn new(namespace: &str, events: Events, exit: Arc<ExitSignal>) -> Self {
@@ -459,6 +466,13 @@ impl Task for TaskService {
 
     async fn kill(&self, _: &TtrpcContext, req: KillRequest) -> TtrpcResult<Empty> {
         let c = self.container(&req.id)?;
+        if req.exec_id.is_empty()
+            && is_stop_signal(req.signal)
+            && c.preemption()
+                .is_some_and(|p| p.state == baton_agent_api::PreemptPhase::Parked)
+        {
+            self.resume_before_stop(&c).await;
+        }
         let was = c.preemption();
         c.kill(&req.exec_id, req.signal, req.all).await?;
         // A fatal signal to a parked container ends its parking: the agent learns it from the shim.

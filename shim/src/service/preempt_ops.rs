@@ -24,6 +24,9 @@ pub const PARKED_TOPIC: &str = "/baton/preempt/parked";
 pub const SNAPSHOTTED_TOPIC: &str = "/baton/preempt/snapshotted";
 /// containerd topic: a parked container got its GPU state back.
 pub const RESUMED_TOPIC: &str = "/baton/preempt/resumed";
+/// How long a stop signal to a parked container waits for the resume the agent allowed first: with a 10 s
+/// grace period, the rest is the container's own.
+const RESUME_BEFORE_STOP: Duration = Duration::from_secs(4);
 
 impl TaskService {
     /// Answers a request of the control socket; steps go to `tx` as they happen.
@@ -153,6 +156,62 @@ impl TaskService {
             preemption: None,
             steps: steps.all,
         })
+    }
+
+    /// Before a stop signal (SIGTERM, SIGINT, SIGQUIT, SIGHUP) reaches the init of parked container `c` (a pod
+    /// deletion, `ctr task kill`): resumes it first when the agent says its GPU is free for it, so that its way
+    /// out (a final checkpoint, exit handlers that call CUDA) runs instead of waiting on a locked CUDA until
+    /// the SIGKILL at the end of its grace period. The signal waits for that resume at most
+    /// [`RESUME_BEFORE_STOP`]; the resume goes on meanwhile (the CUDA calls of the signal's handler wait for
+    /// its unlock). Otherwise the signal goes to the container parked, and the log says what that means.
+    pub(super) async fn resume_before_stop(&self, c: &Arc<Container>) {
+        let why = match agent::stop_parked(&c.settings, &c.id, &self.shared.namespace).await {
+            Ok((true, why)) => why,
+            Ok((false, why)) => {
+                tracing::warn!(
+                    id = %c.id,
+                    "stopped while parked, not resumed first: {why}. Its CUDA state stays in host memory and \
+                     its CUDA is locked: its CPU threads get the signal and run, a CUDA call it makes on its way \
+                     out waits until it is killed (SIGKILL at the end of its grace period)"
+                );
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(
+                    id = %c.id,
+                    "stopped while parked: the agent cannot say whether its GPU is free ({e}), so it is not \
+                     resumed first; a CUDA call it makes on its way out waits until it is killed"
+                );
+                return;
+            }
+        };
+        let mut steps = Steps::new(self.container_ref(&c.id), None);
+        let container = c.clone();
+        let resume = tokio::spawn(async move {
+            let result = container.resume_parked(&mut steps).await;
+            (result, steps)
+        });
+        match tokio::time::timeout(RESUME_BEFORE_STOP, resume).await {
+            Ok(Ok((Ok(()), steps))) => {
+                tracing::info!(id = %c.id, "stopped while parked: resumed first ({why})");
+                self.publish_steps(RESUMED_TOPIC, &c.id, &steps).await;
+            }
+            Ok(Ok((Err(e), _))) => tracing::warn!(
+                id = %c.id,
+                "stopped while parked: resuming it first ({why}) failed: {e}; the signal goes to it parked"
+            ),
+            Ok(Err(e)) => {
+                tracing::warn!(id = %c.id, "stopped while parked: the resume task failed: {e}")
+            }
+            Err(_) => tracing::warn!(
+                id = %c.id,
+                "stopped while parked: its resume ({why}) takes longer than {RESUME_BEFORE_STOP:?}; the \
+                 signal goes now, its CUDA calls wait for the resume's unlock"
+            ),
+        }
+        self.shared
+            .gpu
+            .preemption_changed(&c.id, &self.shared.namespace, c.preemption());
     }
 
     async fn publish_steps(&self, topic: &str, id: &str, steps: &Steps) {

@@ -64,6 +64,9 @@ pub enum Request {
     Token(RequestEvent),
     /// Turn the decode governor on (or off).
     Governor(GovernorRequest),
+    /// A parked container is being stopped (SIGTERM from a pod deletion): should its shim resume it first,
+    /// so that its way out may use CUDA? Only the shim that registered it asks; `stop_parked` answers.
+    StopParked(ContainerRef),
 }
 
 /// A container's preemption state now, as its shim pushes it.
@@ -332,6 +335,13 @@ pub enum Reply {
         waited_ns: u64,
         /// CLOCK_MONOTONIC ns when the devices were found free.
         t_free_ns: u64,
+    },
+    /// Answer to `stop_parked`.
+    StopParked {
+        /// Resume it before the signal: its GPU is free for it.
+        resume_first: bool,
+        /// Why (`its GPU is free`, `its GPU is held by server`).
+        why: String,
     },
     /// The request failed; `error` says why and what to do.
     Error {

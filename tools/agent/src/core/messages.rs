@@ -96,7 +96,8 @@ pub enum NoteKind {
         detail: String,
     },
     /// The gate's room decided for it: `what` is `beside` (its Start went through beside holders),
-    /// `parked` (a co-runner was parked to make room) or `resumed` (a parked co-runner fits again).
+    /// `parked` (a co-runner was parked to make room), `resumed` (a parked co-runner fits again) or
+    /// `stopping` (a parked container being stopped is resumed first, or not, and why).
     Room {
         /// What happened.
         what: &'static str,

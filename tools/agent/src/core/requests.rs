@@ -26,6 +26,7 @@ impl Core {
                 found: self.unregister(&c),
             },
             R::Preemption(update) => self.preemption_pushed(update, peer),
+            R::StopParked(c) => self.stop_parked(&c, peer),
             R::Status(filter) => {
                 self.prune_orphans();
                 Reply::Status(self.status(&filter, peer))

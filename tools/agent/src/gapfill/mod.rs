@@ -33,6 +33,7 @@ mod fit;
 mod idle_park;
 mod rate_gate;
 mod rate_store;
+mod stop;
 
 pub(crate) use idle_park::IdlePark;
 use rate_gate::RateGate;
