@@ -133,6 +133,18 @@ impl HolderContainer {
         Self::spawn(env, id, mock_dir, &[], "/dev", &[], Some(runtime))
     }
 
+    /// [`HolderContainer::start_with_runtime`] with `annotations` in its OCI spec (CRI's pod names, as a
+    /// pod's container under another runtime has them).
+    pub fn start_with_runtime_annotated(
+        env: &TestEnv,
+        id: &str,
+        mock_dir: &Path,
+        runtime: &str,
+        annotations: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
+        Self::spawn(env, id, mock_dir, annotations, "/dev", &[], Some(runtime))
+    }
+
     /// [`HolderContainer::start_with_runtime`] with more `ctr run` flags (`--privileged`).
     pub fn start_with_runtime_and_flags(
         env: &TestEnv,

@@ -83,3 +83,82 @@ fn an_unwatched_daemon_with_open_device_files_does_not_shut_the_gate_and_one_wit
         "the agent used the fake NVML:\n{log}"
     );
 }
+
+/// CRI's annotations naming a container's pod, as a pod's container under containerd's runc has them.
+fn pod_names<'a>(namespace: &'a str, pod: &'a str) -> [(&'a str, &'a str); 2] {
+    [
+        ("io.kubernetes.cri.sandbox-namespace", namespace),
+        ("io.kubernetes.cri.sandbox-name", pod),
+    ]
+}
+
+#[test]
+fn a_daemon_of_an_exempt_pod_does_not_shut_the_gate_even_with_a_context_and_another_pod_does() {
+    let Some(rig) = GpuRig::start("exempt-pods") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let nvml =
+        FakeNvml::install(dir.path(), rig.mock_dir.path(), Duration::from_millis(1)).unwrap();
+    let log = dir.path().join("agent.log");
+    let state = rig.env.containerd().state_dir().display().to_string();
+    let _agent = nvml
+        .start_agent(
+            &rig.env.containerd().agent_socket(),
+            &log,
+            &[
+                "--exempt-pod",
+                "gpu-operator/nvidia-dcgm-exporter-*",
+                "--containerd-state",
+                &state,
+            ],
+        )
+        .unwrap();
+    // dcgm-exporter of the GPU operator's DaemonSet, with a context on the GPU (NVML lists it): exempt by its
+    // pod's name, which the agent reads from containerd's bundle of the container.
+    let mut dcgm = HolderContainer::start_with_runtime_annotated(
+        &rig.env,
+        "dcgm",
+        rig.mock_dir.path(),
+        "io.containerd.runc.v2",
+        &pod_names("gpu-operator", "nvidia-dcgm-exporter-7x2kq"),
+    )
+    .unwrap();
+    let ctl = dcgm.num("open nvidiactl").unwrap();
+    dcgm.num("open nvidia0").unwrap();
+    assert_eq!(dcgm.cmd(&format!("alloc {ctl}")).unwrap()[1], "0");
+    let mut first = start_behind_gate(&rig, "first").unwrap();
+    first.num("stamp").unwrap();
+    first.finish().unwrap();
+
+    // Another pod's container with a context (its name only begins like the DaemonSet's namespace): held.
+    let mut other = HolderContainer::start_with_runtime_annotated(
+        &rig.env,
+        "other",
+        rig.mock_dir.path(),
+        "io.containerd.runc.v2",
+        &pod_names("default", "nvidia-dcgm-exporter-7x2kq"),
+    )
+    .unwrap();
+    let ctl = other.num("open nvidiactl").unwrap();
+    other.num("open nvidia0").unwrap();
+    assert_eq!(other.cmd(&format!("alloc {ctl}")).unwrap()[1], "0");
+    std::thread::scope(|s| {
+        let start = s.spawn(|| start_behind_gate(&rig, "second"));
+        let socket = rig.env.containerd().agent_socket();
+        assert!(
+            wait_until(WITHIN, || container_status(&socket, "second")
+                .ok()
+                .flatten()
+                .is_some()),
+            "the gated container is registered"
+        );
+        assert!(
+            !wait_until(Duration::from_millis(800), || start.is_finished()),
+            "the gate opened while a process of a pod not exempt had a context on the GPU"
+        );
+        other.num(&format!("close {ctl}")).unwrap();
+        let mut second = start.join().unwrap().unwrap();
+        second.num("stamp").unwrap();
+    });
+}

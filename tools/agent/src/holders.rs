@@ -352,11 +352,14 @@ pub fn pids_of_cgroup_tree(dir: &Path) -> Vec<u32> {
 }
 
 /// Which processes do not count as holders: the node's own (in the mount namespace of the node's init, or
-/// of the agent where that one cannot be read), the agent, and those in the operator's exempt cgroups.
+/// of the agent where that one cannot be read), the agent, those in the operator's exempt cgroups, and the
+/// containers of the operator's exempt pods (see `pods.rs`).
 #[derive(Clone, Debug, Default)]
 pub struct Exempt {
     /// cgroup v2 paths whose processes (and those of the cgroups below) are the node's daemons.
     pub cgroups: Vec<String>,
+    /// The pods that are the node's daemons (`--exempt-pod`).
+    pub pods: crate::pods::ExemptPods,
 }
 
 impl Exempt {
@@ -451,6 +454,7 @@ impl ScanRequest {
         };
         let host_mnt = host_mount_namespace();
         let mut cache = HashMap::new();
+        let mut pods = HashMap::new();
         let mut holders = Vec::new();
         for pid in baton_tracer::seed::all_pids() {
             let pid = pid as u32;
@@ -476,6 +480,12 @@ impl ScanRequest {
                 continue;
             }
             let cgroup = baton_tracer::cgroups::v2_path_of_pid(pid);
+            if cgroup
+                .as_deref()
+                .is_some_and(|c| self.exempt.pods.exempts(c, &mut pods))
+            {
+                continue;
+            }
             holders.extend(held.into_iter().map(|h| (h, cgroup.clone())));
         }
         NodeScan {

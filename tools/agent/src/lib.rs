@@ -14,6 +14,7 @@ mod gate;
 mod holders;
 mod metrics;
 mod nvml;
+mod pods;
 mod preempt;
 mod registry;
 mod server;
@@ -75,6 +76,16 @@ pub struct AgentArgs {
     /// container (in the node's mount namespace) never count anyway.
     #[arg(long = "exempt-cgroup", value_name = "PATH")]
     exempt_cgroups: Vec<String>,
+    /// A pod whose containers are the node's own GPU daemons (dcgm-exporter, the device plugin): NAMESPACE/NAME,
+    /// NAME ending in `*` for the pods of a DaemonSet (gpu-operator/nvidia-dcgm-exporter-*) or `*` for the whole
+    /// namespace; repeatable. Its processes never count as holders of a GPU. Read from containerd's bundles
+    /// (see --containerd-state), never from what the container says.
+    #[arg(long = "exempt-pod", value_name = "NAMESPACE/NAME")]
+    exempt_pods: Vec<pods::PodPattern>,
+    /// containerd's state directory on the node, where its bundles name each container's pod (read through
+    /// /proc/1/root: the DaemonSet's agent needs no mount of it).
+    #[arg(long, value_name = "DIR", default_value = pods::DEFAULT_CONTAINERD_STATE)]
+    containerd_state: PathBuf,
     /// How many NVIDIA fds of one container the probes follow (16 to the map's size): a container past it
     /// (one that dups a device file tens of thousands of times) is followed through /proc alone, so that it
     /// cannot fill the probes' fd map and blind them for the other containers of the node.
@@ -252,6 +263,10 @@ async fn serve_until_signal(
     let controller = control::spawn(bounds, commands.clone());
     let exempt = holders::Exempt {
         cgroups: args.exempt_cgroups.clone(),
+        pods: pods::ExemptPods {
+            patterns: args.exempt_pods.clone(),
+            containerd_state: args.containerd_state.clone(),
+        },
     };
     let mut core = self::core::Core::new(events.clone(), controller.clone(), exempt);
     core.fd_quota = args.probe_fd_quota;
