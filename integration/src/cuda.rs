@@ -65,6 +65,10 @@ pub struct Trainer {
     /// One more workload process starts once [`LATE_GO`] exists in the container's /tmp
     /// ([`CudaRig::start_late_process`]): a CUDA process that appears while a preemption runs.
     pub late_process: bool,
+    /// The mock GPU the container sees, at its /dev/nvidia0 (where the workload opens it): 0 for the mock's
+    /// nvidia0, 1 for its nvidia1 ([`CudaRig::start_with`] a mock of two GPUs). The gate and the ledger tell
+    /// GPUs apart by the file, whatever its name in the container.
+    pub gpu: u32,
 }
 
 /// The file in the container's /tmp whose creation starts a [`Trainer::late_process`].
@@ -82,6 +86,7 @@ impl Default for Trainer {
             fork_worker: false,
             memory_limit_bytes: None,
             late_process: false,
+            gpu: 0,
         }
     }
 }
@@ -160,6 +165,13 @@ impl CudaRig {
         more: &[&str],
     ) -> Running {
         let mut flags = device_mounts_at(self.gpu.mock_dir.path(), "/dev");
+        if t.gpu != 0 {
+            let gpu = flags
+                .iter_mut()
+                .find(|f| f.contains("/nvidia0,"))
+                .unwrap_or_else(|| panic!("no mount of nvidia0"));
+            *gpu = gpu.replacen("/nvidia0,", &format!("/nvidia{},", t.gpu), 1);
+        }
         flags.push("--mount".into());
         flags.push("type=tmpfs,src=tmpfs,dst=/tmp,options=rw".into());
         if let Some(bytes) = t.memory_limit_bytes {
@@ -325,11 +337,17 @@ impl CudaRig {
             spec.set_linux(Some(linux));
         }
         let mut mounts = spec.mounts().clone().unwrap_or_default();
-        for name in ["nvidiactl", "nvidia0", "nvidia-uvm", "nvidia-uvm-tools"] {
+        let gpu = format!("nvidia{}", t.gpu);
+        for (name, at) in [
+            ("nvidiactl", "nvidiactl"),
+            (gpu.as_str(), "nvidia0"),
+            ("nvidia-uvm", "nvidia-uvm"),
+            ("nvidia-uvm-tools", "nvidia-uvm-tools"),
+        ] {
             mounts.push(mount(
                 "bind",
                 &self.gpu.mock_dir.path().join(name),
-                &format!("/dev/{name}"),
+                &format!("/dev/{at}"),
                 &["rbind", "rw"],
             ));
         }

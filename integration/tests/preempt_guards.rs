@@ -4,7 +4,8 @@
 //! runs past `cuda_checkpoint_timeout` (its process frozen under it) is stopped and rolled back; a driver call
 //! wedged in one of two processes fails that pid only, and everything is rolled back, the wedged process once
 //! it answers; a process the driver has no CUDA state for is never locked or checkpointed; a resume that fails
-//! for a process keeps that process parked, and a second resume gives it its GPU back.
+//! for a process keeps that process parked, and a second resume gives it its GPU back; a rank of a distributed
+//! job and an MPS client are refused up front, and keep running.
 #![allow(
     clippy::unwrap_used,
     reason = "test helpers fail the test by panicking"
@@ -13,7 +14,7 @@ use std::{path::PathBuf, sync::mpsc};
 
 use baton_integration::{
     api,
-    cuda::{CudaRig, Trainer, WITHIN},
+    cuda::{CudaRig, PREEMPTIBLE, SERVER, Trainer, WITHIN},
 };
 use serde_json::{Value, json};
 
@@ -386,4 +387,61 @@ fn a_process_without_cuda_state_is_frozen_with_the_container_and_never_locked() 
     );
     assert_eq!(rig.task_status("mixed").as_deref(), Some("RUNNING"));
     assert_eq!(rig.gpu.status("mixed")["preemption"], Value::Null);
+}
+
+#[test]
+fn a_distributed_rank_and_an_mps_client_are_refused_up_front_and_keep_running() {
+    let Some(rig) = CudaRig::start("preempt-refusals") else {
+        return;
+    };
+    let t = Trainer::default();
+    let _rank = rig.run_with("rank", &t, &PREEMPTIBLE, &["--env", "WORLD_SIZE=2"]);
+    wait_held(&rig, "rank");
+    let pid = pids_of(&rig, "rank")[0];
+    let refused = |id: &str, pid: u32, why: &str| {
+        let (_, err, ok) = rig.baton(&["preempt", id]);
+        assert!(!ok, "the preemption of {id} is refused");
+        assert!(
+            err.contains(&format!("pid {pid}: {why}")) && err.contains("nothing was locked"),
+            "the refusal names the pid and why: {err}"
+        );
+        assert_eq!(rig.task_status(id).as_deref(), Some("RUNNING"));
+        assert_eq!(CudaRig::cuda_state(pid), "running", "never locked");
+        assert_eq!(rig.gpu.status(id)["preemption"], Value::Null);
+        assert_eq!(rig.gpu.status(id)["gpu"], json!("held"));
+        err
+    };
+    let err = refused("rank", pid, "WORLD_SIZE=2");
+    assert!(err.contains("a rank of a distributed job"), "{err}");
+    // Gap-fill asks the same park: the server's Start fails at once, naming the co-runner and why.
+    let _server = rig.create("server", &t, &SERVER);
+    let err = rig
+        .gpu
+        .env
+        .api()
+        .unwrap()
+        .start("server", "")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("could not preempt co-runner rank") && err.contains("WORLD_SIZE=2"),
+        "the server's Start names the co-runner and why: {err}"
+    );
+    assert_eq!(rig.task_status("server").as_deref(), Some("CREATED"));
+    assert_eq!(CudaRig::cuda_state(pid), "running");
+
+    // The default MPS pipe directory mounted in, as a daemon's reaches a client in another container.
+    let mount = [
+        "--mount",
+        "type=tmpfs,src=tmpfs,dst=/tmp/nvidia-mps,options=rw",
+    ];
+    let _client = rig.run_with("client", &t, &[], &mount);
+    wait_held(&rig, "client");
+    let pid = pids_of(&rig, "client")[0];
+    let err = refused(
+        "client",
+        pid,
+        "the MPS pipe directory /tmp/nvidia-mps is mounted",
+    );
+    assert!(err.contains("Run it outside MPS"), "{err}");
 }

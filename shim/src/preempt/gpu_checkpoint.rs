@@ -111,6 +111,7 @@ impl Container {
         pids: &[u32],
         steps: &mut Steps,
     ) -> Result<()> {
+        self.refuse_unpreemptible(pids, "checkpoint")?;
         let mut op = self.begin_op()?;
         let cuda = self.cuda_checkpoint(self.init_pid().await).await?;
         self.end_hold_for("a checkpoint").await;

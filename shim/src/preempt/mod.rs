@@ -20,6 +20,7 @@ mod driver_api;
 mod gpu_checkpoint;
 mod host_memory;
 mod presence;
+mod refusals;
 mod rollback;
 pub mod state;
 
@@ -314,7 +315,7 @@ impl Container {
                         .into(),
             });
         }
-        Ok(())
+        self.refuse_unpreemptible(pids, "preempt")
     }
 
     /// Locks every CUDA process of `sorted`, then checkpoints them all concurrently. On failure, rolls it all

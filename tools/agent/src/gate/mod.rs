@@ -197,4 +197,34 @@ mod tests {
             Some(DeviceKey::Number(1, 3))
         );
     }
+
+    #[test]
+    fn mig_slices_of_one_gpu_share_its_key_so_they_wait_on_each_other() {
+        // Two containers, each given one MIG slice of the same GPU: the GPU's /dev/nvidia0 and the slice's
+        // capability file (/dev/nvidia-caps/nvidia-capN; CUDA opens capability files without MIG too:
+        // /work/shared/gpu/580.159.04/maps-running.txt, fds 20 and 21).
+        let dir = tempfile::tempdir().unwrap();
+        for name in ["nvidia0", "nvidia-cap12", "nvidia-cap21"] {
+            std::fs::write(dir.path().join(name), b"").unwrap();
+        }
+        let seen = |files: &[&str]| -> BTreeSet<DeviceKey> {
+            files
+                .iter()
+                .filter_map(|n| DeviceKey::of(&dir.path().join(n), n))
+                .collect()
+        };
+        let first = seen(&["nvidia0", "nvidia-cap12"]);
+        let second = seen(&["nvidia0", "nvidia-cap21"]);
+        assert_eq!(
+            first.len(),
+            1,
+            "the capability file is no GPU device: {first:?}"
+        );
+        assert_eq!(first, second, "both slices key on the whole GPU");
+        assert!(
+            first
+                .iter()
+                .all(|a| second.iter().any(|b| a.same_device(b)))
+        );
+    }
 }
