@@ -132,8 +132,7 @@ pub fn registration_of(
         devices,
         settings: WatchSettings {
             trace_prefix: trace_prefix.to_owned(),
-            rate_gate: None,
-            gpu_memory_headroom: None,
+            ..WatchSettings::default()
         },
         control_socket: None,
         preemption: None,

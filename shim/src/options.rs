@@ -116,6 +116,9 @@ pub struct BatonSettings {
     pub gpu_memory: Option<u64>,
     /// The memory the gate keeps free on each GPU (`gpu_memory_headroom`, node only, bytes).
     pub gpu_memory_headroom: Option<u64>,
+    /// The node's budget for the memory limits parks raise, in all (`parked_host_memory_budget`, node
+    /// only, bytes); `None`: the agent's default, half the node's memory.
+    pub parked_host_memory_budget: Option<u64>,
     /// The pod (`pod-namespace/pod-name`) from CRI's sandbox annotations; not a key.
     pub pod: Option<String>,
     /// The pod and container names from CRI's annotations (for the agent's metrics); not a key.
@@ -186,6 +189,7 @@ impl Default for BatonSettings {
             park_when_idle: None,
             gpu_memory: None,
             gpu_memory_headroom: None,
+            parked_host_memory_budget: None,
             pod: None,
             kubernetes: None,
         }
@@ -376,6 +380,12 @@ impl BatonSettings {
             }
             "gpu_memory_headroom" => {
                 self.gpu_memory_headroom = Some(
+                    baton_agent_api::room::parse_quantity(value)
+                        .ok_or_else(|| invalid(baton_agent_api::room::QUANTITY_SYNTAX))?,
+                );
+            }
+            "parked_host_memory_budget" => {
+                self.parked_host_memory_budget = Some(
                     baton_agent_api::room::parse_quantity(value)
                         .ok_or_else(|| invalid(baton_agent_api::room::QUANTITY_SYNTAX))?,
                 );
@@ -1203,6 +1213,13 @@ mod tests {
         assert_eq!(cfg.baton.gpu_memory_headroom, Some(2 << 30));
         let err = BatonSettings::default()
             .with_annotations(&a("baton.io/gpu_memory_headroom", "0"), "pod")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not allowed in annotations"), "{err}");
+        let cfg = parse_toml_options("parked_host_memory_budget = \"64Gi\"\n").unwrap();
+        assert_eq!(cfg.baton.parked_host_memory_budget, Some(64 << 30));
+        let err = BatonSettings::default()
+            .with_annotations(&a("baton.io/parked_host_memory_budget", "1Ei"), "pod")
             .unwrap_err()
             .to_string();
         assert!(err.contains("not allowed in annotations"), "{err}");

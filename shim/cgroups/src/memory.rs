@@ -188,10 +188,20 @@ fn number(path: &Path, text: &str) -> Result<u64, MemoryError> {
 
 /// The node's MemAvailable (/proc/meminfo), in bytes.
 pub fn node_available() -> Option<u64> {
+    meminfo("MemAvailable:")
+}
+
+/// The node's MemTotal (/proc/meminfo), in bytes.
+pub fn node_total() -> Option<u64> {
+    meminfo("MemTotal:")
+}
+
+/// One line of /proc/meminfo, in bytes.
+fn meminfo(key: &str) -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kib: u64 = text
         .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .find_map(|l| l.strip_prefix(key))?
         .trim()
         .trim_end_matches("kB")
         .trim()

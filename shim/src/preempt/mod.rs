@@ -211,6 +211,7 @@ impl Container {
             parked_for,
             idle_park,
             vram_bytes,
+            host_budget_left_bytes,
             ..
         } = r;
         let pids = &pids;
@@ -233,7 +234,7 @@ impl Container {
         let sorted = self.sort_by_cuda_state(&cuda, pids, "preempt").await?;
         self.refuse_without_cuda_state(&sorted)?;
         let raised = self
-            .make_room_for_host_copy(self.init_pid().await, vram_bytes)
+            .make_room_for_host_copy(self.init_pid().await, vram_bytes, host_budget_left_bytes)
             .await?;
         let since_ns = now_monotonic_ns();
         let mut state = PreemptState {

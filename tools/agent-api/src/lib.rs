@@ -9,6 +9,7 @@ pub mod devices;
 pub mod driver_helper;
 pub mod duration;
 pub mod gapfill;
+pub mod host_copy;
 pub mod limits;
 pub mod lines;
 pub mod option_keys;
@@ -22,6 +23,9 @@ pub use devices::nvidia_devices_in;
 pub use duration::{DURATION_SYNTAX, MAX_WAIT_GPU_FREE, parse_duration};
 pub use gapfill::{
     FinishedCoRunner, GapFillStatus, GpuGapFill, ParkedCoRunner, Preempting, RateGateSettings,
+};
+pub use host_copy::{
+    HostMemory, ParkMemory, ParkedHostMemory, RaisedLimit, host_copy_need, room_for_host_copy,
 };
 pub use lines::{BoundedLines, MAX_REPLY_LINE, MAX_REQUEST_LINE};
 pub use preempt::*;

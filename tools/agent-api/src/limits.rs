@@ -64,6 +64,10 @@ impl Request {
                 let memory = [
                     ("gpu_memory", r.gpu_memory),
                     ("gpu_memory_headroom", r.settings.gpu_memory_headroom),
+                    (
+                        "parked_host_memory_budget",
+                        r.settings.parked_host_memory_budget,
+                    ),
                 ];
                 for (name, bytes) in memory {
                     if let Some(b) = bytes.filter(|b| *b > crate::room::MAX_GPU_MEMORY) {

@@ -64,6 +64,9 @@ pub const GAP_FILL_WINDOW: &str = "gap_fill_window";
 /// What a park does when the container's memory cgroup has no room for the host copy of its device memory:
 /// "raise" (its limit, while parked) or "refuse" (node only; [`crate::ParkMemory`]).
 pub const PARK_MEMORY: &str = "park_memory";
+/// The node's budget for the memory limits parks raise (`park_memory = "raise"`), in all (node only; a
+/// quantity, default half the node's memory).
+pub const PARKED_HOST_MEMORY_BUDGET: &str = "parked_host_memory_budget";
 /// Whether a park freezes the container's cgroup after the checkpoint ("true" | "false"; default true, and
 /// false for the agent's idle park, whose servers answer liveness probes): unfrozen, its CPU threads run
 /// and its CUDA calls wait for the resume.
@@ -77,7 +80,7 @@ pub const GPU_MEMORY: &str = "gpu-memory";
 pub const GPU_MEMORY_HEADROOM: &str = "gpu_memory_headroom";
 
 /// Every Baton key, in TOML and (prefixed with [`ANNOTATION_PREFIX`]) in annotations.
-pub const BATON_KEYS: [&str; 24] = [
+pub const BATON_KEYS: [&str; 25] = [
     EBPF,
     CUDA_CHECKPOINT_PATH,
     CUDA_DRIVER_PATH,
@@ -99,6 +102,7 @@ pub const BATON_KEYS: [&str; 24] = [
     GAP_FILL_WINDOW,
     PARK_WHEN_IDLE,
     PARK_MEMORY,
+    PARKED_HOST_MEMORY_BUDGET,
     PARK_FREEZE,
     GPU_MEMORY,
     GPU_MEMORY_HEADROOM,
@@ -110,7 +114,7 @@ pub const BATON_KEYS: [&str; 24] = [
 /// container's gate sees, and distinct prefixes would use up the probe set's few slots for the whole node), or
 /// bound a preemption (a tiny `cuda_checkpoint_timeout` would make a container impossible to preempt), or
 /// concern every container of the node (gap-fill's rate gate).
-pub const NODE_ONLY_KEYS: [&str; 14] = [
+pub const NODE_ONLY_KEYS: [&str; 15] = [
     CUDA_CHECKPOINT_PATH,
     CUDA_DRIVER_PATH,
     CRIU_PATH,
@@ -122,6 +126,7 @@ pub const NODE_ONLY_KEYS: [&str; 14] = [
     CUDA_CHECKPOINT_TIMEOUT,
     CUDA_LOCK_TIMEOUT,
     PARK_MEMORY,
+    PARKED_HOST_MEMORY_BUDGET,
     GAP_FILL_MIN_SHARE,
     GAP_FILL_WINDOW,
     GPU_MEMORY_HEADROOM,

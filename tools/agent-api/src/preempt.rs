@@ -88,6 +88,11 @@ pub struct PreemptRequest {
     /// fills it before it forwards the request to the container's shim; a client leaves it out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vram_bytes: Option<u64>,
+    /// What the node's budget for parked host memory has left for raising this container's memory limit,
+    /// bytes (the budget less what other parked containers' limits were raised by). The agent, which keeps
+    /// the budget, fills it before it forwards the request; a client leaves it out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_budget_left_bytes: Option<u64>,
 }
 
 /// Where snapshot images go when neither the request nor the node's `snapshot_dir` names a place: on disk,
@@ -285,33 +290,11 @@ pub struct PreemptState {
     pub host_copy_bytes: Option<u64>,
     /// The memory limit the park raised to make room for that copy, put back at the resume.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub raised_limit: Option<RaisedLimit>,
+    pub raised_limit: Option<crate::RaisedLimit>,
     /// Parked without freezing (`baton.io/park-freeze: "false"`, or an idle park): its CPU threads run (a
     /// liveness probe is answered), its CUDA calls wait for the resume.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unfrozen: bool,
-}
-
-/// A container's memory limit raised while it is parked (`park_memory = "raise"`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RaisedLimit {
-    /// Its limit before the park, bytes.
-    pub was_bytes: u64,
-    /// Its limit while parked, bytes.
-    pub raised_to_bytes: u64,
-}
-
-/// What a park does when the container's memory cgroup has no room for the host copy of its device memory
-/// (`park_memory`, node only).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ParkMemory {
-    /// Raise the limit by what is missing while it is parked, if the node has that much available; put it
-    /// back at the resume.
-    #[default]
-    Raise,
-    /// Refuse the park, naming the numbers.
-    Refuse,
 }
 
 /// What a `preempt`, `resume`, `start` or `handoff` did.
@@ -349,6 +332,7 @@ mod tests {
                 parked_for: None,
                 idle_park: false,
                 vram_bytes: None,
+                host_budget_left_bytes: None,
             })
         );
         let handoff: RequestLine = serde_json::from_str(

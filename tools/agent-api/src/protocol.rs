@@ -240,6 +240,14 @@ pub struct WatchSettings {
     /// sets it: node-wide, the latest registration that carries it wins.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_memory_headroom: Option<u64>,
+    /// What this container's park does when its memory cgroup has no room for the host copy
+    /// (`park_memory`, node only): gap-fill never picks a co-runner whose park would be refused.
+    #[serde(default, skip_serializing_if = "crate::ParkMemory::is_default")]
+    pub park_memory: crate::ParkMemory,
+    /// The node's budget for the memory limits parks raise (`parked_host_memory_budget`, node only), bytes,
+    /// when the TOML sets it: node-wide, the latest registration that carries it wins.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parked_host_memory_budget: Option<u64>,
 }
 
 impl Default for WatchSettings {
@@ -248,6 +256,8 @@ impl Default for WatchSettings {
             trace_prefix: "/dev/nvidia".to_owned(),
             rate_gate: None,
             gpu_memory_headroom: None,
+            park_memory: crate::ParkMemory::Raise,
+            parked_host_memory_budget: None,
         }
     }
 }
@@ -397,6 +407,9 @@ pub struct NodeStatus {
     /// started (what to set `baton.io/gpu-memory` from).
     #[serde(default)]
     pub peaks: Vec<crate::room::PeakMemory>,
+    /// The host memory parked containers hold, and the node's budget for the limits their parks raised.
+    #[serde(default)]
+    pub parked_host_memory: crate::ParkedHostMemory,
 }
 
 /// A GPU's video memory as the agent's ledger counts it and as NVML reports it (the cross-check).

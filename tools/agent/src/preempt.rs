@@ -237,6 +237,7 @@ pub async fn preempt(
         parked_for: None,
         idle_park: false,
         vram_bytes: Some(a.vram_bytes),
+        host_budget_left_bytes: Some(a.host_budget_left),
         ..r.clone()
     });
     let mut call = match ShimCall::start(&a, request) {
@@ -585,6 +586,7 @@ pub async fn handoff(
             parked_for: None,
             idle_park: false,
             vram_bytes: Some(a.vram_bytes),
+            host_budget_left_bytes: Some(a.host_budget_left),
         });
         let (b_go, go) = oneshot::channel();
         let b_prepared =

@@ -132,7 +132,42 @@ pub fn render_status(s: &NodeStatus, now_ns: u64) -> String {
     out.push_str(&render_gpus(&s.gpus));
     out.push_str(&render_controller(&s.controller));
     out.push_str(&render_gap_fill(&s.gap_fill));
+    out.push_str(&render_parked_host_memory(s));
     out.push_str(&render_peaks(&s.peaks));
+    out
+}
+
+/// The host memory parked containers hold (the host copies of their device memory), each one's, and the
+/// node's budget for the limits their parks raised.
+fn render_parked_host_memory(s: &NodeStatus) -> String {
+    use baton_agent_api::room::show_bytes;
+    let p = &s.parked_host_memory;
+    let mut out = format!(
+        "parked host memory: {} held; memory limits raised by {} of a budget of {} \
+         (parked_host_memory_budget)\n",
+        show_bytes(p.held_bytes),
+        show_bytes(p.raised_bytes),
+        show_bytes(p.budget_bytes)
+    );
+    for c in &s.containers {
+        let Some(state) = &c.preemption else {
+            continue;
+        };
+        let Some(held) = state.host_copy_bytes else {
+            continue;
+        };
+        out.push_str(&format!(
+            "  {} (namespace {}): {}{}\n",
+            c.container.id,
+            c.container.namespace,
+            show_bytes(held),
+            state.raised_limit.map_or_else(String::new, |r| format!(
+                ", its memory limit raised from {} to {} while parked",
+                show_bytes(r.was_bytes),
+                show_bytes(r.raised_to_bytes)
+            ))
+        ));
+    }
     out
 }
 

@@ -113,6 +113,7 @@ pub async fn preempt(a: PreemptArgs) -> anyhow::Result<()> {
         parked_for: None,
         idle_park: false,
         vram_bytes: None,
+        host_budget_left_bytes: None,
     });
     run(&a.agent, request, a.json).await
 }

@@ -151,6 +151,8 @@ pub struct Resolved {
     pub preemption: Option<PreemptState>,
     /// Its device memory in the ledger, bytes (what a park copies into its host memory).
     pub vram_bytes: u64,
+    /// What the node's budget for parked host memory has left for raising its memory limit, bytes.
+    pub host_budget_left: u64,
 }
 
 /// A request from a connection.

@@ -8,6 +8,7 @@
 mod event_loop;
 mod messages;
 mod offload;
+mod parked_memory;
 mod probes;
 mod recheck;
 mod reconcile;
@@ -82,6 +83,11 @@ pub struct Core {
     pub fd_quota: u32,
     /// The memory the gate keeps free on each GPU (`gpu_memory_headroom`, from the shims' registrations).
     pub(crate) gpu_headroom: u64,
+    /// The node's budget for the memory limits parks raise (`parked_host_memory_budget`, from the shims'
+    /// registrations; `None`: half the node's memory).
+    pub(crate) parked_budget: Option<u64>,
+    /// The node's memory (MemTotal, read at the start), bytes.
+    pub(crate) mem_total: u64,
     /// The ledger's peak per container name, past each container's end.
     pub(crate) peaks: crate::registry::peaks::Peaks,
 }
@@ -119,6 +125,8 @@ impl Core {
             idle: Default::default(),
             fd_quota: baton_tracer::DEFAULT_FD_QUOTA,
             gpu_headroom: 0,
+            parked_budget: None,
+            mem_total: baton_cgroups::memory::node_total().unwrap_or(0),
             peaks: Default::default(),
         }
     }

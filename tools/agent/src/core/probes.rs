@@ -244,6 +244,7 @@ mod tests {
             asked_ns: now_monotonic_ns(),
             deadline: tokio::time::Instant::now() + std::time::Duration::from_secs(60),
             reply,
+            unparkable: Default::default(),
         });
         // What the core's loop does with a failed read of the ring buffer.
         let read_failed = std::io::Error::other("the ring buffer could not be read");

@@ -76,6 +76,7 @@ impl Core {
             gap_fill: self.gap_fill_status(),
             gpus,
             peaks: self.peaks_status(),
+            parked_host_memory: self.parked_host_memory(),
         }
     }
 
@@ -134,6 +135,7 @@ impl Core {
             totals: self.retired.with(self.tracer.as_ref()),
             controller: self.controller_status(),
             gap_fill: self.gap_fill_status(),
+            parked_host_memory: self.parked_host_memory(),
         }
     }
 }

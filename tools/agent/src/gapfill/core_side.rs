@@ -16,8 +16,10 @@ use baton_tracer::now_monotonic_ns;
 /// The core's side of gap-fill: what it does on the gate, on a shim call's end and on each turn.
 impl Core {
     /// Starts the preemptions waiter `w`, still blocked at the gate, calls for (none unless it is
-    /// latency-critical).
-    pub(crate) fn gap_fill_preempt_for(&mut self, w: &Waiter) {
+    /// latency-critical). A co-runner whose park would be refused for host memory (no room in its memory
+    /// cgroup under `park_memory = "refuse"`, or a raise past the node or its budget) is never picked: it
+    /// stays as a holder the server waits for, and `w` keeps why.
+    pub(crate) fn gap_fill_preempt_for(&mut self, w: &mut Waiter) {
         let Some(server) = self.watched.get(&w.container) else {
             return;
         };
@@ -31,9 +33,30 @@ impl Core {
             // Parking every co-runner would not make room for it.
             return;
         }
+        let mut budget_left = self.parked_host_memory().budget_left();
+        let mut unparkable = Vec::new();
+        picks.retain(|p| {
+            self.park_raise_of(&p.container, budget_left)
+                .map_err(|why| unparkable.push((p.container.clone(), why)))
+                .is_ok()
+        });
         if let Some(deficit) = fit.deficit() {
             picks = self.enough_to_fit(picks, deficit, &holders);
-            for p in &picks {
+        }
+        // Those chosen, each with what the budget has left for its raise once the ones before it raised theirs.
+        let mut chosen = Vec::new();
+        for p in picks {
+            match self.park_raise_of(&p.container, budget_left) {
+                Ok(raise) => {
+                    chosen.push((p, budget_left));
+                    budget_left = budget_left.saturating_sub(raise);
+                }
+                Err(why) => unparkable.push((p.container.clone(), why)),
+            }
+        }
+        self.tell_unparkable(w, unparkable);
+        if fit.deficit().is_some() {
+            for (p, _) in &chosen {
                 let detail = format!(
                     "parked {} for {} ({})",
                     p.container.id,
@@ -41,23 +64,15 @@ impl Core {
                     fit.describe()
                 );
                 tracing::info!(id = p.container.id, "agent: gap-fill: {detail}");
-                for c in [&p.container, &w.container] {
-                    self.note(&Note {
-                        container: c.clone(),
-                        t_ns: now_monotonic_ns(),
-                        kind: NoteKind::Room {
-                            what: "parked",
-                            detail: detail.clone(),
-                        },
-                    });
-                }
+                self.note_room(&[&p.container, &w.container], "parked", &detail);
             }
         }
         let requested_ns = now_monotonic_ns();
         let mut gpus = BTreeSet::new();
-        for pick in picks {
+        for (pick, budget_left) in chosen {
             match self.resolve(&Target::exact(&pick.container)) {
-                Ok(r) if !r.pids.is_empty() => {
+                Ok(mut r) if !r.pids.is_empty() => {
+                    r.host_budget_left = budget_left;
                     gpus.extend(pick.devices.iter().cloned());
                     self.gapfill.preempt(pick, r, &w.container, requested_ns);
                 }
@@ -68,6 +83,34 @@ impl Core {
         if !gpus.is_empty() {
             // One preemption of each GPU per server arrival, however many co-runners it parks.
             self.gapfill.rate.preempted(&gpus, requested_ns);
+        }
+    }
+
+    /// Keeps in waiter `w` the co-runners gap-fill cannot park for it now, and shows each on both traces the
+    /// first time (the gate is checked again and again while `w` waits).
+    fn tell_unparkable(&mut self, w: &mut Waiter, now: Vec<(ContainerRef, String)>) {
+        let before = std::mem::take(&mut w.unparkable);
+        for (c, why) in now {
+            if !before.contains_key(&c) {
+                let detail = format!("skipped {} for {}: {why}", c.id, w.container.id);
+                tracing::warn!(id = c.id, "agent: gap-fill: {detail}");
+                self.note_room(&[&c, &w.container], "skipped", &detail);
+            }
+            w.unparkable.insert(c, why);
+        }
+    }
+
+    /// Shows a room line (`what`, `detail`) on the traces of `containers`.
+    fn note_room(&mut self, containers: &[&ContainerRef], what: &'static str, detail: &str) {
+        for c in containers {
+            self.note(&Note {
+                container: (*c).clone(),
+                t_ns: now_monotonic_ns(),
+                kind: NoteKind::Room {
+                    what,
+                    detail: detail.to_owned(),
+                },
+            });
         }
     }
 

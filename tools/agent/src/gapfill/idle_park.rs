@@ -133,6 +133,7 @@ impl Core {
             parked_for: None,
             idle_park: true,
             vram_bytes: Some(r.vram_bytes),
+            host_budget_left_bytes: Some(r.host_budget_left),
         });
         let done = self.gapfill.done_sender();
         let container = c.clone();
@@ -250,6 +251,7 @@ impl Core {
             asked_ns: now_monotonic_ns(),
             deadline: Instant::now() + within,
             reply,
+            unparkable: Default::default(),
         });
         let r = self.resolve(&Target::exact(c));
         let done = self.gapfill.done_sender();

@@ -282,6 +282,7 @@ impl GapFill {
             parked_for: Some(server.clone()),
             idle_park: false,
             vram_bytes: Some(r.vram_bytes),
+            host_budget_left_bytes: Some(r.host_budget_left),
         });
         let done = self.done_tx.clone();
         let container = pick.container.clone();

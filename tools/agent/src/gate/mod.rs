@@ -167,6 +167,9 @@ pub struct Waiter {
     pub deadline: Instant,
     /// Where the answer goes.
     pub reply: oneshot::Sender<Reply>,
+    /// The co-runners gap-fill could not park for it, and why (shown once on their traces, and in its
+    /// error at the deadline).
+    pub unparkable: std::collections::BTreeMap<ContainerRef, String>,
 }
 
 #[cfg(test)]

@@ -43,6 +43,7 @@ impl Core {
             asked_ns: now_monotonic_ns(),
             deadline: tokio::time::Instant::now() + timeout,
             reply,
+            unparkable: Default::default(),
         });
         self.check_gates();
     }
@@ -232,7 +233,7 @@ impl Core {
                     // Not known yet: the gate stays shut until a scan asked from now on comes back.
                     scan_for.extend(w.devices.iter().cloned());
                     if !fit.fits() {
-                        self.gap_fill_preempt_for(&w);
+                        self.gap_fill_preempt_for(&mut w);
                     }
                     self.waiters.push(w);
                     continue;
@@ -249,7 +250,7 @@ impl Core {
                 log_hidden_once(&mut w, &hidden);
             }
             if !fit.fits() {
-                self.gap_fill_preempt_for(&w);
+                self.gap_fill_preempt_for(&mut w);
             }
             self.waiters.push(w);
         }
@@ -354,8 +355,13 @@ impl Core {
                 }
                 _ => String::new(),
             };
+            let unparkable: String = w
+                .unparkable
+                .iter()
+                .map(|(c, why)| format!("; {} was not parked: {why}", c.id))
+                .collect();
             format!(
-                "the GPU is still held by {} after {waited:?}{room}",
+                "the GPU is still held by {} after {waited:?}{room}{unparkable}",
                 watched.join(", ")
             )
         } else if !hidden.is_empty() {

@@ -38,6 +38,7 @@ pub fn exposition(s: &Snapshot) -> Result<String, std::fmt::Error> {
     containers(&mut r, s);
     co_runners(&mut r, s);
     gap_fill(&mut r, s);
+    parked_host_memory(&mut r, s);
     node(&mut r, s);
     events().register(&mut r);
     let mut text = String::new();
@@ -69,6 +70,13 @@ fn containers(r: &mut Registry, s: &Snapshot) {
         "The most video memory the container's ledger held since it was watched",
         Unit::Bytes,
         per_container(s, |c| gauge(c.peak_vram_bytes)),
+    );
+    r.register_with_unit(
+        "container_parked_host_memory",
+        "Host memory the container's park holds (the host copy of its device memory, charged to its memory \
+         cgroup); 0 while it is not parked",
+        Unit::Bytes,
+        per_container(s, |c| gauge(c.parked_host_bytes)),
     );
     r.register(
         "container_gpu_held",
@@ -259,6 +267,34 @@ fn gap_fill(r: &mut Registry, s: &Snapshot) {
         "Co-runners the agent parked from the GPU",
         parked,
     );
+}
+
+/// The host memory parked containers hold, and the node's budget for the limits their parks raised.
+fn parked_host_memory(r: &mut Registry, s: &Snapshot) {
+    let p = &s.parked_host_memory;
+    let series = [
+        (
+            "parked_host_memory",
+            "Host memory every parked container holds, in all (the host copies of their device memory)",
+            p.held_bytes,
+        ),
+        (
+            "parked_host_memory_raised",
+            "What parks raised the parked containers' memory limits by, in all (counted against the budget)",
+            p.raised_bytes,
+        ),
+        (
+            "parked_host_memory_budget",
+            "The node's budget for raised memory limits of parked containers (parked_host_memory_budget, \
+             default half the node's memory)",
+            p.budget_bytes,
+        ),
+    ];
+    for (name, help, bytes) in series {
+        let g: Gauge = Gauge::default();
+        g.set(gauge(bytes));
+        r.register_with_unit(name, help, Unit::Bytes, g);
+    }
 }
 
 fn node(r: &mut Registry, s: &Snapshot) {

@@ -155,6 +155,8 @@ pub struct ContainerSample {
     pub probe_fds: u64,
     /// See `probe_fds`.
     pub over_fd_quota: bool,
+    /// The host copy of its device memory while it is parked (0 when it is not), bytes.
+    pub parked_host_bytes: u64,
 }
 
 impl ContainerSample {
@@ -188,6 +190,12 @@ impl ContainerSample {
             partial: status.partial,
             probe_fds: status.probe_fds.as_ref().map_or(0, |p| p.followed),
             over_fd_quota: status.probe_fds.as_ref().is_some_and(|p| p.over_quota),
+            parked_host_bytes: w
+                .preemption
+                .as_ref()
+                .filter(|p| p.state != baton_agent_api::PreemptPhase::Snapshotted)
+                .and_then(|p| p.host_copy_bytes)
+                .unwrap_or(0),
         }
     }
 }
@@ -210,6 +218,8 @@ pub struct Snapshot {
     pub controller: ControllerStatus,
     /// Gap-fill's view (per GPU: the rate gate).
     pub gap_fill: baton_agent_api::GapFillStatus,
+    /// The host memory parked containers hold, and the node's budget for their raised limits.
+    pub parked_host_memory: baton_agent_api::ParkedHostMemory,
 }
 
 impl Snapshot {

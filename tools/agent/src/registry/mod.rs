@@ -49,6 +49,9 @@ impl Core {
         if let Some(headroom) = reg.settings.gpu_memory_headroom {
             self.gpu_headroom = headroom;
         }
+        if let Some(budget) = reg.settings.parked_host_memory_budget {
+            self.parked_budget = Some(budget);
+        }
         if let Some(w) = self.watched.get_mut(&reg.container) {
             let tracer = self.tracer.as_mut().ok_or("the probes are not loaded")?;
             return register_again(w, tracer, reg, owner);
@@ -183,6 +186,7 @@ impl Core {
                 .as_ref()
                 .and_then(|t| t.ledger().container(w.cgroup_id))
                 .map_or(0, |l| l.vram_bytes()),
+            host_budget_left: self.parked_host_memory().budget_left(),
         })
     }
 
