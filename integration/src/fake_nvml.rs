@@ -73,6 +73,37 @@ impl FakeNvml {
         crate::agent::AgentProcess::start_with_env(socket, log, &all, &self.env())
     }
 
+    /// A CUDA rig whose mock GPU has `vram_mib` MiB and whose agent has this library (answering at once)
+    /// and `flags`, started before any container; the folder holds the library and the agent's log
+    /// (`agent.log`). `None` where the rig's prerequisites are missing outside CI (see
+    /// [`crate::cuda::CudaRig::start_with`]).
+    pub fn rig(
+        name: &str,
+        vram_mib: u64,
+        flags: &[&str],
+    ) -> Option<(
+        crate::cuda::CudaRig,
+        crate::agent::AgentProcess,
+        tempfile::TempDir,
+    )> {
+        let rig = crate::cuda::CudaRig::start_with(name, |o| o.with_vram_mib(vram_mib))?;
+        let dir = tempfile::tempdir().expect("a temporary folder");
+        let nvml = Self::install(
+            dir.path(),
+            rig.gpu.mock_dir.path(),
+            Duration::from_millis(1),
+        )
+        .expect("the fake NVML library builds");
+        let agent = nvml
+            .start_agent(
+                &rig.gpu.env.containerd().agent_socket(),
+                &dir.path().join("agent.log"),
+                flags,
+            )
+            .expect("the agent starts");
+        Some((rig, agent, dir))
+    }
+
     /// NVML answers no device query until [`FakeNvml::answer`].
     pub fn hold(&self) -> std::io::Result<()> {
         std::fs::write(&self.hold, b"")

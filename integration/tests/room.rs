@@ -9,7 +9,6 @@
     clippy::unwrap_used,
     reason = "test helpers fail the test by panicking"
 )]
-use std::time::Duration;
 
 use baton_integration::{
     agent::{AgentProcess, wait_until},
@@ -24,22 +23,7 @@ const MIB: u64 = 1 << 20;
 
 /// The rig with a GPU of 2 GiB and an agent that has NVML (the fake one), started before any container.
 fn rig_with_nvml(name: &str) -> Option<(CudaRig, AgentProcess, tempfile::TempDir)> {
-    let rig = CudaRig::start_with(name, |o| o.with_vram_mib(2048))?;
-    let dir = tempfile::tempdir().unwrap();
-    let nvml = FakeNvml::install(
-        dir.path(),
-        rig.gpu.mock_dir.path(),
-        Duration::from_millis(1),
-    )
-    .unwrap();
-    let agent = nvml
-        .start_agent(
-            &rig.gpu.env.containerd().agent_socket(),
-            &dir.path().join("agent.log"),
-            &[],
-        )
-        .unwrap();
-    Some((rig, agent, dir))
+    FakeNvml::rig(name, 2048, &[])
 }
 
 /// A trainer of `mib` MiB the agent may park, with base priority `priority`.
