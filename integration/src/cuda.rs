@@ -235,6 +235,14 @@ impl CudaRig {
         (trainer, server)
     }
 
+    /// Starts created container `id` through containerd's API, expecting it to fail: the error's text.
+    pub fn start_error(&self, id: &str) -> String {
+        match self.gpu.env.api().and_then(|api| api.start(id, "")) {
+            Ok(pid) => panic!("{id} started (pid {pid}); it was to fail"),
+            Err(e) => e.to_string(),
+        }
+    }
+
     /// Waits until the agent says container `id` holds the GPU; panics past [`WITHIN`].
     pub fn wait_held(&self, id: &str) {
         assert!(

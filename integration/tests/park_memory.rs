@@ -318,14 +318,7 @@ fn a_server_whose_only_co_runner_cannot_be_parked_fails_at_its_deadline_saying_w
         ("baton.io/wait-gpu-free", "3s"),
     ];
     let _server = rig.create("server", &Trainer::default(), &server);
-    let err = rig
-        .gpu
-        .env
-        .api()
-        .unwrap()
-        .start("server", "")
-        .expect_err("the server's Start fails at its deadline")
-        .to_string();
+    let err = rig.start_error("server");
     for needle in [
         "still held by container limited",
         "limited was not parked: ",

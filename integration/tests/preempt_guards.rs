@@ -415,14 +415,7 @@ fn a_distributed_rank_and_an_mps_client_are_refused_up_front_and_keep_running() 
     assert!(err.contains("a rank of a distributed job"), "{err}");
     // Gap-fill asks the same park: the server's Start fails at once, naming the co-runner and why.
     let _server = rig.create("server", &t, &SERVER);
-    let err = rig
-        .gpu
-        .env
-        .api()
-        .unwrap()
-        .start("server", "")
-        .unwrap_err()
-        .to_string();
+    let err = rig.start_error("server");
     assert!(
         err.contains("could not preempt co-runner rank") && err.contains("WORLD_SIZE=2"),
         "the server's Start names the co-runner and why: {err}"

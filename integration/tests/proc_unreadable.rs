@@ -59,14 +59,7 @@ fn an_agent_that_cannot_read_a_process_keeps_the_gate_shut_and_names_it() {
     let (_, privileged) = rig.gpu.env.api().unwrap().state("privileged", "").unwrap();
     let short = [("baton.io/wait-gpu-free", "2s")];
     let _server = rig.create("server", &Trainer::with_worker(), &short);
-    let err = rig
-        .gpu
-        .env
-        .api()
-        .unwrap()
-        .start("server", "")
-        .unwrap_err()
-        .to_string();
+    let err = rig.start_error("server");
     assert!(
         err.contains("(the agent cannot read /proc/") && err.contains("CAP_SYS_PTRACE"),
         "the gate says it cannot read some processes, and what the agent needs: {err}"
