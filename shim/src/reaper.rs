@@ -132,24 +132,34 @@ pub fn route_exit(pid: i32, code: i32) -> Option<(ProcessKey, Exit)> {
 }
 
 /// Reaps every child and hands each exit to the crate's monitor (and so to [`route_exit`] and to
-/// the runc commands' callers).
+/// the runc commands' callers). Children that exited before the SIGCHLD handler was in place (the task
+/// started after them) are reaped at once: their signal came when nothing listened, and without that
+/// first pass their callers would wait for the next child's exit, or forever.
 pub async fn reap_children() {
     let Ok(mut sigchld) = signal(SignalKind::child()) else {
         tracing::error!("cannot watch SIGCHLD: children will not be reaped");
         return;
     };
-    while sigchld.recv().await.is_some() {
-        loop {
-            match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-                Ok(WaitStatus::Exited(pid, code)) => {
-                    let _ = monitor_notify_by_pid(pid.as_raw(), code).await;
-                }
-                Ok(WaitStatus::Signaled(pid, sig, _)) => {
-                    let _ = monitor_notify_by_pid(pid.as_raw(), 128 + sig as i32).await;
-                }
-                Ok(WaitStatus::StillAlive) | Err(_) => break,
-                Ok(_) => {}
+    loop {
+        reap_exited().await;
+        if sigchld.recv().await.is_none() {
+            return;
+        }
+    }
+}
+
+/// Reaps every child that has exited, without waiting.
+async fn reap_exited() {
+    loop {
+        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::Exited(pid, code)) => {
+                let _ = monitor_notify_by_pid(pid.as_raw(), code).await;
             }
+            Ok(WaitStatus::Signaled(pid, sig, _)) => {
+                let _ = monitor_notify_by_pid(pid.as_raw(), 128 + sig as i32).await;
+            }
+            Ok(WaitStatus::StillAlive) | Err(_) => break,
+            Ok(_) => {}
         }
     }
 }
