@@ -10,10 +10,10 @@ use std::path::Path;
 use std::process::Command;
 
 use baton_mock_nvidia::workload::park::QUERY_CONTROLS;
-use baton_mock_nvidia::workload::{WorkloadProcess, process};
+use baton_mock_nvidia::workload::{WorkloadOptions, WorkloadProcess, process};
 use common::trainer::{
     MIB, VERSION, action, checkpoint_binary, children, device_fds, fails, restored_line,
-    start_trainer, state, stop, succeeds, trainer_options,
+    start_command, start_trainer, state, stop, succeeds, trainer_options,
 };
 use common::{Mock, TIMEOUT, cuda_binary, skip};
 
@@ -169,6 +169,73 @@ fn an_injected_failure_changes_nothing() {
         let finished = stop(trainer);
         assert!(finished.status.success(), "{failing}: {finished:#?}");
     }
+}
+
+/// cuda-checkpoint leaves a process CHECKPOINTED when its restore runs out of GPU memory
+/// (/work/shared/reference/nvidia-driver.md; no recording covers it): the agent tries a resume again later,
+/// which must then find the process as it was parked.
+#[test]
+fn a_restore_the_gpu_has_no_room_for_leaves_it_checkpointed_and_a_later_one_restores() {
+    if skip("a_restore_the_gpu_has_no_room_for_leaves_it_checkpointed_and_a_later_one_restores") {
+        return;
+    }
+    let mock = Mock::mount(VERSION, 1024);
+    let mut trainer = start_trainer(&mock, &[]);
+    let pid = trainer.pid();
+    action(pid, "lock");
+    action(pid, "checkpoint");
+    assert_eq!(mock.idle_state().vram_used_bytes, 0);
+    // Another process takes 768 MiB of the 1024 while it is parked: its 512 no longer fit.
+    let mut other = WorkloadOptions {
+        vram_mib: 768,
+        ..trainer_options(&mock)
+    };
+    other.steps = 0;
+    let other = start_command(Command::new(cuda_binary()).args(process::args(&other, false)));
+    assert_eq!(mock.state().vram_used_bytes, 768 * MIB);
+
+    let error = fails(pid, &["--action", "restore"]);
+    assert!(
+        error.contains("NV_ERR_INSUFFICIENT_RESOURCES") && error.contains("still checkpointed"),
+        "{error}"
+    );
+    assert_eq!(state(pid), "checkpointed\n");
+    assert_eq!(
+        device_fds(pid, mock.dir()),
+        0,
+        "what the attempt opened is closed"
+    );
+    mock.releases_delivered();
+    assert_eq!(
+        mock.state().vram_used_bytes,
+        768 * MIB,
+        "nothing of the attempt is left"
+    );
+
+    // Once the other one has gone, the same restore succeeds, weights intact.
+    let gone = stop(other);
+    assert!(gone.status.success(), "{gone:#?}");
+    assert_eq!(mock.idle_state().vram_used_bytes, 0);
+    action(pid, "restore");
+    trainer.wait_for_line(&restored_line(), TIMEOUT).unwrap();
+    assert_eq!(device_fds(pid, mock.dir()), NVIDIA_FDS);
+    action(pid, "unlock");
+    let finished = stop(trainer);
+    let summary = finished.summary.expect("summary");
+    assert_eq!((summary.releases, summary.reacquires), (1, 1));
+    // The refused allocation is the one RM call that did not return NV_OK (and so the exit is not 0).
+    let failed: Vec<(&str, u32)> = summary
+        .failed_statuses
+        .iter()
+        .map(|f| (f.call.as_str(), f.status))
+        .collect();
+    assert_eq!(
+        failed,
+        [(
+            "RM_ALLOC NV01_MEMORY_LOCAL_USER",
+            baton_nvidia::status::NV_ERR_INSUFFICIENT_RESOURCES
+        )]
+    );
 }
 
 #[test]

@@ -151,3 +151,13 @@ pub enum WorkloadError {
         source: std::io::Error,
     },
 }
+
+impl WorkloadError {
+    /// Whether the driver refused an allocation for lack of GPU memory (the mock's status for a GPU past its
+    /// capacity, `NV_ERR_INSUFFICIENT_RESOURCES`, or `NV_ERR_NO_MEMORY`).
+    pub fn is_out_of_memory(&self) -> bool {
+        use baton_nvidia::status::{NV_ERR_INSUFFICIENT_RESOURCES, NV_ERR_NO_MEMORY};
+        matches!(self, Self::Status { status, .. }
+            if *status == NV_ERR_INSUFFICIENT_RESOURCES || *status == NV_ERR_NO_MEMORY)
+    }
+}

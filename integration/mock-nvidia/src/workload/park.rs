@@ -148,12 +148,33 @@ impl Workload {
 
     /// Resumes a park: the driver queries, then the whole setup again with the uvm fds and the OS-event
     /// dup on their old numbers and every mapping at its old address.
+    ///
+    /// A resume the GPU has no room for (its memory allocation refused) leaves the process parked, as
+    /// cuda-checkpoint leaves a process CHECKPOINTED when its restore runs out of GPU memory
+    /// (/work/shared/reference/nvidia-driver.md, cuda-checkpoint's known failure modes; no recording covers
+    /// it): what the attempt built is let go, the placeholders and reservations stay, and a later resume can
+    /// succeed ([`WorkloadError::is_out_of_memory`]).
     pub fn resume(&mut self) -> Result<(), WorkloadError> {
-        let parked = self.parked.take().ok_or(WorkloadError::NotParked)?;
-        self.query_driver()?;
-        self.set_up(Some(parked))?;
-        self.summary.reacquires += 1;
-        Ok(())
+        let mut parked = self.parked.take().ok_or(WorkloadError::NotParked)?;
+        let result = self
+            .query_driver()
+            .and_then(|()| self.set_up(Some(&mut parked)));
+        match result {
+            Ok(()) => {
+                self.summary.reacquires += 1;
+                Ok(())
+            }
+            Err(error) if error.is_out_of_memory() => {
+                // The allocation is refused before the uvm fds and mappings are taken back: `parked` is whole.
+                if let Some(session) = self.session.take() {
+                    self.close(session.gpu);
+                    self.close(session.ctl);
+                }
+                self.parked = Some(parked);
+                Err(error)
+            }
+            Err(error) => Err(error),
+        }
     }
 
     /// Replaces `mapping` in place by an anonymous PROT_NONE reservation (`mmap(MAP_FIXED)`, no munmap):

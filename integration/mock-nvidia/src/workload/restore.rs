@@ -256,7 +256,8 @@ impl RestoreThread {
     }
 
     /// Resumes the workload (files, objects, mappings back), copies device memory back from the host copy,
-    /// frees it, and verifies the weights.
+    /// frees it, and verifies the weights. A GPU without room for it leaves the process checkpointed, its
+    /// host copy kept, so that a later restore can succeed (see [`Workload::resume`]).
     fn restore(&mut self) -> Result<(), String> {
         if let Some(code) = self.options.exit_at_restore {
             let _ = std::fs::remove_file(&self.socket);
@@ -264,6 +265,14 @@ impl RestoreThread {
             std::process::exit(code);
         }
         if let Err(error) = self.with_workload(Workload::resume) {
+            if error.is_out_of_memory() {
+                say(&format!(
+                    "restore: out of GPU memory, still checkpointed: {error}"
+                ));
+                return Err(format!(
+                    "re-acquiring the GPU failed: {error}; the process is still checkpointed"
+                ));
+            }
             self.gate.set_state(CudaState::Failed);
             return Err(format!("re-acquiring the GPU failed: {error}"));
         }

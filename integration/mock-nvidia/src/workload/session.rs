@@ -185,7 +185,7 @@ impl Workload {
 
     /// The setup, fresh (`parked` is `None`) or resuming a park: then the uvm fds and the OS-event dup go
     /// back to their old numbers and the mappings to their old addresses.
-    pub(super) fn set_up(&mut self, mut parked: Option<Parked>) -> Result<(), WorkloadError> {
+    pub(super) fn set_up(&mut self, mut parked: Option<&mut Parked>) -> Result<(), WorkloadError> {
         let ctl = self.open("nvidiactl")?;
         let client = self.alloc(
             &ctl,
@@ -227,7 +227,7 @@ impl Workload {
             mappings: Vec::new(),
         });
         self.build_objects()?;
-        self.register_uvm(parked.as_mut())?;
+        self.register_uvm(parked.as_deref_mut())?;
         for kind in MemoryKind::ALL {
             let address = parked.as_ref().and_then(|p| p.reserved_address(kind));
             self.map_memory(kind, address)?;
