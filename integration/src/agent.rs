@@ -19,6 +19,9 @@ use crate::{containerd::Containerd, trace_env::workspace_binary};
 pub struct AgentProcess {
     child: Child,
     socket: PathBuf,
+    log: PathBuf,
+    /// The log, open for reading: its lines can still be shown after the test's folder is gone.
+    log_reader: Option<std::fs::File>,
 }
 
 impl AgentProcess {
@@ -65,7 +68,11 @@ impl AgentProcess {
         flags: &[&str],
         env: &[(&str, std::ffi::OsString)],
     ) -> anyhow::Result<Self> {
+        if let Some(folder) = log.parent() {
+            std::fs::create_dir_all(folder)?;
+        }
         let log_file = std::fs::File::create(log)?;
+        let log_reader = std::fs::File::open(log).ok();
         let child = Command::new(baton)
             .args(["agent", "--socket"])
             .arg(socket)
@@ -78,6 +85,8 @@ impl AgentProcess {
         let agent = Self {
             child,
             socket: socket.to_owned(),
+            log: log.to_owned(),
+            log_reader,
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -111,6 +120,21 @@ impl Drop for AgentProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // A failed test shows the agent's side (what gap-fill, the gate and the room decided), unless the log
+        // is the one next to a test containerd's agent socket, which the test's `TestEnv` shows.
+        if std::thread::panicking()
+            && self.log != self.socket.with_file_name("agent.log")
+            && let Some(mut reader) = self.log_reader.take()
+        {
+            let mut text = String::new();
+            let _ = std::io::Read::read_to_string(&mut reader, &mut text);
+            let lines: Vec<&str> = text.lines().collect();
+            eprintln!(
+                "agent log ({}) ends with:\n{}",
+                self.log.display(),
+                lines[lines.len().saturating_sub(60)..].join("\n")
+            );
+        }
     }
 }
 

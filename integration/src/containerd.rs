@@ -714,7 +714,8 @@ disabled_plugins = [{disabled}]
 }
 
 /// The last `lines` lines of the text file at `path` (empty when it cannot be read).
-fn tail_of(path: &Path, lines: usize) -> String {
+/// The last `lines` lines of the file at `path` (empty when it cannot be read).
+pub(crate) fn tail_of(path: &Path, lines: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let tail: Vec<&str> = text.lines().rev().take(lines).collect();
     tail.into_iter().rev().collect::<Vec<_>>().join("\n")

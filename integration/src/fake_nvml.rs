@@ -74,8 +74,8 @@ impl FakeNvml {
     }
 
     /// A CUDA rig whose mock GPU has `vram_mib` MiB and whose agent has this library (answering at once)
-    /// and `flags`, started before any container; the folder holds the library and the agent's log
-    /// (`agent.log`). `None` where the rig's prerequisites are missing outside CI (see
+    /// and `flags`, started before any container; the folder holds the library, and the agent logs next to
+    /// its socket (`agent.log`, shown when the test fails). `None` where the rig's prerequisites are missing outside CI (see
     /// [`crate::cuda::CudaRig::start_with`]).
     pub fn rig(
         name: &str,
@@ -94,12 +94,10 @@ impl FakeNvml {
             Duration::from_millis(1),
         )
         .expect("the fake NVML library builds");
+        // The log next to the socket, which the rig's TestEnv shows when the test fails.
+        let socket = rig.gpu.env.containerd().agent_socket();
         let agent = nvml
-            .start_agent(
-                &rig.gpu.env.containerd().agent_socket(),
-                &dir.path().join("agent.log"),
-                flags,
-            )
+            .start_agent(&socket, &socket.with_file_name("agent.log"), flags)
             .expect("the agent starts");
         Some((rig, agent, dir))
     }

@@ -207,7 +207,7 @@ fn gap_fill_parks_a_co_runner_it_can_park_and_skips_one_whose_park_would_be_refu
 fn raised_limits_stay_within_the_nodes_budget_which_status_and_the_metrics_show() {
     // A budget of 300 MiB: the first trainer's raise (about 216 MiB) fits in it, the second's then does not,
     // and fits again once the first is resumed.
-    let Some((rig, _agent, dir)) = FakeNvml::rig(
+    let Some((rig, _agent, _dir)) = FakeNvml::rig(
         "park-memory-budget",
         2048,
         &["--metrics-addr", "127.0.0.1:0"],
@@ -248,7 +248,13 @@ fn raised_limits_stay_within_the_nodes_budget_which_status_and_the_metrics_show(
             && text.contains("first (namespace "),
         "baton status:\n{text}"
     );
-    let url = url_from_log(&dir.path().join("agent.log"), WITHIN).unwrap();
+    let log = rig
+        .gpu
+        .env
+        .containerd()
+        .agent_socket()
+        .with_file_name("agent.log");
+    let url = url_from_log(&log, WITHIN).unwrap();
     let metrics = scrape(&client(), &url).unwrap();
     assert_eq!(
         metrics
