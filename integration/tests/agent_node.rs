@@ -235,7 +235,7 @@ fn baton_trace_uses_the_agents_probe_set_when_an_agent_runs() {
 
 #[test]
 fn a_container_whose_shim_was_killed_is_dropped_once_its_init_is_gone() {
-    let Some(rig) = GpuRig::start("agent-orphan") else {
+    let Some(mut rig) = GpuRig::start("agent-orphan") else {
         return;
     };
     let h = rig.holder("orphan");
@@ -248,7 +248,11 @@ fn a_container_whose_shim_was_killed_is_dropped_once_its_init_is_gone() {
         )
         .unwrap()
     };
-    for shim in rig.env.shims() {
+    // containerd goes first: its clean-up of a dead shim deletes the container, killing its init, and on a
+    // loaded machine that came before the check below (the init was gone, and rightly no longer watched).
+    let shims = rig.env.shims();
+    rig.env.containerd_mut().stop();
+    for shim in shims {
         kill(shim.pid);
     }
     // The container outlives its shim: still watched.
