@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian 12 machine of this kind: Debian packages the tests need,
 # rust-src for the toolchain pinned in rust-toolchain.toml (it builds the probes with -Z build-std),
-# bpf-linker built against that toolchain's own LLVM, and containerd 2.x from Debian unstable (the second
+# bpf-linker built against that toolchain's own LLVM, cargo-nextest where the machine lacks it, and containerd 2.x from Debian unstable (the second
 # containerd the integration tests run under), both cached under $BATON_CACHE.
 # Prints two lines on stdout: the folder of bpf-linker, then the folder of containerd 2.x's binaries
 # (containerd, ctr, containerd-shim-runc-v2).
@@ -65,6 +65,20 @@ fi
 # A plain `cargo build` finds bpf-linker on PATH (cargo puts ~/.cargo/bin there).
 mkdir -p "$HOME/.cargo/bin"
 ln -sf "$LINKER_ROOT/bin/bpf-linker" "$HOME/.cargo/bin/bpf-linker"
+
+# cargo-nextest runs the test suite (tools/dev test, tools/nextest.toml). Machines of this kind come with it
+# (/usr/local/bin); where it is missing or older than the config needs, it is built from crates.io into the
+# cache, once (a few minutes).
+NEXTEST_VERSION=0.9.143
+if ! cargo nextest --version 2>/dev/null | awk 'NR==1 {split($2, v, "."); exit !(v[1] > 0 || v[2] > 9 || (v[2] == 9 && v[3] >= 100))}'; then
+  NEXTEST_ROOT="$BATON_CACHE/cargo-nextest-$NEXTEST_VERSION"
+  if [ ! -x "$NEXTEST_ROOT/bin/cargo-nextest" ]; then
+    say "building cargo-nextest $NEXTEST_VERSION (crates.io) into $NEXTEST_ROOT (a few minutes, once)"
+    cargo +"$TOOLCHAIN" install cargo-nextest --locked --version "$NEXTEST_VERSION" --root "$NEXTEST_ROOT" >&2 \
+      || die "building cargo-nextest $NEXTEST_VERSION failed: needs crates.io"
+  fi
+  ln -sf "$NEXTEST_ROOT/bin/cargo-nextest" "$HOME/.cargo/bin/cargo-nextest"
+fi
 
 # kubernetes-validate (PyPI; it bundles the Kubernetes OpenAPI schemas and works offline) checks the manifests
 # under tools/kubernetes/ in tools/baton/tests/manifests.rs, since no cluster runs here. In a venv of its own,

@@ -1,6 +1,8 @@
 //! [`TestEnv`]: one test's private containerd, busybox rootfs and namespace, cleaned up on drop (also after a
 //! panic). Tests in one process run one at a time (a process-wide lock): the machines have 2 CPUs and the
-//! tests measure timing-sensitive things such as OOM kills.
+//! tests measure timing-sensitive things such as OOM kills. `tools/dev test` runs each test in a process of
+//! its own with cargo-nextest, two at a time (tools/nextest.toml): everything a `TestEnv` makes carries the
+//! test process's pid in its name, so two of them never share anything.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
