@@ -392,6 +392,40 @@ fn silence_a_hung_agent_and_a_dead_agent_each_thaw_the_co_runner() {
 }
 
 #[test]
+fn a_co_runner_its_lease_thawed_is_frozen_again_when_the_agent_is_back_and_still_wants_it() {
+    let Some(rig) = Rig::start(
+        "ctl-relapse",
+        &[
+            "--input-silence-ms",
+            "600000",
+            "--freeze-lease-ms",
+            "600",
+            "--max-frozen-ms",
+            "600000",
+        ],
+    ) else {
+        return;
+    };
+    rig.env
+        .run_detached("trainer", &[("baton.io/role", "co-runner")], SLEEP)
+        .unwrap();
+    let co = rig.watched_pid("trainer");
+    let mut conn = rig.conn();
+    event(&mut conn, "request_start", "long");
+    wait_frozen(co, true, "shield");
+    let agent = nix::unistd::Pid::from_raw(rig.agent.as_ref().unwrap().pid() as i32);
+    nix::sys::signal::kill(agent, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    wait_frozen(co, false, "the agent hangs: the lease lapses");
+    nix::sys::signal::kill(agent, nix::sys::signal::Signal::SIGCONT).unwrap();
+    // The request is still open and no new input comes: the agent's renewal finds the hold gone, and the
+    // controller takes a new one (before, it believed its freeze in force and the co-runner ran on).
+    wait_frozen(co, true, "the agent is back, the shield still up");
+    let c = rig.co_runner("trainer");
+    assert_eq!(c["frozen_for"], json!("shield"), "{c}");
+    assert!(c["freezes"].as_u64().unwrap() >= 2, "{c}");
+}
+
+#[test]
 fn anti_starvation_bounds_a_continuous_freeze() {
     let Some(rig) = Rig::start(
         "ctl-starve",

@@ -3,6 +3,10 @@
 //! controller wants a change, forever under `duty`, with a warning each turn. After a failure the next
 //! attempt waits, doubling from [`FIRST_NS`] up to [`CAP_NS`]; the first failure of a streak is worth a
 //! warning, the others a debug line, and the first success after a streak a recovery line.
+//!
+//! A freeze the shim answers "not frozen" (the hold lapsed while the agent was stalled, an exec or a kill
+//! ended it, or the shim refuses holds while an exec starts or the container stops) is no failure: the
+//! controller takes the hold again once the same wait is over, quietly.
 
 /// The wait after the first failure of a streak.
 pub const FIRST_NS: u64 = 20_000_000;
@@ -13,18 +17,22 @@ pub const CAP_NS: u64 = 1_000_000_000;
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Backoff {
     failures: u32,
+    declines: u32,
     retry_at_ns: u64,
 }
 
 impl Backoff {
     /// An attempt failed at `now_ns`: the next waits. Returns whether it is the first of a streak (warn).
     pub fn failed(&mut self, now_ns: u64) -> bool {
-        let wait = FIRST_NS
-            .saturating_mul(1u64 << self.failures.min(32))
-            .min(CAP_NS);
         self.failures = self.failures.saturating_add(1);
-        self.retry_at_ns = now_ns.saturating_add(wait);
+        self.retry_at_ns = now_ns.saturating_add(wait(self.failures));
         self.failures == 1
+    }
+
+    /// The shim answered but did not freeze, at `now_ns`: the next freeze waits (doubling like failures).
+    pub fn declined(&mut self, now_ns: u64) {
+        self.declines = self.declines.saturating_add(1);
+        self.retry_at_ns = now_ns.saturating_add(wait(self.declines));
     }
 
     /// An attempt succeeded: the streak ends. Returns how many failures it had (0: none).
@@ -36,6 +44,13 @@ impl Backoff {
     pub fn holds_until(&self, now_ns: u64) -> Option<u64> {
         (self.retry_at_ns > now_ns).then_some(self.retry_at_ns)
     }
+}
+
+/// The wait after the `n`th failure (or decline) of a streak.
+fn wait(n: u32) -> u64 {
+    FIRST_NS
+        .saturating_mul(1u64 << n.saturating_sub(1).min(32))
+        .min(CAP_NS)
 }
 
 #[cfg(test)]
@@ -72,5 +87,24 @@ mod tests {
         }
         // 20, 40, ... 640 ms, then one a second.
         assert!(attempts <= 16, "{attempts} attempts in 10 s");
+    }
+
+    #[test]
+    fn declines_wait_like_failures_and_are_not_counted_as_failures() {
+        let mut b = Backoff::default();
+        b.declined(0);
+        assert_eq!(b.holds_until(0), Some(FIRST_NS));
+        b.declined(FIRST_NS);
+        assert_eq!(b.holds_until(FIRST_NS), Some(3 * FIRST_NS));
+        assert!(
+            b.failed(0),
+            "a decline is not a failure: the first failure still warns"
+        );
+        assert_eq!(b.succeeded(), 1);
+        assert_eq!(
+            b.holds_until(0),
+            None,
+            "a frozen answer ends the declines too"
+        );
     }
 }

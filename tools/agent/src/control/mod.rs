@@ -385,7 +385,15 @@ impl Controller {
         let backoff = self.backoff.entry(r.container.clone()).or_default();
         match r.result {
             Ok(f) => {
-                let failures = backoff.succeeded();
+                let failures = if r.freeze && !f.frozen {
+                    // The hold is gone or was refused (a lapsed lease, an exec, a kill): the container
+                    // runs, and the controller freezes it again at its next decision after a wait.
+                    backoff.declined(now_monotonic_ns());
+                    self.applied.insert(r.container.clone(), Some(false));
+                    0
+                } else {
+                    backoff.succeeded()
+                };
                 if failures > 0 {
                     tracing::info!(
                         id = r.container.id,
