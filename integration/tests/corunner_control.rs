@@ -55,6 +55,28 @@ impl Rig {
         })
     }
 
+    /// An agent whose freeze lease is 600 ms and whose input silence bound is `silence_ms`.
+    fn with_short_lease(name: &str, silence_ms: &str) -> Option<Self> {
+        let flags = [
+            "--input-silence-ms",
+            silence_ms,
+            "--freeze-lease-ms",
+            "600",
+            "--max-frozen-ms",
+            "600000",
+        ];
+        Self::start(name, &flags)
+    }
+
+    /// Stops the agent (SIGSTOP) until the shim's lease of frozen co-runner `co` lapses and it thaws, then
+    /// lets the agent go on.
+    fn hang_agent_until_the_lease_lapses(&self, co: u32) {
+        let agent = nix::unistd::Pid::from_raw(self.agent.as_ref().unwrap().pid() as i32);
+        nix::sys::signal::kill(agent, nix::sys::signal::Signal::SIGSTOP).unwrap();
+        wait_frozen(co, false, "the agent hangs: the lease lapses");
+        nix::sys::signal::kill(agent, nix::sys::signal::Signal::SIGCONT).unwrap();
+    }
+
     /// Runs a spinning container with `annotations`; its init pid once the agent watches it.
     fn spinner(&self, id: &str, annotations: &[(&str, &str)]) -> u32 {
         self.env.run_detached(id, annotations, SPIN).unwrap();
@@ -332,17 +354,7 @@ fn a_user_pause_wins_over_the_controller() {
 
 #[test]
 fn silence_a_hung_agent_and_a_dead_agent_each_thaw_the_co_runner() {
-    let Some(mut rig) = Rig::start(
-        "ctl-failsafe",
-        &[
-            "--input-silence-ms",
-            "400",
-            "--freeze-lease-ms",
-            "600",
-            "--max-frozen-ms",
-            "600000",
-        ],
-    ) else {
+    let Some(mut rig) = Rig::with_short_lease("ctl-failsafe", "400") else {
         return;
     };
     let co = rig.spinner("trainer", &[("baton.io/role", "co-runner")]);
@@ -367,18 +379,7 @@ fn silence_a_hung_agent_and_a_dead_agent_each_thaw_the_co_runner() {
     // A hung agent (stopped): the shim's lease lapses and it thaws by itself.
     event(&mut conn, "request_start", "hang");
     wait_frozen(co, true, "shield before the hang");
-    let agent = rig.agent.as_ref().unwrap().pid();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(agent as i32),
-        nix::sys::signal::Signal::SIGSTOP,
-    )
-    .unwrap();
-    wait_frozen(co, false, "the agent hangs: the lease lapses");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(agent as i32),
-        nix::sys::signal::Signal::SIGCONT,
-    )
-    .unwrap();
+    rig.hang_agent_until_the_lease_lapses(co);
 
     // A dead agent: its connection to the shim ends and the shim thaws at once.
     let mut conn = rig.conn();
@@ -393,17 +394,7 @@ fn silence_a_hung_agent_and_a_dead_agent_each_thaw_the_co_runner() {
 
 #[test]
 fn a_co_runner_its_lease_thawed_is_frozen_again_when_the_agent_is_back_and_still_wants_it() {
-    let Some(rig) = Rig::start(
-        "ctl-relapse",
-        &[
-            "--input-silence-ms",
-            "600000",
-            "--freeze-lease-ms",
-            "600",
-            "--max-frozen-ms",
-            "600000",
-        ],
-    ) else {
+    let Some(rig) = Rig::with_short_lease("ctl-relapse", "600000") else {
         return;
     };
     rig.env
@@ -413,10 +404,7 @@ fn a_co_runner_its_lease_thawed_is_frozen_again_when_the_agent_is_back_and_still
     let mut conn = rig.conn();
     event(&mut conn, "request_start", "long");
     wait_frozen(co, true, "shield");
-    let agent = nix::unistd::Pid::from_raw(rig.agent.as_ref().unwrap().pid() as i32);
-    nix::sys::signal::kill(agent, nix::sys::signal::Signal::SIGSTOP).unwrap();
-    wait_frozen(co, false, "the agent hangs: the lease lapses");
-    nix::sys::signal::kill(agent, nix::sys::signal::Signal::SIGCONT).unwrap();
+    rig.hang_agent_until_the_lease_lapses(co);
     // The request is still open and no new input comes: the agent's renewal finds the hold gone, and the
     // controller takes a new one (before, it believed its freeze in force and the co-runner ran on).
     wait_frozen(co, true, "the agent is back, the shield still up");
