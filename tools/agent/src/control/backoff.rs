@@ -29,10 +29,12 @@ impl Backoff {
         self.failures == 1
     }
 
-    /// The shim answered but did not freeze, at `now_ns`: the next freeze waits (doubling like failures).
-    pub fn declined(&mut self, now_ns: u64) {
+    /// The shim answered but did not freeze, at `now_ns`: a streak of failures ends (returned as by
+    /// [`Self::succeeded`]: the shim answers again) and the next freeze waits, doubling like failures.
+    pub fn declined(&mut self, now_ns: u64) -> u32 {
         self.declines = self.declines.saturating_add(1);
         self.retry_at_ns = now_ns.saturating_add(wait(self.declines));
+        std::mem::take(&mut self.failures)
     }
 
     /// An attempt succeeded: the streak ends. Returns how many failures it had (0: none).
@@ -92,9 +94,9 @@ mod tests {
     #[test]
     fn declines_wait_like_failures_and_are_not_counted_as_failures() {
         let mut b = Backoff::default();
-        b.declined(0);
+        assert_eq!(b.declined(0), 0);
         assert_eq!(b.holds_until(0), Some(FIRST_NS));
-        b.declined(FIRST_NS);
+        assert_eq!(b.declined(FIRST_NS), 0);
         assert_eq!(b.holds_until(FIRST_NS), Some(3 * FIRST_NS));
         assert!(
             b.failed(0),

@@ -388,9 +388,8 @@ impl Controller {
                 let failures = if r.freeze && !f.frozen {
                     // The hold is gone or was refused (a lapsed lease, an exec, a kill): the container
                     // runs, and the controller freezes it again at its next decision after a wait.
-                    backoff.declined(now_monotonic_ns());
                     self.applied.insert(r.container.clone(), Some(false));
-                    0
+                    backoff.declined(now_monotonic_ns())
                 } else {
                     backoff.succeeded()
                 };
