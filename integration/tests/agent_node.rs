@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use baton_integration::{
-    agent::{AgentWatch, wait_until},
+    agent::{AgentWatch, device_mounts_at, wait_until},
     holder::{GpuRig, HolderContainer},
     procs::context_switches,
 };
@@ -238,7 +238,16 @@ fn a_container_whose_shim_was_killed_is_dropped_once_its_init_is_gone() {
     let Some(mut rig) = GpuRig::start("agent-orphan") else {
         return;
     };
-    let h = rig.holder("orphan");
+    // A GPU container whose init does not live on its stdio: a holder reads commands from stdin and exits
+    // at its end, which came when the shim (and ctr, with containerd) holding the fifo went.
+    let mut flags = device_mounts_at(rig.mock_dir.path(), "/dev");
+    flags.extend(["-d".to_owned(), "--null-io".to_owned()]);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let args = rig
+        .env
+        .run_args("orphan", &[], &flags, &["/bin/sleep", "600"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    rig.env.ctr_ok(&args).unwrap();
     let status = rig.status("orphan");
     let init = status["init_pid"].as_i64().unwrap() as i32;
     let kill = |pid: i32| {
@@ -266,5 +275,4 @@ fn a_container_whose_shim_was_killed_is_dropped_once_its_init_is_gone() {
             .is_ok_and(|s| s.is_none())
     });
     assert!(dropped, "{}", rig.node_status());
-    drop(h);
 }
