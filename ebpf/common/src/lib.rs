@@ -216,10 +216,58 @@ pub struct IoctlRecord {
     pub arg: u64,
     /// Time from syscall enter to exit, ns.
     pub latency_ns: u64,
+    /// What the call named when it entered the kernel, before the driver copied its params in (read for the
+    /// escapes that allocate or free only: `nr` 0 otherwise).
+    pub enter: EnterReading,
     /// The parameter struct at `arg`, read at exit.
     pub data: [u8; DATA_CAP],
     /// The params behind the nested pointer that matters for this call.
     pub nested: [u8; NESTED_CAP],
+}
+
+/// The identity of an RM allocation or free as its params said at `sys_enter_ioctl`, before the driver's
+/// copy-in: a thread of the caller can rewrite the params between the driver's copy-out and the exit's read,
+/// so user space compares this reading with the exit's and keeps the one that holds more (an allocation
+/// under both handles, the larger size; a free only when both agree). Read for
+/// `baton_nvidia::escape::read_at_enter` escapes, through IOCTL_XFER_CMD too; the fields are raw: what they
+/// mean depends on `nr` (`baton_nvidia::decode::op_at_enter` turns them into an operation).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EnterReading {
+    /// The escape whose params were read (the inner one of an IOCTL_XFER_CMD); 0: nothing was read.
+    pub nr: u32,
+    /// Bytes of the params struct read (fields past them read as 0).
+    pub len: u32,
+    /// hRoot.
+    pub client: u32,
+    /// hObjectParent.
+    pub parent: u32,
+    /// hObjectNew (allocations), hObjectOld (RM_FREE), hMemory (RM_VID_HEAP_CONTROL).
+    pub object: u32,
+    /// hClass (allocations), the function (RM_VID_HEAP_CONTROL).
+    pub class: u32,
+    /// The size: NV_MEMORY_ALLOCATION_PARAMS.size behind an RM_ALLOC of a memory class, NVOS02's limit,
+    /// NVOS32's AllocSize.size; 0 when none.
+    pub size: u64,
+    /// Whether `size` was read (an RM_ALLOC's nested params can fail to read on their own).
+    pub size_read: u32,
+    /// Explicit padding.
+    pub _pad: u32,
+}
+
+impl EnterReading {
+    /// Nothing read.
+    pub const NONE: Self = Self {
+        nr: 0,
+        len: 0,
+        client: 0,
+        parent: 0,
+        object: 0,
+        class: 0,
+        size: 0,
+        size_read: 0,
+        _pad: 0,
+    };
 }
 
 /// A change to the set of NVIDIA fds or mappings of a process.

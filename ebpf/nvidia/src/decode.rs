@@ -1197,6 +1197,9 @@ pub fn fields_as_map<S: Serializer>(fields: &[Field], s: S) -> Result<S::Ok, S::
 
 mod uvm_calls;
 
+mod enter;
+pub use enter::{EnterFields, op_at_enter};
+
 #[cfg(test)]
 mod recorded;
 #[cfg(test)]

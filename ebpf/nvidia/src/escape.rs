@@ -131,6 +131,16 @@ pub const ALL: [u32; 37] = [
     WAIT_OPEN_COMPLETE,
 ];
 
+/// Whether the probes read an escape's params at the syscall's entry too (the ledger's allocations and frees:
+/// see `baton_probe_common::EnterReading`); RM_CONTROL, the hot path, is not among them.
+#[inline(always)]
+pub const fn read_at_enter(nr: u32) -> bool {
+    matches!(
+        nr,
+        RM_ALLOC | RM_ALLOC_OBJECT | RM_FREE | RM_ALLOC_MEMORY | RM_VID_HEAP_CONTROL
+    )
+}
+
 /// The `NV_ESC_*` name of an escape number.
 pub fn name(nr: u32) -> Option<&'static str> {
     Some(match nr {

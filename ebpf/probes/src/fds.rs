@@ -93,6 +93,7 @@ pub fn pending(sys: Sys, fd: i32, info: FdInfo) -> Pending {
         flags: 0,
         tid: 0,
         name: [0; NAME_CAP],
+        enter: baton_probe_common::EnterReading::NONE,
     }
 }
 

@@ -192,6 +192,8 @@ pub struct Pending {
     /// The thread that owns the slot (0: free).
     pub tid: u32,
     pub name: [u8; baton_probe_common::NAME_CAP],
+    /// An ioctl's params as they were at its entry (allocations and frees only: see `ioctl::read_at_enter`).
+    pub enter: baton_probe_common::EnterReading,
 }
 
 /// Slots for the syscalls in flight, indexed by `tid % PENDING_SLOTS` (a thread is in one syscall at a time).

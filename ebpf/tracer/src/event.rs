@@ -5,8 +5,8 @@ use baton_nvidia::{
     layout::Layout,
 };
 use baton_probe_common::{
-    ConfirmReason, DATA_CAP, FdRecord, Header, IoctlRecord, MapRecord, NAME_CAP, NESTED_CAP,
-    RecordKind,
+    ConfirmReason, DATA_CAP, EnterReading, FdRecord, Header, IoctlRecord, MapRecord, NAME_CAP,
+    NESTED_CAP, RecordKind,
 };
 
 use crate::release::ConfirmKind;
@@ -155,6 +155,9 @@ pub struct Ioctl {
     pub latency_ns: u64,
     /// Decoded parameters, status and operation.
     pub decoded: Decoded,
+    /// The allocation or free the params named at the syscall's entry, before the driver read them (`None`
+    /// for other calls, or when they could not be read): see `ledger::readings`.
+    pub enter: Option<decode::Op>,
     /// The bytes the probe captured, as the decoder read them (`baton trace --json --raw` prints them, so
     /// that a trace can be replayed through the decoder).
     pub raw: RawParams,
@@ -282,8 +285,22 @@ fn ioctl(rec: &IoctlRecord, layout: &Layout) -> Ioctl {
         ret: rec.ret,
         latency_ns: rec.latency_ns,
         decoded,
+        enter: enter_op(&rec.enter),
         raw: RawParams::new(data, nested),
     }
+}
+
+/// The operation the probes' reading at the syscall's entry names.
+pub fn enter_op(e: &EnterReading) -> Option<decode::Op> {
+    decode::op_at_enter(&decode::EnterFields {
+        nr: e.nr,
+        len: e.len,
+        client: e.client,
+        parent: e.parent,
+        object: e.object,
+        class: e.class,
+        size: (e.size_read != 0).then_some(e.size),
+    })
 }
 
 /// The body of an fd lifecycle record (`None` for kinds that are not carried by an `FdRecord`).

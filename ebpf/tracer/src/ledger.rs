@@ -7,11 +7,19 @@
 //! final release frees every client still on it ([`ContainerLedger::release_file`]). A container holds GPU
 //! state while one of its live objects is of a class that is more than a handle
 //! (`baton_nvidia::class::is_handle_only`): memory, an address space, a channel, a context.
+//!
+//! A tenant can make its ledger look bigger, never smaller: what a call may change is judged from the
+//! kernel's return and from both readings of its params ([`readings`]); an allocation whose handle is live
+//! already is kept beside the live object, never in its place.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use baton_nvidia::{class, decode::Op, status};
+use baton_nvidia::class;
 
 use crate::files::FileId;
+
+pub mod readings;
+
+pub use readings::{Readings, Verdict};
 
 /// An RM object the ledger believes is live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,6 +32,8 @@ pub struct RmObject {
     pub bytes: u64,
     /// The process that allocated it.
     pub owner: u32,
+    /// Counted though its call read as refused, its readings differed, or its handle was live already.
+    pub doubtful: bool,
 }
 
 /// An RM client the ledger believes is live.
@@ -50,11 +60,25 @@ pub struct UvmState {
     pub va_spaces_registered: i64,
 }
 
+/// Calls whose readings the ledger doubted, since the container was first seen.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Doubts {
+    /// Allocations counted though their status read as refused, their entry and exit readings named
+    /// different objects, or their handle was live already.
+    pub allocations: u64,
+    /// Frees read as done that were not applied: their entry and exit readings named different objects.
+    pub frees_disputed: u64,
+}
+
+/// Objects are keyed (client, handle, n): n is 0 but for an allocation at a handle that was live already,
+/// kept beside it (1, 2, ...) rather than in its place.
+type ObjectKey = (u32, u32, u32);
+
 /// GPU driver state of one container (cgroup).
 #[derive(Clone, Debug, Default)]
 pub struct ContainerLedger {
-    /// Live objects by (client, handle); a client itself is keyed (client, client).
-    objects: HashMap<(u32, u32), RmObject>,
+    /// Live objects by (client, handle, n); a client itself is keyed (client, client, 0).
+    objects: HashMap<ObjectKey, RmObject>,
     /// Live clients by handle.
     clients: HashMap<u32, Client>,
     /// Live objects of classes that hold GPU state (not handles only).
@@ -68,6 +92,8 @@ pub struct ContainerLedger {
     vram: u128,
     /// The highest `vram` seen.
     peak_vram: u128,
+    /// Calls whose readings it doubted.
+    pub doubts: Doubts,
 }
 
 /// Video-memory bytes an object holds.
@@ -85,90 +111,95 @@ fn saturate(bytes: u128) -> u64 {
 }
 
 impl ContainerLedger {
-    /// Applies one decoded call made by `pid` through open file `file` (`None`: a file the mirror does not
-    /// know). Calls the driver refused change nothing.
-    pub fn apply(&mut self, pid: u32, file: Option<FileId>, op: &Op, rm_status: Option<u32>) {
-        if rm_status.is_some_and(|s| s != status::NV_OK) {
-            return;
+    /// Applies one call made by `pid` through open file `file` (`None`: a file the mirror does not know)
+    /// that returned 0 from the kernel, as [`readings::judge`] lets it. Returns the verdict.
+    pub fn apply(&mut self, pid: u32, file: Option<FileId>, r: &Readings) -> Verdict {
+        let v = readings::judge(r);
+        if v.doubtful {
+            self.doubts.allocations += 1;
         }
-        match *op {
-            Op::Alloc {
-                client,
-                parent,
-                object,
-                class,
-                size,
-            } => {
-                if class::is_root(class) {
-                    // A new client: the driver returns its handle in hObjectNew and files it as
-                    // NV01_ROOT_CLIENT whichever root class was asked for. It lives on the file it came through.
-                    if self.clients.contains_key(&object) {
-                        let _ = self.free_clients(&[object]);
-                    }
-                    self.clients.insert(object, Client { file, owner: pid });
-                    self.insert(object, object, class::NV01_ROOT_CLIENT, object, 0, pid);
-                } else {
-                    self.insert(client, object, class, parent, size.unwrap_or(0), pid);
-                }
+        if v.free_disputed {
+            self.doubts.frees_disputed += 1;
+        }
+        for a in &v.allocated {
+            let obj = RmObject {
+                class: a.class,
+                parent: a.parent,
+                bytes: a.bytes,
+                owner: pid,
+                doubtful: v.doubtful,
+            };
+            if a.class == class::NV01_ROOT_CLIENT && a.client == a.object {
+                self.add_client(a.object, file, obj);
+            } else {
+                self.insert(a.client, a.object, obj);
             }
-            Op::AllocMemory {
-                client,
-                parent,
-                object,
-                class,
-                size,
-            } => self.insert(client, object, class, parent, size, pid),
-            Op::VidHeapAlloc {
-                client,
-                parent,
-                object,
-                size,
-            } => self.insert(
-                client,
-                object,
-                class::NV01_MEMORY_LOCAL_USER,
-                parent,
-                size,
-                pid,
-            ),
-            Op::Free { client, object, .. } | Op::VidHeapFree { client, object, .. } => {
-                self.free(client, object)
-            }
-            Op::UvmInitialize => self.uvm.initialized += 1,
-            Op::UvmDeinitialize => self.uvm.initialized = self.uvm.initialized.saturating_sub(1),
-            Op::UvmMmInitialize => self.uvm.mm_initialized += 1,
-            Op::UvmRegisterGpu => self.uvm.gpus_registered += 1,
-            Op::UvmUnregisterGpu => self.uvm.gpus_registered -= 1,
-            Op::UvmRegisterVaSpace => self.uvm.va_spaces_registered += 1,
-            _ => {}
+        }
+        if let Some((client, object)) = v.freed {
+            self.free(client, object);
+        }
+        if let Some((count, delta)) = v.uvm {
+            self.count_uvm(count, delta > 0);
+        }
+        v
+    }
+
+    /// One UVM count up or down.
+    fn count_uvm(&mut self, count: readings::UvmCount, up: bool) {
+        use readings::UvmCount;
+        let u = &mut self.uvm;
+        match count {
+            UvmCount::Initialized if up => u.initialized += 1,
+            UvmCount::Initialized => u.initialized = u.initialized.saturating_sub(1),
+            UvmCount::MmInitialized => u.mm_initialized += 1,
+            UvmCount::GpusRegistered => u.gpus_registered += if up { 1 } else { -1 },
+            UvmCount::VaSpacesRegistered => u.va_spaces_registered += 1,
         }
     }
 
-    fn insert(
-        &mut self,
-        client: u32,
-        handle: u32,
-        class: u32,
-        parent: u32,
-        bytes: u64,
-        owner: u32,
-    ) {
+    /// A new client, `obj` its root object: the driver returns its handle in hObjectNew and files it as
+    /// NV01_ROOT_CLIENT whichever root class was asked for. It lives on the file it came through. A client
+    /// the ledger has live already (a refused allocation whose params were rewritten to name it, or a free
+    /// the ledger did not believe) keeps its file, owner and tree: a new reading never hides what was counted.
+    fn add_client(&mut self, handle: u32, file: Option<FileId>, obj: RmObject) {
+        if self.clients.contains_key(&handle) {
+            if !obj.doubtful {
+                self.doubts.allocations += 1;
+            }
+            return;
+        }
+        self.clients.insert(
+            handle,
+            Client {
+                file,
+                owner: obj.owner,
+            },
+        );
+        self.insert(handle, handle, obj);
+    }
+
+    /// Counts object `obj` at `handle` of `client`. The driver refuses a handle that is live: one the ledger
+    /// has live already is kept, and the new one counted beside it.
+    fn insert(&mut self, client: u32, handle: u32, mut obj: RmObject) {
         // An object of a client whose allocation the records never showed: the client is known from now on,
         // on no known file.
-        self.clients
-            .entry(client)
-            .or_insert(Client { file: None, owner });
-        let obj = RmObject {
-            class,
-            parent,
-            bytes,
-            owner,
-        };
-        if let Some(old) = self.objects.insert((client, handle), obj) {
-            self.forget(&old);
+        self.clients.entry(client).or_insert(Client {
+            file: None,
+            owner: obj.owner,
+        });
+        let mut n = 0;
+        while self.objects.contains_key(&(client, handle, n)) {
+            n += 1;
         }
+        if n > 0 {
+            if !obj.doubtful {
+                self.doubts.allocations += 1;
+            }
+            obj.doubtful = true;
+        }
+        self.objects.insert((client, handle, n), obj);
         self.vram += vram_of(&obj);
-        if !class::is_handle_only(class) {
+        if !class::is_handle_only(obj.class) {
             self.state_objects += 1;
         }
         self.peak_vram = self.peak_vram.max(self.vram);
@@ -182,8 +213,11 @@ impl ContainerLedger {
         }
     }
 
-    /// Removes the objects `doomed` selects, keeping the totals right. Returns how many held GPU state.
-    fn remove_where(&mut self, mut doomed: impl FnMut(&(u32, u32), &RmObject) -> bool) -> usize {
+    /// Removes the objects `doomed` selects and returns them, keeping the totals right.
+    fn take_where(
+        &mut self,
+        mut doomed: impl FnMut(&ObjectKey, &RmObject) -> bool,
+    ) -> Vec<RmObject> {
         let mut gone = Vec::new();
         self.objects.retain(|k, o| {
             let g = doomed(k, o);
@@ -195,7 +229,13 @@ impl ContainerLedger {
         for o in &gone {
             self.forget(o);
         }
-        gone.iter()
+        gone
+    }
+
+    /// Removes the objects `doomed` selects, keeping the totals right. Returns how many held GPU state.
+    fn remove_where(&mut self, doomed: impl FnMut(&ObjectKey, &RmObject) -> bool) -> usize {
+        self.take_where(doomed)
+            .iter()
             .filter(|o| !class::is_handle_only(o.class))
             .count()
     }
@@ -206,15 +246,16 @@ impl ContainerLedger {
             let _ = self.free_clients(&[client]);
             return;
         }
+        // Every object the ledger keeps at a handle goes with it (the driver had one there).
         let mut doomed = vec![object];
         while let Some(h) = doomed.pop() {
-            if let Some(o) = self.objects.remove(&(client, h)) {
-                self.forget(&o);
+            let gone = self.take_where(|(c, k, _), _| *c == client && *k == h);
+            if !gone.is_empty() {
                 doomed.extend(
                     self.objects
                         .iter()
-                        .filter(|((c, _), o)| *c == client && o.parent == h)
-                        .map(|((_, k), _)| *k),
+                        .filter(|((c, _, _), o)| *c == client && o.parent == h)
+                        .map(|((_, k, _), _)| *k),
                 );
             }
         }
@@ -228,7 +269,7 @@ impl ContainerLedger {
         for c in clients {
             self.clients.remove(c);
         }
-        self.remove_where(|(c, _), _| clients.contains(c))
+        self.remove_where(|(c, _, _), _| clients.contains(c))
     }
 
     /// After a release: with no object left, the container's UVM state went with its files.
@@ -271,7 +312,7 @@ impl ContainerLedger {
         self.objects
             .iter()
             .filter(|(_, o)| !class::is_handle_only(o.class))
-            .filter_map(|((c, _), _)| self.clients.get(c).map(|cl| cl.owner))
+            .filter_map(|((c, _, _), _)| self.clients.get(c).map(|cl| cl.owner))
             .collect()
     }
 
@@ -323,9 +364,14 @@ impl ContainerLedger {
         self.state_objects > 0
     }
 
-    /// The live object `(client, handle)`.
+    /// The live object `(client, handle)` (the first counted there).
     pub fn object(&self, client: u32, handle: u32) -> Option<&RmObject> {
-        self.objects.get(&(client, handle))
+        self.objects.get(&(client, handle, 0))
+    }
+
+    /// Live objects counted though their readings were doubtful.
+    pub fn doubtful_objects(&self) -> usize {
+        self.objects.values().filter(|o| o.doubtful).count()
     }
 }
 
@@ -364,7 +410,7 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use baton_nvidia::class::*;
+    use baton_nvidia::{class::*, decode::Op, status};
 
     fn alloc(
         l: &mut ContainerLedger,
@@ -377,14 +423,16 @@ mod tests {
         l.apply(
             1,
             None,
-            &Op::Alloc {
-                client,
-                parent,
-                object,
-                class,
-                size,
-            },
-            Some(status::NV_OK),
+            &Readings::agreeing(
+                &Op::Alloc {
+                    client,
+                    parent,
+                    object,
+                    class,
+                    size,
+                },
+                Some(status::NV_OK),
+            ),
         );
     }
 
@@ -416,12 +464,14 @@ mod tests {
         l.apply(
             1,
             None,
-            &Op::Free {
-                client: 0xc1,
-                parent: 0,
-                object: 0xc1,
-            },
-            Some(status::NV_OK),
+            &Readings::agreeing(
+                &Op::Free {
+                    client: 0xc1,
+                    parent: 0,
+                    object: 0xc1,
+                },
+                Some(status::NV_OK),
+            ),
         );
         assert!(!l.holds_gpu_state());
         assert_eq!(l.live_objects(), 0);
@@ -453,14 +503,16 @@ mod tests {
             l.apply(
                 7,
                 Some(file),
-                &Op::Alloc {
-                    client: 0,
-                    parent: 0,
-                    object: client,
-                    class: NV01_ROOT_CLIENT,
-                    size: None,
-                },
-                Some(status::NV_OK),
+                &Readings::agreeing(
+                    &Op::Alloc {
+                        client: 0,
+                        parent: 0,
+                        object: client,
+                        class: NV01_ROOT_CLIENT,
+                        size: None,
+                    },
+                    Some(status::NV_OK),
+                ),
             );
             alloc(
                 &mut l,
@@ -500,37 +552,94 @@ mod tests {
         assert_eq!(l.vram_bytes(), 0, "no underflow on the way down either");
     }
 
+    /// The driver's RM errors return 0 from the kernel too, and the status lives in memory the caller can
+    /// rewrite: an allocation read as refused is counted, doubtful, and goes with its client like any other.
     #[test]
-    fn refused_calls_change_nothing_and_process_release_drops_its_objects() {
+    fn an_allocation_read_as_refused_is_counted_doubtful_and_goes_with_its_process() {
         let mut l = ContainerLedger::default();
-        l.apply(
-            1,
-            None,
-            &Op::Alloc {
-                client: 1,
-                parent: 1,
-                object: 2,
-                class: NV01_DEVICE_0,
-                size: None,
-            },
-            Some(0x22),
-        );
-        assert_eq!(l.live_objects(), 0);
         alloc(&mut l, 0, 0, 1, NV01_ROOT_CLIENT, None);
-        l.apply(
-            2,
-            None,
-            &Op::Alloc {
-                client: 5,
-                parent: 0,
-                object: 5,
-                class: NV01_ROOT_CLIENT,
-                size: None,
-            },
-            Some(0),
-        );
+        let refused = Op::Alloc {
+            client: 1,
+            parent: 1,
+            object: 2,
+            class: NV01_MEMORY_LOCAL_USER,
+            size: Some(1 << 20),
+        };
+        l.apply(1, None, &Readings::agreeing(&refused, Some(0x22)));
+        assert_eq!((l.live_objects(), l.vram_bytes()), (2, 1 << 20));
+        assert_eq!((l.doubtful_objects(), l.doubts.allocations), (1, 1));
+        let other = Op::Alloc {
+            client: 5,
+            parent: 0,
+            object: 5,
+            class: NV01_ROOT_CLIENT,
+            size: None,
+        };
+        l.apply(2, None, &Readings::agreeing(&other, Some(0)));
         l.release_process(1);
         assert_eq!(l.live_objects(), 1);
         assert!(l.object(5, 5).is_some());
+        assert_eq!(l.doubts.allocations, 1, "the count stays");
+    }
+
+    /// An allocation whose handle is live already (the driver would have refused it: its status was
+    /// rewritten) is counted beside the live object, which it never replaces; a free of the handle frees both.
+    #[test]
+    fn an_allocation_at_a_live_handle_never_replaces_what_was_counted_there() {
+        let mut l = ContainerLedger::default();
+        alloc(&mut l, 0, 0, 1, NV01_ROOT_CLIENT, None);
+        alloc(&mut l, 1, 1, 2, NV01_MEMORY_LOCAL_USER, Some(1 << 30));
+        alloc(&mut l, 1, 1, 2, NV01_MEMORY_LOCAL_USER, Some(4096));
+        assert_eq!(l.vram_bytes(), (1 << 30) + 4096);
+        assert_eq!(l.object(1, 2).map(|o| o.bytes), Some(1 << 30));
+        assert_eq!((l.doubtful_objects(), l.doubts.allocations), (1, 1));
+        // A root client read again at a live client's handle keeps the client, its file and its tree.
+        let again = Op::Alloc {
+            client: 0,
+            parent: 0,
+            object: 1,
+            class: NV01_ROOT_CLIENT,
+            size: None,
+        };
+        l.apply(9, Some(FileId(7)), &Readings::agreeing(&again, Some(0)));
+        assert_eq!(l.vram_bytes(), (1 << 30) + 4096);
+        assert_eq!(
+            l.release_file(FileId(7)),
+            0,
+            "the client is not on that file"
+        );
+        l.free(1, 2);
+        assert_eq!((l.vram_bytes(), l.live_objects()), (0, 1));
+    }
+
+    /// A free whose entry reading named another object (a refused RM_FREE rewritten after the driver's
+    /// copy-out to name a live handle and NV_OK) frees nothing, and is counted.
+    #[test]
+    fn a_free_whose_readings_disagree_frees_nothing() {
+        let mut l = ContainerLedger::default();
+        alloc(&mut l, 0, 0, 1, NV01_ROOT_CLIENT, None);
+        alloc(&mut l, 1, 1, 2, NV01_MEMORY_LOCAL_USER, Some(1 << 20));
+        let (asked, read) = (
+            Op::Free {
+                client: 1,
+                parent: 1,
+                object: 0xdead,
+            },
+            Op::Free {
+                client: 1,
+                parent: 1,
+                object: 2,
+            },
+        );
+        let forged = Readings {
+            exit: &read,
+            status: Some(status::NV_OK),
+            enter: Some(&asked),
+        };
+        l.apply(1, None, &forged);
+        assert_eq!(l.vram_bytes(), 1 << 20);
+        assert_eq!(l.doubts.frees_disputed, 1);
+        l.apply(1, None, &Readings::agreeing(&read, Some(status::NV_OK)));
+        assert_eq!(l.vram_bytes(), 0);
     }
 }

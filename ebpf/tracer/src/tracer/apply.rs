@@ -6,6 +6,7 @@ use super::{Tracer, TracerError};
 use crate::{
     event::{Body, Event, Ioctl},
     fdtable::NvFd,
+    ledger::{Readings, readings::UvmCount},
     release::syscalls,
     seed,
 };
@@ -161,24 +162,31 @@ impl Tracer {
         Ok(true)
     }
 
-    /// An ioctl that succeeded: the ledger follows it, attributed to the open file it came through; a device
-    /// file registered with a ctl file (REGISTER_FD) and a file that client memory is mapped through
-    /// (RM_MAP_MEMORY's fd) keep that file alive; UVM registrations are counted on their file.
+    /// An ioctl the kernel returned 0 for: the ledger follows it as its readings allow (`ledger::readings`),
+    /// attributed to the open file it came through; a device file registered with a ctl file (REGISTER_FD)
+    /// and a file that client memory is mapped through (RM_MAP_MEMORY's fd) keep that file alive (whatever
+    /// the status read: a kept file only makes a release later); UVM registrations are counted on their file
+    /// as the ledger counts them (up whatever the status, down on NV_OK only).
     fn apply_ioctl(&mut self, pid: u32, cg: u64, io: &Ioctl) {
         if io.ret != 0 {
             return;
         }
         let file = self.fds.file_of(pid, io.fd);
         let op = &io.decoded.op;
-        self.ledger
-            .container_mut(cg)
-            .apply(pid, file, op, io.decoded.status);
-        if io
-            .decoded
-            .status
-            .is_some_and(|s| s != baton_nvidia::status::NV_OK)
-        {
-            return;
+        let readings = Readings {
+            exit: op,
+            status: io.decoded.status,
+            enter: io.enter.as_ref(),
+        };
+        let verdict = self.ledger.container_mut(cg).apply(pid, file, &readings);
+        if verdict.free_disputed {
+            tracing::debug!(
+                pid,
+                cgroup_id = cg,
+                ?op,
+                enter = ?io.enter,
+                "tracer: a free read as done named another object at its entry: not applied"
+            );
         }
         let Some(file) = file else {
             return;
@@ -203,9 +211,10 @@ impl Tracer {
                     self.fds.keep(through, kept);
                 }
             }
-            Op::UvmRegisterGpu => self.fds.add_uvm_gpus(file, 1),
-            Op::UvmUnregisterGpu => self.fds.add_uvm_gpus(file, -1),
             _ => {}
+        }
+        if let Some((UvmCount::GpusRegistered, delta)) = verdict.uvm {
+            self.fds.add_uvm_gpus(file, i64::from(delta));
         }
     }
 
