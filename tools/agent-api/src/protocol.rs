@@ -410,6 +410,20 @@ pub struct NodeStatus {
     /// The host memory parked containers hold, and the node's budget for the limits their parks raised.
     #[serde(default)]
     pub parked_host_memory: crate::ParkedHostMemory,
+    /// The gate's NVML floor of each GPU NVML reported (empty without NVML, with the floor off, and from an
+    /// older agent).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nvml_floor: Vec<GpuFloor>,
+}
+
+/// One GPU's NVML floor in the node's status.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuFloor {
+    /// Its minor number (N of `/dev/nvidiaN`).
+    pub minor: u32,
+    /// What the floor knows of it.
+    #[serde(flatten)]
+    pub floor: crate::room::NvmlFloor,
 }
 
 /// A GPU's video memory as the agent's ledger counts it and as NVML reports it (the cross-check).
@@ -476,6 +490,10 @@ pub struct ContainerStatus {
     pub since_ns: u64,
     /// Part of its state was read from /proc (created while no probe watched), so the ledger is incomplete.
     pub partial: bool,
+    /// Calls its ledger doubted (absent when none, and from an older agent): allocations counted though
+    /// they read as refused or their readings differed, frees not applied because their readings differed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub doubtful: Option<Doubtful>,
     /// Parked, or being preempted or resumed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preemption: Option<PreemptState>,
@@ -489,6 +507,19 @@ pub struct ContainerStatus {
     /// first, and from an older agent): what reading its processes costs the agent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proc_check: Option<ProcCheck>,
+}
+
+/// What a container's ledger doubted: the params it reads live in the tenant's memory, which another thread
+/// can rewrite after the driver answered, so the ledger takes the reading that holds more.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Doubtful {
+    /// Live objects counted though their call read as refused, their readings differed, or their handle
+    /// was live already.
+    pub objects: usize,
+    /// Such allocations since the container was watched.
+    pub allocations: u64,
+    /// Frees read as done that were not applied: the object they named at the call's entry was another.
+    pub frees_disputed: u64,
 }
 
 /// One check of a container's processes against /proc, read on the agent's blocking pool (never on the

@@ -123,6 +123,28 @@ pub struct GpuRoom {
     /// The Starts waiting for it and what each needs.
     #[serde(default)]
     pub needs: Vec<NeededMemory>,
+    /// NVML's latest reading of it, the gate's floor (absent without NVML, with the floor off, and from an
+    /// older agent): `room_bytes` is never more than its free memory less the headroom.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvml: Option<NvmlFloor>,
+}
+
+/// What the gate's floor knows of a GPU from NVML.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NvmlFloor {
+    /// Used memory at the latest reading.
+    pub used_bytes: u64,
+    /// Free memory at the latest reading.
+    pub free_bytes: u64,
+    /// The least used memory NVML showed while no container held the GPU (`None`: not seen yet): a Start
+    /// that needs the whole GPU waits until used memory is back to it, within the tolerance.
+    #[serde(default)]
+    pub idle_baseline_bytes: Option<u64>,
+    /// `--nvml-tolerance-mib`, bytes.
+    pub tolerance_bytes: u64,
+    /// Used memory past the baseline and the ledgers of its holders, when that disagreement is counted.
+    #[serde(default)]
+    pub unaccounted_bytes: Option<u64>,
 }
 
 /// The most video memory containers of one name held, remembered by the agent past their end, so that a

@@ -103,6 +103,17 @@ pub struct AgentArgs {
     #[arg(long, default_value_t = nvml::DEFAULT_QUERY_BOUND_MS,
           value_parser = clap::value_parser!(u64).range(1..=60_000))]
     nvml_timeout_ms: u64,
+    /// Whether NVML, where the node has it, is the gate's floor: a GPU's room is never more than NVML's free
+    /// memory less the headroom, and a Start that needs the whole GPU waits until NVML's used memory is back
+    /// to the GPU's idle baseline. `false` leaves the gate to the ledgers alone (a tenant that hides an
+    /// allocation from the probes is then believed).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "true|false")]
+    nvml_floor: bool,
+    /// How far (MiB) NVML's used memory of a GPU may be above its idle baseline for a Start that needs the
+    /// whole GPU, and past the ledgers of the containers holding it before the agent counts a disagreement.
+    #[arg(long, default_value_t = gate::floor::DEFAULT_TOLERANCE_MIB,
+          value_parser = clap::value_parser!(u64).range(0..=1 << 20))]
+    nvml_tolerance_mib: u64,
 }
 
 impl AgentArgs {
@@ -270,6 +281,8 @@ async fn serve_until_signal(
     };
     let mut core = self::core::Core::new(events.clone(), controller.clone(), exempt);
     core.fd_quota = args.probe_fd_quota;
+    core.floor.off = !args.nvml_floor;
+    core.floor.tolerance = args.nvml_tolerance_mib << 20;
     core.gapfill
         .rate
         .persist_at(&state_dir.join(RATE_GATE_FILE));

@@ -133,6 +133,42 @@ pub fn used_by_minor() -> Option<BTreeMap<u32, u64>> {
     )
 }
 
+/// Each device's total and used memory by its minor number; `None` without NVML (a device whose memory
+/// cannot be read is left out). Blocking: NVML's calls.
+pub fn memory_by_minor() -> Option<BTreeMap<u32, crate::gate::floor::Memory>> {
+    Some(
+        devices()?
+            .iter()
+            .filter_map(|(_, d)| {
+                let m = d.memory_info().ok()?;
+                let memory = crate::gate::floor::Memory {
+                    total: m.total,
+                    used: m.used,
+                };
+                Some((d.minor_number().ok()?, memory))
+            })
+            .collect(),
+    )
+}
+
+/// Asks NVML for [`memory_by_minor`] on a blocking thread; the answer goes to the core (`What::NvmlMemory`,
+/// with `asked_ns`). False when no checker runs (a core in a unit test).
+pub fn ask_memory(asked_ns: u64) -> bool {
+    let Some(core) = CORE.get().cloned() else {
+        return false;
+    };
+    tokio::task::spawn_blocking(move || {
+        let memory = memory_by_minor();
+        let (reply, _) = oneshot::channel();
+        let _ = core.blocking_send(Command {
+            what: What::NvmlMemory { asked_ns, memory },
+            peer_pid: 0,
+            reply,
+        });
+    });
+    true
+}
+
 /// What NVML says now of `pids` and the devices (blocking: NVML's calls).
 pub fn view(pids: &BTreeSet<u32>) -> NvmlView {
     let Some(all) = devices() else {

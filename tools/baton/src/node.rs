@@ -288,6 +288,21 @@ fn render_room(g: &baton_agent_api::GapFillStatus) -> String {
             list(held),
             list(needs)
         ));
+        if let Some(n) = &r.nvml {
+            out.push_str(&format!(
+                "{:<12} NVML: {} used, {} free, idle {} (+{} tolerance){}\n",
+                "",
+                show_bytes(n.used_bytes),
+                show_bytes(n.free_bytes),
+                n.idle_baseline_bytes
+                    .map_or_else(|| "not measured yet".to_owned(), show_bytes),
+                show_bytes(n.tolerance_bytes),
+                n.unaccounted_bytes.map_or_else(String::new, |u| format!(
+                    "; {} used that no ledger accounts for",
+                    show_bytes(u)
+                ))
+            ));
+        }
     }
     out
 }
@@ -406,7 +421,7 @@ fn render_container(c: &ContainerStatus, now_ns: u64) -> String {
     let since = now_ns.saturating_sub(c.since_ns) as f64 / 1e9;
     let pids: Vec<String> = c.processes.iter().map(|p| p.pid.to_string()).collect();
     format!(
-        "{:<16} {:<10} {:<9} {:>7.1}s {:>4} {:>5} {:>7} {:>12}  {}{}{}{}\n",
+        "{:<16} {:<10} {:<9} {:>7.1}s {:>4} {:>5} {:>7} {:>12}  {}{}{}{}{}\n",
         c.container.id,
         c.container.namespace,
         c.preemption.as_ref().map_or_else(
@@ -435,6 +450,13 @@ fn render_container(c: &ContainerStatus, now_ns: u64) -> String {
                 p.quota
             ),
             _ => String::new(),
+        },
+        match &c.doubtful {
+            Some(d) => format!(
+                " (doubtful: {} object(s) counted though read as refused or rewritten, {} free(s) not believed)",
+                d.objects, d.frees_disputed
+            ),
+            None => String::new(),
         }
     )
 }

@@ -2,8 +2,8 @@
 //! one command per line on stdin and answers `ok ...` or `err ...` on stdout. Times (`T`) are
 //! CLOCK_MONOTONIC ns taken right after the call returned to user space.
 //!
-//! Commands: `open NAME` (close-on-exec, as CUDA opens) and `open-inherit NAME` -> `ok FD`; `alloc FD`
-//! (an RM root client on nvidiactl with a device and 1 MiB of video memory: GPU state) and `alloc-client FD`
+//! Commands: `open NAME` (close-on-exec, as CUDA opens) and `open-inherit NAME` -> `ok FD`; `alloc FD [MIB]`
+//! (an RM root client on nvidiactl with a device and MIB (1) MiB of video memory: GPU state) and `alloc-client FD`
 //! (a client alone: handles only) -> `ok HANDLE STATUS`; `free-client FD HANDLE` -> `ok STATUS T`; `mmap FD`
 //! and `map FD PAGES` -> `ok ADDR`; `over-anon ADDR PAGES` (an anonymous PROT_NONE MAP_FIXED over it, as
 //! the real driver's checkpoint does) and `over-memfd ADDR PAGES` -> `ok T`; `unmap ADDR PAGES` -> `ok T`;
@@ -26,7 +26,11 @@
 //! (FD registered as a fixed file of a new io_uring) -> `ok RINGFD`; `clone-files` (a receiver child that
 //! shares this process's fd table) -> `ok PID`; `child-exit-now PID` (the child exits, reaped) -> `ok T`; `exec-map PATH` (re-executes; the new program maps PATH before anything else) ->
 //! `ok T ADDR`; `anon-maps N` (N anonymous mappings of its own that do not merge, as a tenant with a
-//! long /proc maps has; needs `vm.max_map_count` above N) -> `ok LINES` (of its maps now).
+//! long /proc maps has; needs `vm.max_map_count` above N) -> `ok LINES` (of its maps now); `race-alloc FD N
+//! KIB` (a client and a device on FD, then N allocations of KIB KiB of video memory while a second thread
+//! rewrites each, once the driver answered, to read as refused and of 0 bytes: `workload::race`) -> `ok
+//! CLIENT DEVICE REWRITTEN`; `race-free FD CLIENT DEVICE N` (N refused frees rewritten to read as NV_OK
+//! frees of the raced allocations) -> `ok REWRITTEN`.
 use std::{
     collections::HashMap,
     io::{BufRead, Write},
@@ -44,6 +48,7 @@ use baton_mock_nvidia::{
     workload::{
         calls,
         nvfile::NvFile,
+        race,
         receiver::{self, Receiver, now_ns},
     },
 };
@@ -165,8 +170,16 @@ impl Holder {
                 }
                 String::new()
             }
-            "alloc" => self.alloc(num(1)? as RawFd)?,
+            "alloc" => {
+                let mib = if words.len() > 2 { num(2)? as u64 } else { 1 };
+                self.alloc(num(1)? as RawFd, mib << 20)?
+            }
             "alloc-client" => self.alloc_client(num(1)? as RawFd)?,
+            "race-alloc" => self.race_alloc(num(1)? as RawFd, num(2)? as u32, num(3)? as u64)?,
+            "race-free" => {
+                let (fd, client, device) = (num(1)? as RawFd, num(2)? as u32, num(3)? as u32);
+                race::race_frees(fd, client, device, num(4)? as u32)?.to_string()
+            }
             "free-client" => self.free_client(num(1)? as RawFd, num(2)? as u32)?,
             "mmap" => format!("0x{:x}", map(num(1)? as RawFd)?),
             "map" => format!("0x{:x}", map_pages(num(1)? as RawFd, num(2)? as usize)?),
@@ -366,10 +379,10 @@ impl Holder {
         Ok(kept)
     }
 
-    /// An RM root client on `fd` (nvidiactl), with a device and 1 MiB of video memory under it: GPU state in
+    /// An RM root client on `fd` (nvidiactl), with a device and `bytes` of video memory under it: GPU state in
     /// the ledger. Answers the client's handle and the first status that is not NV_OK (else 0).
-    fn alloc(&self, fd: RawFd) -> anyhow::Result<String> {
-        let (handle, status) = receiver::alloc_gpu_state(fd, &self.dev_dir)?;
+    fn alloc(&self, fd: RawFd, bytes: u64) -> anyhow::Result<String> {
+        let (handle, status) = receiver::alloc_gpu_state(fd, &self.dev_dir, bytes)?;
         Ok(format!("0x{handle:x} {status}"))
     }
 
@@ -388,6 +401,29 @@ impl Holder {
         let _ = file.into_fd().into_raw_fd();
         let a = r?;
         Ok(format!("0x{:x} {}", a.handle, a.status))
+    }
+
+    /// A client and a device on `fd`, then `count` raced allocations of `kib` KiB (`workload::race`).
+    fn race_alloc(&self, fd: RawFd, count: u32, kib: u64) -> anyhow::Result<String> {
+        let file = self.borrow_file(fd);
+        let layout = Layout::DEFAULT;
+        let form = calls::AllocForm::Nvos21;
+        let made = (|| {
+            let c = calls::rm_alloc(&file, &layout, form, [0; 3], class::NV01_ROOT_CLIENT, None)?;
+            let ids = [c.handle, c.handle, 0x4855_0001];
+            let d = calls::rm_alloc(&file, &layout, form, ids, class::NV01_DEVICE_0, None)?;
+            Ok::<_, baton_mock_nvidia::workload::WorkloadError>((c, d))
+        })();
+        let _ = file.into_fd().into_raw_fd();
+        let (client, device) = made?;
+        if client.status != 0 || device.status != 0 {
+            bail!("the client or device was refused: {client:?} {device:?}");
+        }
+        let rewritten = race::race_allocs(fd, client.handle, device.handle, count, kib << 10, true)?;
+        Ok(format!(
+            "0x{:x} 0x{:x} {rewritten}",
+            client.handle, device.handle
+        ))
     }
 
     /// RM_FREE of client `client` (and everything under it) through `fd`: answers the status and the time.

@@ -8,7 +8,7 @@
 //! memory ([`host_copy`]); [`gate`] keeps the training loop out of CUDA calls while the process is locked.
 //! [`worker`] forks a child after CUDA init that holds the inherited files and has no CUDA state of its own
 //! (a DataLoader worker). [`launch`] calls kernel launches through a (fake) libcuda for the
-//! launch-telemetry tests.
+//! launch-telemetry tests. [`race`] rewrites its own params after the driver answered (a hostile tenant).
 
 pub mod calls;
 pub mod control;
@@ -19,6 +19,7 @@ pub mod nvfile;
 mod ops;
 pub mod park;
 pub mod process;
+pub mod race;
 pub mod receiver;
 pub mod restore;
 pub mod session;

@@ -199,7 +199,7 @@ fn run(command: &str, held: &mut Vec<OwnedFd>, dev_dir: &Path) -> anyhow::Result
             let fd = open(&path, OFlag::O_RDWR | OFlag::O_CLOEXEC, Mode::empty())
                 .with_context(|| format!("open {}", path.display()))?;
             let raw = fd.as_raw_fd();
-            let (_, status) = alloc_gpu_state(fd.as_raw_fd(), dev_dir)?;
+            let (_, status) = alloc_gpu_state(fd.as_raw_fd(), dev_dir, 1 << 20)?;
             held.push(fd);
             if status != 0 {
                 bail!("allocating GPU state on {name}: RM status {status:#x}");
@@ -219,9 +219,9 @@ fn run(command: &str, held: &mut Vec<OwnedFd>, dev_dir: &Path) -> anyhow::Result
 }
 
 /// Allocates GPU state through NVIDIA fd `fd` (of this process, left open): an RM root client with a device
-/// and 1 MiB of video memory under it. Returns the client's handle and the first status that is not NV_OK
+/// and `bytes` of video memory under it. Returns the client's handle and the first status that is not NV_OK
 /// (else 0).
-pub fn alloc_gpu_state(fd: RawFd, dev_dir: &Path) -> anyhow::Result<(u32, u32)> {
+pub fn alloc_gpu_state(fd: RawFd, dev_dir: &Path, bytes: u64) -> anyhow::Result<(u32, u32)> {
     use baton_nvidia::{class, layout::Layout};
     // SAFETY: `fd` is open and the caller's; `into_fd` below hands it back unclosed.
     let file = super::nvfile::NvFile::from_fd(unsafe { OwnedFd::from_raw_fd(fd) }, dev_dir);
@@ -245,7 +245,7 @@ pub fn alloc_gpu_state(fd: RawFd, dev_dir: &Path) -> anyhow::Result<(u32, u32)> 
         if device.status != 0 {
             return Ok((c, device.status));
         }
-        let mut params = super::calls::memory_alloc_params(&layout, 1 << 20);
+        let mut params = super::calls::memory_alloc_params(&layout, bytes);
         let memory = super::calls::rm_alloc(
             &file,
             &layout,

@@ -16,6 +16,8 @@ fn acknowledged() -> Reply {
 impl Core {
     /// Serves `commands` until every sender is gone.
     pub async fn run(mut self, mut commands: mpsc::Receiver<Command>) {
+        // The GPUs' idle memory, while nothing is watched yet (`gate/floor.rs`).
+        self.ask_floor();
         loop {
             self.gap_fill_resume();
             self.idle_park_check();
@@ -109,6 +111,10 @@ impl Core {
             What::GpuUsers { asked_ns, users } => {
                 self.gpu_users.answered(asked_ns, users);
                 self.check_gates();
+                acknowledged()
+            }
+            What::NvmlMemory { asked_ns, memory } => {
+                self.on_nvml_memory(asked_ns, memory);
                 acknowledged()
             }
             What::SetPreemption { container, state } => {

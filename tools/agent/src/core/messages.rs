@@ -55,6 +55,13 @@ pub enum What {
         /// The pids NVML lists.
         users: Option<std::collections::BTreeSet<u32>>,
     },
+    /// NVML's answer to each GPU's memory, asked at `asked_ns` (`None`: no NVML): the gate's floor.
+    NvmlMemory {
+        /// When it was asked (CLOCK_MONOTONIC ns).
+        asked_ns: u64,
+        /// Each GPU's memory by minor.
+        memory: Option<std::collections::BTreeMap<u32, crate::gate::floor::Memory>>,
+    },
     /// A preemption changed a container's state.
     SetPreemption {
         /// Which container.

@@ -75,6 +75,8 @@ pub struct Core {
     pub(crate) reconcile_at: Option<tokio::time::Instant>,
     /// NVML's latest word on which processes use a GPU (the gate's unwatched holders).
     pub(crate) gpu_users: crate::gate::gpu_users::GpuUsers,
+    /// NVML's latest word on each GPU's memory: the gate's floor.
+    pub floor: crate::gate::floor::Floor,
     /// The /proc reads out on the blocking pool.
     pub(crate) offload: offload::Offload,
     /// The latest look at the node's /proc for the gate.
@@ -119,6 +121,7 @@ impl Core {
             recheck_every: recheck::RECHECK_FIRST,
             reconcile_at: None,
             gpu_users: Default::default(),
+            floor: Default::default(),
             offload: Default::default(),
             node_scan: None,
             gapfill: GapFill::default(),

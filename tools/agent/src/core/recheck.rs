@@ -42,6 +42,14 @@ impl Core {
         for (c, owner, body) in out {
             self.publish(&c, owner, body);
         }
+        // A Start NVML keeps waiting (memory still used) needs a newer reading.
+        if self
+            .waiters
+            .iter()
+            .any(|w| matches!(w.floor, Some(crate::gate::floor::Hold::Busy { .. })))
+        {
+            self.ask_floor();
+        }
         self.check_gates();
         self.rescan_for_gates();
         if self.watched.values().any(Watched::awaits_hidden_holders) {

@@ -39,6 +39,8 @@ impl Core {
     pub(super) fn reconcile_held(&mut self) {
         self.reconcile_at = None;
         self.log_new_fd_quotas();
+        // NVML's memory beside the ledgers of the containers holding a GPU, once a second (`gate/floor.rs`).
+        self.ask_floor();
         let Some(tracer) = self.tracer.as_mut() else {
             return;
         };

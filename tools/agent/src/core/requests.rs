@@ -77,6 +77,7 @@ impl Core {
             gpus,
             peaks: self.peaks_status(),
             parked_host_memory: self.parked_host_memory(),
+            nvml_floor: self.floor_statuses(),
         }
     }
 
@@ -136,6 +137,8 @@ impl Core {
             controller: self.controller_status(),
             gap_fill: self.gap_fill_status(),
             parked_host_memory: self.parked_host_memory(),
+            nvml_floor: self.floor_statuses(),
+            nvml_disagreements: self.floor.disagreements,
         }
     }
 }

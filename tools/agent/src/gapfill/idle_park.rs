@@ -252,6 +252,8 @@ impl Core {
             deadline: Instant::now() + within,
             reply,
             unparkable: Default::default(),
+            floor: None,
+            floor_logged: false,
         });
         let r = self.resolve(&Target::exact(c));
         let done = self.gapfill.done_sender();

@@ -2,6 +2,7 @@
 //! GPU (its GPU state, or a release not confirmed yet) on the NVIDIA GPU device(s) it sees, and no process in
 //! a container holds a file of them that the probes do not follow. Devices are told apart by device number
 //! where the files are character devices (the real driver), and by name where they are not (the FUSE mock).
+pub(crate) mod floor;
 pub(crate) mod gpu_users;
 pub(crate) mod room;
 mod waiters;
@@ -170,6 +171,10 @@ pub struct Waiter {
     /// The co-runners gap-fill could not park for it, and why (shown once on their traces, and in its
     /// error at the deadline).
     pub unparkable: std::collections::BTreeMap<ContainerRef, String>,
+    /// Why NVML keeps it waiting once the ledgers would let it through (`floor.rs`).
+    pub floor: Option<floor::Hold>,
+    /// Whether that was logged.
+    pub floor_logged: bool,
 }
 
 #[cfg(test)]

@@ -157,6 +157,7 @@ impl Core {
                 .saturating_sub(self.gpu_headroom)
                 .saturating_sub(used)
         });
+        let free = self.floor_room(key, &held, free);
         Some(Room {
             capacity,
             held,
@@ -220,6 +221,7 @@ impl Core {
                 .map_or_else(|| self.held_on(key, &nobody), |r| r.held.clone()),
             room_bytes: room.map(|r| r.free),
             needs,
+            nvml: self.floor_status(key),
         }
     }
 }

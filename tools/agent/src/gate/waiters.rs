@@ -44,6 +44,8 @@ impl Core {
             deadline: tokio::time::Instant::now() + timeout,
             reply,
             unparkable: Default::default(),
+            floor: None,
+            floor_logged: false,
         });
         self.check_gates();
     }
@@ -208,6 +210,7 @@ impl Core {
         let now = now_monotonic_ns();
         let mut hidden_wait = false;
         let mut ask_nvml = false;
+        let mut ask_floor = false;
         let mut scan_for = std::collections::BTreeSet::new();
         for mut w in waiters {
             // One whose need fits beside the holders is kept out by none of them (see `room.rs`).
@@ -242,8 +245,28 @@ impl Core {
             // A co-runner preempted for it lets it through on its release signal (confirmed), not before.
             let unreleased = self.gapfill.awaits_release(&w.devices);
             if watched.is_empty() && hidden.is_empty() && !unreleased {
-                self.open_gate(w, fit);
-                continue;
+                // The ledgers let it through; NVML, where the node has it, must too (`floor.rs`).
+                w.floor = self.floor_holds(&w, fit.fits());
+                match &w.floor {
+                    None => {
+                        self.open_gate(w, fit);
+                        continue;
+                    }
+                    Some(super::floor::Hold::Unread) => ask_floor = true,
+                    Some(hold) => {
+                        hidden_wait = true;
+                        if !w.floor_logged {
+                            w.floor_logged = true;
+                            tracing::warn!(
+                                id = w.container.id,
+                                "agent: the gate stays shut: {}",
+                                hold.describe(self.floor.tolerance)
+                            );
+                        }
+                    }
+                }
+            } else {
+                w.floor = None;
             }
             if !hidden.is_empty() {
                 hidden_wait = true;
@@ -257,6 +280,9 @@ impl Core {
         self.scan_node_for(scan_for);
         if hidden_wait {
             self.schedule_recheck();
+        }
+        if ask_floor {
+            self.ask_floor();
         }
         if ask_nvml {
             let now = now_monotonic_ns();
@@ -368,6 +394,13 @@ impl Core {
             format!(
                 "the GPU is still held after {waited:?}: {}",
                 describe_hidden(&hidden)
+            )
+        } else if let Some(hold) = &w.floor {
+            let fit = self.fit_of(w);
+            format!(
+                "the GPU was not free within {waited:?} ({}): {}",
+                fit.describe(),
+                hold.describe(self.floor.tolerance)
             )
         } else if self.offload.is_scanning() {
             format!(

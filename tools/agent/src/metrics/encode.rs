@@ -40,6 +40,7 @@ pub fn exposition(s: &Snapshot) -> Result<String, std::fmt::Error> {
     gap_fill(&mut r, s);
     parked_host_memory(&mut r, s);
     node(&mut r, s);
+    nvml_floor(&mut r, s);
     events().register(&mut r);
     let mut text = String::new();
     encode(&mut text, &r)?;
@@ -97,6 +98,18 @@ fn containers(r: &mut Registry, s: &Snapshot) {
         "container_ledger_partial",
         "1 when the container's ledger misses calls (processes traced only after they allocated, or lost records)",
         per_container(s, |c| i64::from(c.partial)),
+    );
+    r.register(
+        "container_ledger_doubtful_allocations",
+        "Allocations the container's ledger counted though their status read as refused or their params read \
+         differently at the call's entry and exit (a tenant rewriting them after the driver answered)",
+        per_container(s, |c| gauge(c.doubtful_allocations)),
+    );
+    r.register(
+        "container_ledger_frees_disputed",
+        "Frees read as done that the container's ledger did not apply: the object they named at the call's \
+         entry was another",
+        per_container(s, |c| gauge(c.frees_disputed)),
     );
     r.register(
         "container_probe_fds",
@@ -340,5 +353,34 @@ fn node(r: &mut Registry, s: &Snapshot) {
         "probe_fds_map_full",
         "NVIDIA fds the probes did not follow because their fd map was full",
         map_full,
+    );
+}
+
+/// The gate's NVML floor: per GPU, the memory NVML shows used that neither the idle baseline nor the
+/// ledgers account for, and the disagreements counted.
+fn nvml_floor(r: &mut Registry, s: &Snapshot) {
+    let unaccounted = Family::<GpuLabels, Gauge>::default();
+    for g in &s.nvml_floor {
+        let labels = GpuLabels {
+            device: format!("nvidia{}", g.minor),
+        };
+        unaccounted
+            .get_or_create(&labels)
+            .set(gauge(g.floor.unaccounted_bytes.unwrap_or(0)));
+    }
+    r.register_with_unit(
+        "gpu_memory_unaccounted",
+        "Memory NVML shows used on the GPU past its idle baseline and the ledgers of the containers holding \
+         it, while that disagreement (past --nvml-tolerance-mib, two readings in a row) lasts; 0 otherwise",
+        Unit::Bytes,
+        unaccounted,
+    );
+    let disagreements: Counter = Counter::default();
+    disagreements.inc_by(s.nvml_disagreements);
+    r.register(
+        "nvml_disagreements",
+        "Times NVML showed a GPU's used memory past its idle baseline and the ledgers by more than the \
+         tolerance (each logged once, naming the containers holding the GPU)",
+        disagreements,
     );
 }

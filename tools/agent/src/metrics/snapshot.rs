@@ -157,6 +157,10 @@ pub struct ContainerSample {
     pub over_fd_quota: bool,
     /// The host copy of its device memory while it is parked (0 when it is not), bytes.
     pub parked_host_bytes: u64,
+    /// Allocations its ledger counted though they read as refused or their readings differed.
+    pub doubtful_allocations: u64,
+    /// Frees read as done its ledger did not apply: their readings differed.
+    pub frees_disputed: u64,
 }
 
 impl ContainerSample {
@@ -196,6 +200,8 @@ impl ContainerSample {
                 .filter(|p| p.state != baton_agent_api::PreemptPhase::Snapshotted)
                 .and_then(|p| p.host_copy_bytes)
                 .unwrap_or(0),
+            doubtful_allocations: status.doubtful.map_or(0, |d| d.allocations),
+            frees_disputed: status.doubtful.map_or(0, |d| d.frees_disputed),
         }
     }
 }
@@ -220,6 +226,10 @@ pub struct Snapshot {
     pub gap_fill: baton_agent_api::GapFillStatus,
     /// The host memory parked containers hold, and the node's budget for their raised limits.
     pub parked_host_memory: baton_agent_api::ParkedHostMemory,
+    /// The gate's NVML floor of each GPU.
+    pub nvml_floor: Vec<baton_agent_api::GpuFloor>,
+    /// Disagreements between NVML and the ledgers counted so far.
+    pub nvml_disagreements: u64,
 }
 
 impl Snapshot {

@@ -62,8 +62,13 @@ impl Core {
         // No watcher is not an error: the state is in `status`.
         let _ = self.events.send(Published { event, owner });
         // NVML is asked after the release went out, off this thread; a check dropped to make room goes now.
+        let released = check.is_some();
         if let Some(dropped) = check.and_then(nvml::check_later) {
             self.publish_nvml_check(dropped);
+        }
+        if released {
+            // A GPU left with no holder gives the floor a reading of its idle memory (`gate/floor.rs`).
+            self.ask_floor();
         }
     }
 

@@ -330,6 +330,13 @@ impl Watched {
             gpu: self.gpu,
             since_ns: self.since_ns,
             partial: self.partial || ledger.is_some_and(|l| l.partial),
+            doubtful: ledger
+                .map(|l| baton_agent_api::Doubtful {
+                    objects: l.doubtful_objects(),
+                    allocations: l.doubts.allocations,
+                    frees_disputed: l.doubts.frees_disputed,
+                })
+                .filter(|d| *d != baton_agent_api::Doubtful::default()),
             preemption: self.preemption.clone(),
             role: self.registration.role.clone(),
             probe_fds: Some(baton_agent_api::ProbeFds {
