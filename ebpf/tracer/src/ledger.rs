@@ -34,6 +34,9 @@ pub struct RmObject {
     pub owner: u32,
     /// Counted though its call read as refused, its readings differed, or its handle was live already.
     pub doubtful: bool,
+    /// Its handle is only what the exit's reading said the driver chose: an RM_FREE naming it does not free
+    /// it (see [`readings`]); it goes with its parent, its client or its file.
+    pub handle_from_exit: bool,
 }
 
 /// An RM client the ledger believes is live.
@@ -128,6 +131,7 @@ impl ContainerLedger {
                 bytes: a.bytes,
                 owner: pid,
                 doubtful: v.doubtful,
+                handle_from_exit: a.handle_from_exit,
             };
             if a.class == class::NV01_ROOT_CLIENT && a.client == a.object {
                 self.add_client(a.object, file, obj);
@@ -136,7 +140,7 @@ impl ContainerLedger {
             }
         }
         if let Some((client, object)) = v.freed {
-            self.free(client, object);
+            self.free_named(client, object, file);
         }
         if let Some((count, delta)) = v.uvm {
             self.count_uvm(count, delta > 0);
@@ -238,6 +242,32 @@ impl ContainerLedger {
             .iter()
             .filter(|o| !class::is_handle_only(o.class))
             .count()
+    }
+
+    /// An RM_FREE of `object` of `client` through `file`, read as done by both readings: applied unless the
+    /// client lives on another file (the driver refuses a client of another file) or the object's handle
+    /// came from an exit's reading alone (a root client is freed by its own handle: its objects' handles were
+    /// read at their entry). A free refused for the file is counted as disputed; one of an exit-read handle
+    /// is left to the object's parent, client or file (an honest caller that let the driver choose the
+    /// handle frees it too, so it is no dispute).
+    fn free_named(&mut self, client: u32, object: u32, file: Option<FileId>) {
+        let elsewhere = self
+            .clients
+            .get(&client)
+            .and_then(|c| c.file)
+            .is_some_and(|on| file != Some(on));
+        let unverified = object != client
+            && self
+                .objects
+                .iter()
+                .any(|((c, h, _), o)| *c == client && *h == object && o.handle_from_exit);
+        if elsewhere {
+            self.doubts.frees_disputed += 1;
+            return;
+        }
+        if !unverified {
+            self.free(client, object);
+        }
     }
 
     /// Frees `object` of `client` and its subtree; freeing the client frees everything under it.
@@ -610,6 +640,59 @@ mod tests {
         );
         l.free(1, 2);
         assert_eq!((l.vram_bytes(), l.live_objects()), (0, 1));
+    }
+
+    /// An object whose handle the driver chose (asked for as 0) is freed with its client, never by an RM_FREE
+    /// of the handle the exit read (which the caller may have rewritten); a free through another file than
+    /// its client's frees nothing.
+    #[test]
+    fn exit_read_handles_go_with_their_client_and_a_free_must_come_through_the_clients_file() {
+        let mut l = ContainerLedger::default();
+        let root = Op::Alloc {
+            client: 0,
+            parent: 0,
+            object: 1,
+            class: NV01_ROOT_CLIENT,
+            size: None,
+        };
+        l.apply(1, Some(FileId(3)), &Readings::agreeing(&root, Some(0)));
+        let (asked, got) = (
+            Op::Alloc {
+                client: 1,
+                parent: 1,
+                object: 0,
+                class: NV01_MEMORY_LOCAL_USER,
+                size: Some(1 << 20),
+            },
+            Op::Alloc {
+                client: 1,
+                parent: 1,
+                object: 0x99,
+                class: NV01_MEMORY_LOCAL_USER,
+                size: Some(1 << 20),
+            },
+        );
+        let chosen = Readings {
+            exit: &got,
+            status: Some(status::NV_OK),
+            enter: Some(&asked),
+        };
+        l.apply(1, Some(FileId(3)), &chosen);
+        alloc(&mut l, 1, 1, 2, NV01_MEMORY_LOCAL_USER, Some(4096));
+        let free = |object| Op::Free {
+            client: 1,
+            parent: 1,
+            object,
+        };
+        l.apply(1, Some(FileId(3)), &Readings::agreeing(&free(0x99), Some(0)));
+        assert_eq!(l.vram_bytes(), (1 << 20) + 4096, "not by its exit-read handle");
+        l.apply(1, Some(FileId(4)), &Readings::agreeing(&free(2), Some(0)));
+        assert_eq!(l.doubts.frees_disputed, 1, "another file");
+        assert_eq!(l.vram_bytes(), (1 << 20) + 4096);
+        l.apply(1, Some(FileId(3)), &Readings::agreeing(&free(2), Some(0)));
+        assert_eq!(l.vram_bytes(), 1 << 20);
+        l.apply(1, Some(FileId(3)), &Readings::agreeing(&free(1), Some(0)));
+        assert_eq!((l.vram_bytes(), l.live_objects()), (0, 0), "with its client");
     }
 
     /// A free whose entry reading named another object (a refused RM_FREE rewritten after the driver's

@@ -1,5 +1,5 @@
 //! What the fake answers, from the mock driver's state (`state.json`): its GPUs, and as compute processes
-//! the processes that hold a live RM client on it, with the bytes their memory objects hold.
+//! the processes that hold a live RM client on it, with the bytes their video-memory objects hold.
 //!
 //! Where the mock says less than the driver: it does not say which GPU a memory object is on, so a
 //! process's memory is counted on the lowest-numbered GPU whose device file (`nvidiaN`) it has open (GPU 0
@@ -48,10 +48,12 @@ pub fn gpus(state: &DriverState, tgid_of: impl Fn(u32) -> u32) -> Vec<Gpu> {
             .entry(tgid_of(file.pid))
             .or_insert((false, 0, None));
         entry.0 |= !file.clients.is_empty();
+        // Device memory: video-memory objects only (system memory is the host's, which NVML does not count).
         entry.1 += file
             .clients
             .iter()
             .flat_map(|c| c.objects.iter())
+            .filter(|o| baton_nvidia::class::is_video_memory(o.class))
             .map(|o| o.bytes)
             .sum::<u64>();
         if let Some(n) = gpu_of_node(&file.node).filter(|n| *n < count) {

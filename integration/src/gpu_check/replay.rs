@@ -78,9 +78,12 @@ impl Replayed {
 pub struct LedgerView(ContainerLedger);
 
 impl LedgerView {
-    /// Applies a decoded call of process `pid` (on no known file: a replay has no file mirror).
+    /// Applies a decoded call of process `pid` that the kernel returned 0 for (on no known file: a replay has
+    /// no file mirror). A recorded trace carries the params read at each call's exit only: the call is taken
+    /// as read the same at its entry (`baton_tracer::ledger::Readings::agreeing`).
     pub fn apply(&mut self, pid: u32, op: &Op, rm_status: Option<u32>) {
-        self.0.apply(pid, None, op, rm_status);
+        let readings = baton_tracer::ledger::Readings::agreeing(op, rm_status);
+        self.0.apply(pid, None, &readings);
     }
 
     /// Live RM objects.
@@ -211,8 +214,23 @@ fn redecode(recorded: &Value, layout: &Layout) -> Result<Event> {
             cmd,
             ret: recorded["ret"].as_i64().unwrap_or(0),
             latency_ns: number("latency_ns")?,
+            enter: decoded_enter(&decoded),
             decoded,
             raw: RawParams::new(&data, &nested),
         })),
     })
+}
+
+/// The entry reading a replayed call is given: its exit's operation for the calls the probes read at entry
+/// (a recorded trace has the exit's reading only), none for the others.
+fn decoded_enter(decoded: &decode::Decoded) -> Option<Op> {
+    matches!(
+        decoded.op,
+        Op::Alloc { .. }
+            | Op::AllocMemory { .. }
+            | Op::VidHeapAlloc { .. }
+            | Op::Free { .. }
+            | Op::VidHeapFree { .. }
+    )
+    .then(|| decoded.op.clone())
 }

@@ -8,10 +8,14 @@
 //! only the syscall's return value is the kernel's. Hence:
 //! - an allocation the kernel returned 0 for is counted whatever status was read (the driver's RM errors
 //!   return 0 too, so a real refusal is counted as well: it goes with its client or file), under each
-//!   handle its readings name (a root client only under the handle read at the exit, which the driver
-//!   assigns) and at the larger size; one read as refused, or whose readings differ, is *doubtful*;
-//! - a free is applied only when the status reads NV_OK and the entry's reading names the same object as
-//!   the exit's (a refused RM_FREE rewritten afterwards to name a live handle frees nothing);
+//!   handle its readings name and at the larger size; one read as refused, or whose readings differ, is
+//!   *doubtful*. A handle the driver chooses (a root client's; any object's asked for as 0) is only in the
+//!   exit's reading: the object is counted there, and an RM_FREE naming that handle does not free it (the
+//!   caller could have rewritten it to a handle the driver never gave, then forged that handle's free); it
+//!   goes with its parent, its client or its file;
+//! - a free is applied only when the status reads NV_OK, the entry's reading names the same object as the
+//!   exit's (a refused RM_FREE rewritten afterwards to name a live handle frees nothing), and the client
+//!   lives on the file the call came through (the driver refuses a client of another file);
 //! - UVM counts go up whatever the status, and down only on NV_OK.
 //!
 //! What can still fool it: a thread that rewrites the params between the entry's read and the driver's
@@ -56,6 +60,8 @@ pub struct Allocated {
     pub class: u32,
     /// Bytes: the larger of the two readings' sizes.
     pub bytes: u64,
+    /// Its handle was chosen by the driver (asked for as 0), so only the exit's reading names it.
+    pub handle_from_exit: bool,
 }
 
 /// What the ledger takes from one call.
@@ -119,6 +125,7 @@ fn allocation(op: &Op) -> Option<(Allocated, bool)> {
         object,
         class: if root { class::NV01_ROOT_CLIENT } else { class },
         bytes,
+        handle_from_exit: root,
     };
     Some((a, root))
 }
@@ -153,14 +160,15 @@ fn uvm(op: &Op) -> Option<(UvmCount, i8)> {
     })
 }
 
-/// Whether two allocating readings name the same object (sizes aside; a root client's handle at the entry
-/// is a request the driver may replace, so two root readings are the same client).
-fn same_object(a: &(Allocated, bool), b: &(Allocated, bool)) -> bool {
-    let ((a, a_root), (b, b_root)) = (a, b);
-    if *a_root || *b_root {
-        return a_root == b_root;
+/// Whether the entry's and the exit's allocating readings name the same object (sizes aside; a root client's
+/// handle, and a handle asked for as 0, are the driver's to choose: only the exit's reading has them).
+fn same_object(exit: &(Allocated, bool), enter: &(Allocated, bool)) -> bool {
+    let ((x, x_root), (e, e_root)) = (exit, enter);
+    if *x_root || *e_root {
+        return x_root == e_root;
     }
-    (a.client, a.parent, a.object, a.class) == (b.client, b.parent, b.object, b.class)
+    let handle = e.object == 0 || e.object == x.object;
+    handle && (x.client, x.parent, x.class) == (e.client, e.parent, e.class)
 }
 
 /// What a call that returned 0 from the kernel changes, by the rules of the module's doc.
@@ -174,15 +182,28 @@ pub fn judge(r: &Readings) -> Verdict {
         let bytes = bytes.unwrap_or(0);
         let agree = matches!((&exit, &enter), (Some(x), Some(e)) if same_object(x, e));
         v.doubtful = !ok || !agree;
-        // The exit's reading first: a root client is counted under the handle the driver returned there.
+        // The exit's reading first: a handle the driver chose is counted as it returned it there.
+        let chosen = matches!(&enter, Some((e, _)) if e.object == 0);
         if let Some((a, _)) = exit {
-            v.allocated.push(Allocated { bytes, ..a });
+            let handle_from_exit = a.handle_from_exit || chosen;
+            v.allocated.push(Allocated {
+                bytes,
+                handle_from_exit,
+                ..a
+            });
         }
+        // The entry's, when it names another object the driver could have made (asked for as handle 0: held
+        // at 0, which no RM_FREE frees).
         if let Some((a, root)) = enter
             && !agree
             && !root
         {
-            v.allocated.push(Allocated { bytes, ..a });
+            let handle_from_exit = a.object == 0;
+            v.allocated.push(Allocated {
+                bytes,
+                handle_from_exit,
+                ..a
+            });
         }
     }
     if let Some(named) = freeing(r.exit) {
@@ -290,6 +311,26 @@ mod tests {
         assert_eq!(counted(&v), vec![(0xc1d0_0001, 0)]);
         assert_eq!(v.allocated[0].class, NV01_ROOT_CLIENT);
         assert!(!v.doubtful);
+    }
+
+    #[test]
+    fn a_handle_asked_for_as_0_is_counted_as_the_exit_read_it_and_marked_so() {
+        let (asked, got) = (memory(0, 1 << 20), memory(0xe7, 1 << 20));
+        let v = judge(&Readings {
+            exit: &got,
+            status: Some(status::NV_OK),
+            enter: Some(&asked),
+        });
+        assert_eq!((counted(&v), v.doubtful), (vec![(0xe7, 1 << 20)], false));
+        assert!(v.allocated[0].handle_from_exit);
+        // Its exit unreadable: it is still counted, at handle 0.
+        let v = judge(&Readings {
+            exit: &Op::Truncated,
+            status: None,
+            enter: Some(&asked),
+        });
+        assert_eq!(counted(&v), vec![(0, 1 << 20)]);
+        assert!(v.allocated[0].handle_from_exit && v.doubtful);
     }
 
     #[test]

@@ -245,6 +245,8 @@ mod tests {
             deadline: tokio::time::Instant::now() + std::time::Duration::from_secs(60),
             reply,
             unparkable: Default::default(),
+            floor: None,
+            floor_logged: false,
         });
         // What the core's loop does with a failed read of the ring buffer.
         let read_failed = std::io::Error::other("the ring buffer could not be read");
