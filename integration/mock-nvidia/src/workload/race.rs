@@ -91,9 +91,16 @@ fn race(
     mut call: impl FnMut(usize) -> Result<(), WorkloadError>,
 ) -> Result<u64, WorkloadError> {
     let stop = Arc::new(AtomicBool::new(false));
+    // The caller on the first CPU it may use, the watcher on another where there is one: the watcher then
+    // spins beside the call instead of waiting for the caller's CPU (best effort: the rewrite is a race).
+    let before = affinity();
+    let cpus = before.as_ref().map(cpus_of).unwrap_or_default();
+    pin_to(cpus.first().copied());
     let watcher = {
         let stop = Arc::clone(&stop);
+        let other = cpus.get(1).copied();
         std::thread::spawn(move || {
+            pin_to(other);
             let mut done = vec![false; count];
             let mut rewritten = 0u64;
             loop {
@@ -116,7 +123,48 @@ fn race(
     let result = (0..count).try_for_each(&mut call);
     stop.store(true, Ordering::SeqCst);
     let rewritten = watcher.join().unwrap_or(0);
+    if let Some(set) = before {
+        set_affinity(&set);
+    }
     result.map(|()| rewritten)
+}
+
+/// The calling thread's CPU set.
+fn affinity() -> Option<libc::cpu_set_t> {
+    // SAFETY: `cpu_set_t` is plain data for which all zeroes is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a live cpu_set_t of the size passed; pid 0 is the calling thread.
+    let r = unsafe { libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut set) };
+    (r == 0).then_some(set)
+}
+
+/// Sets the calling thread's CPU set (errors are ignored: pinning only helps the race).
+fn set_affinity(set: &libc::cpu_set_t) {
+    // SAFETY: `set` is a live cpu_set_t of the size passed; pid 0 is the calling thread.
+    let _ = unsafe { libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), set) };
+}
+
+/// The CPUs in `set`.
+fn cpus_of(set: &libc::cpu_set_t) -> Vec<usize> {
+    (0..libc::CPU_SETSIZE as usize)
+        // SAFETY: `c` is below CPU_SETSIZE, the set's size.
+        .filter(|c| unsafe { libc::CPU_ISSET(*c, set) })
+        .collect()
+}
+
+/// Pins the calling thread to `cpu`, when there is one.
+fn pin_to(cpu: Option<usize>) {
+    let Some(cpu) = cpu else {
+        return;
+    };
+    // SAFETY: `cpu_set_t` is plain data for which all zeroes is the empty set; `cpu` comes from
+    // `cpus_of`, below CPU_SETSIZE.
+    let set = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        set
+    };
+    set_affinity(&set);
 }
 
 /// `count` allocations of `bytes` of video memory under `device` of `client` through ctl file `fd`, at
