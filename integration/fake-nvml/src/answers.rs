@@ -99,7 +99,7 @@ mod tests {
                 let objects: Vec<serde_json::Value> = bytes
                     .iter()
                     .map(|b| {
-                        serde_json::json!({"handle": 2, "class": 0x3e, "class_name": null,
+                        serde_json::json!({"handle": 2, "class": 0x40, "class_name": null,
                         "parent": 1, "bytes": b, "size_known": true})
                     })
                     .collect();
@@ -153,6 +153,22 @@ mod tests {
             }]
         );
         assert_eq!(g[1].used_bytes, 4608);
+    }
+
+    /// NVML's device memory is video memory: a client's system memory (the host's) is not counted.
+    #[test]
+    fn system_memory_is_not_device_memory() {
+        let mut s = state(1, &[(10, "nvidiactl", &[0xc1], &[4096])]);
+        s.files[0].clients[0].objects[0].class = baton_nvidia::class::NV01_MEMORY_SYSTEM;
+        let g = gpus(&s, |t| t);
+        assert_eq!(g[0].used_bytes, 0);
+        assert_eq!(
+            g[0].processes,
+            [Process {
+                pid: 10,
+                used_bytes: 0
+            }]
+        );
     }
 
     #[test]

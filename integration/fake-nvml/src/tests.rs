@@ -7,7 +7,7 @@ fn state_json() -> serde_json::Value {
     serde_json::json!({
         "driver_version": "580.159.04", "gpus": 1, "vram_bytes": 1u64 << 30, "vram_used_bytes": 4096,
         "files": [{"fh": 1, "node": "nvidiactl", "pid": std::process::id(),
-            "clients": [{"handle": 0xc1, "objects": [{"handle": 2, "class": 0x3e, "class_name": null,
+            "clients": [{"handle": 0xc1, "objects": [{"handle": 2, "class": 0x40, "class_name": null,
                 "parent": 0xc1, "bytes": 4096, "size_known": true}]}],
             "registered_ctl_fd": null, "attached_gpus": [], "mappings": [], "uvm_commands": {}, "ioctls": 1}],
         "totals": {"opens": 1, "releases": 0, "allocs": 2, "frees": 0, "controls": 0, "uvm_commands": 0,
