@@ -61,7 +61,8 @@ impl AgentProcess {
         Self::start_program_with_env(&baton, socket, log, flags, env)
     }
 
-    fn start_program_with_env(
+    /// [`AgentProcess::start_program_with`] with more variables in the agent's environment.
+    pub fn start_program_with_env(
         baton: &Path,
         socket: &Path,
         log: &Path,

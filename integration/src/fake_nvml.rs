@@ -73,6 +73,23 @@ impl FakeNvml {
         crate::agent::AgentProcess::start_with_env(socket, log, &all, &self.env())
     }
 
+    /// [`FakeNvml::start_agent`] with the `baton` binary at `baton` (a release build, for benchmarks).
+    pub fn start_agent_program(
+        &self,
+        baton: &Path,
+        socket: &Path,
+        log: &Path,
+        flags: &[&str],
+    ) -> anyhow::Result<crate::agent::AgentProcess> {
+        let library = self
+            .library
+            .to_str()
+            .ok_or_else(|| anyhow::anyhow!("{} is not UTF-8", self.library.display()))?;
+        let mut all = vec!["--nvml-library", library];
+        all.extend_from_slice(flags);
+        crate::agent::AgentProcess::start_program_with_env(baton, socket, log, &all, &self.env())
+    }
+
     /// A CUDA rig whose mock GPU has `vram_mib` MiB and whose agent has this library (answering at once)
     /// and `flags`, started before any container; the folder holds the library, and the agent logs next to
     /// its socket (`agent.log`, shown when the test fails). `None` where the rig's prerequisites are missing outside CI (see

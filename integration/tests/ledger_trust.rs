@@ -57,7 +57,11 @@ fn a_thread_rewriting_statuses_during_64_allocations_hides_none_and_its_forged_f
     let raced = h
         .cmd(&format!("race-alloc {fd} {RACED} {RACED_KIB}"))
         .unwrap();
-    assert_eq!(raced[2], RACED.to_string(), "every call was rewritten: {raced:?}");
+    assert_eq!(
+        raced[2],
+        RACED.to_string(),
+        "every call was rewritten: {raced:?}"
+    );
     let (client, device) = (raced[0].clone(), raced[1].clone());
     let bytes = RACED * RACED_KIB * 1024;
     assert_eq!(driver_used(&rig), bytes, "the driver made all 64");
@@ -70,7 +74,11 @@ fn a_thread_rewriting_statuses_during_64_allocations_hides_none_and_its_forged_f
         status_of(&rig, "racer")
     );
     let s = status_of(&rig, "racer");
-    assert_eq!(s["live_objects"], json!(RACED + 2), "client, device, 64: {s}");
+    assert_eq!(
+        s["live_objects"],
+        json!(RACED + 2),
+        "client, device, 64: {s}"
+    );
     eprintln!(
         "doubtful after the raced allocations (readings the rewrite won): {}",
         s["doubtful"]
@@ -103,7 +111,8 @@ fn a_thread_rewriting_statuses_during_64_allocations_hides_none_and_its_forged_f
     // The file's release frees it all, as the driver does.
     h.num(&format!("close {fd}")).unwrap();
     assert!(
-        wait_until(WITHIN, || status_of(&rig, "racer")["gpu"] == json!("released")),
+        wait_until(WITHIN, || status_of(&rig, "racer")["gpu"]
+            == json!("released")),
         "{}",
         status_of(&rig, "racer")
     );
@@ -234,8 +243,9 @@ fn with_nvml_a_server_needing_more_than_is_really_free_does_not_start_and_one_th
         .unwrap()
         .expect_err("a server that needs more than NVML shows free does not start");
     assert!(
-        error.contains("needs 1.5 GiB, 768 MiB free"),
-        "its error gives the room NVML leaves: {error}"
+        error.contains("needs 1.5 GiB, 1.8 GiB free")
+            && error.contains("NVML shows 768 MiB free on nvidia0"),
+        "its error gives the room the ledgers see and the room NVML leaves: {error}"
     );
 
     // With server-fits gone no container holds the GPU, but NVML shows it used past its idle memory: a Start

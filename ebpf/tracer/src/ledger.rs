@@ -684,15 +684,27 @@ mod tests {
             parent: 1,
             object,
         };
-        l.apply(1, Some(FileId(3)), &Readings::agreeing(&free(0x99), Some(0)));
-        assert_eq!(l.vram_bytes(), (1 << 20) + 4096, "not by its exit-read handle");
+        l.apply(
+            1,
+            Some(FileId(3)),
+            &Readings::agreeing(&free(0x99), Some(0)),
+        );
+        assert_eq!(
+            l.vram_bytes(),
+            (1 << 20) + 4096,
+            "not by its exit-read handle"
+        );
         l.apply(1, Some(FileId(4)), &Readings::agreeing(&free(2), Some(0)));
         assert_eq!(l.doubts.frees_disputed, 1, "another file");
         assert_eq!(l.vram_bytes(), (1 << 20) + 4096);
         l.apply(1, Some(FileId(3)), &Readings::agreeing(&free(2), Some(0)));
         assert_eq!(l.vram_bytes(), 1 << 20);
         l.apply(1, Some(FileId(3)), &Readings::agreeing(&free(1), Some(0)));
-        assert_eq!((l.vram_bytes(), l.live_objects()), (0, 0), "with its client");
+        assert_eq!(
+            (l.vram_bytes(), l.live_objects()),
+            (0, 0),
+            "with its client"
+        );
     }
 
     /// A free whose entry reading named another object (a refused RM_FREE rewritten after the driver's

@@ -419,7 +419,8 @@ impl Holder {
         if client.status != 0 || device.status != 0 {
             bail!("the client or device was refused: {client:?} {device:?}");
         }
-        let rewritten = race::race_allocs(fd, client.handle, device.handle, count, kib << 10, true)?;
+        let rewritten =
+            race::race_allocs(fd, client.handle, device.handle, count, kib << 10, true)?;
         Ok(format!(
             "0x{:x} 0x{:x} {rewritten}",
             client.handle, device.handle

@@ -56,7 +56,8 @@ impl Slots {
     }
 
     fn set_u64(&self, slot: usize, offset: u32, value: u64) {
-        self.word(slot, offset).store(value as u32, Ordering::SeqCst);
+        self.word(slot, offset)
+            .store(value as u32, Ordering::SeqCst);
         self.word(slot, offset + 4)
             .store((value >> 32) as u32, Ordering::SeqCst);
     }
@@ -187,8 +188,15 @@ pub fn race_allocs(
         w(params::rm_alloc::H_ROOT_OFFSET, client);
         w(params::rm_alloc::H_OBJECT_PARENT_OFFSET, device);
         w(params::rm_alloc::H_OBJECT_NEW_OFFSET, race_handle(i as u32));
-        w(params::rm_alloc::H_CLASS_OFFSET, class::NV01_MEMORY_LOCAL_USER);
-        calls.set_u64(i, params::rm_alloc::P_ALLOC_PARMS_OFFSET, memory.ptr(i) as u64);
+        w(
+            params::rm_alloc::H_CLASS_OFFSET,
+            class::NV01_MEMORY_LOCAL_USER,
+        );
+        calls.set_u64(
+            i,
+            params::rm_alloc::P_ALLOC_PARMS_OFFSET,
+            memory.ptr(i) as u64,
+        );
         if let Some(offset) = layout.nvos21_params_size {
             w(offset, layout.memory_alloc_size);
         }

@@ -42,12 +42,12 @@ impl Core {
         for (c, owner, body) in out {
             self.publish(&c, owner, body);
         }
-        // A Start NVML keeps waiting (memory still used) needs a newer reading.
-        if self
-            .waiters
-            .iter()
-            .any(|w| matches!(w.floor, Some(crate::gate::floor::Hold::Busy { .. })))
-        {
+        // A Start NVML keeps waiting (memory still used, or too little free) needs a newer reading.
+        if self.waiters.iter().any(|w| {
+            w.floor
+                .as_ref()
+                .is_some_and(|h| *h != crate::gate::floor::Hold::Unread)
+        }) {
             self.ask_floor();
         }
         self.check_gates();

@@ -3,8 +3,11 @@
 //! rewrites a call's params both before the driver's copy-in and after its copy-out, or a process the gate
 //! does not see (outside every container), holds GPU memory no ledger counts. NVML's device memory is the
 //! driver's own word, so where the node has NVML:
-//! - a GPU's room is never more than NVML's free memory less the headroom (less the needs of the containers
-//!   let through that have not allocated yet), from a reading asked after the Start came;
+//! - a Start goes through on room only when a reading asked after it came leaves its need on each of its GPUs:
+//!   NVML's free memory less the headroom less the needs of the Starts let through that have not allocated
+//!   yet (the room the gate uses is never more than that). Gap-fill still plans its parks by the ledgers'
+//!   room: NVML cannot say whose memory it sees, and parking a co-runner for memory a stranger holds frees
+//!   nothing;
 //! - a Start that waits for the whole GPU is let through only once a reading asked after its holders went
 //!   shows the GPU's used memory back to its idle baseline plus the tolerance (`--nvml-tolerance-mib`). The
 //!   baseline is the least used memory NVML showed while no watched container held the GPU (the driver's
@@ -64,6 +67,15 @@ struct Reading {
 pub enum Hold {
     /// No reading asked after `since` yet: NVML is to be asked.
     Unread,
+    /// NVML shows less free on the GPU (less the headroom and the Starts let through) than the Start needs.
+    Short {
+        /// The GPU's minor.
+        minor: u32,
+        /// The Start's need.
+        need: u64,
+        /// What NVML leaves for it.
+        free: u64,
+    },
     /// NVML shows the GPU used past its idle baseline and the tolerance.
     Busy {
         /// The GPU's minor.
@@ -80,6 +92,12 @@ impl Hold {
     pub fn describe(&self, tolerance: u64) -> String {
         match self {
             Self::Unread => "NVML had not answered how much of the GPU's memory is used".to_owned(),
+            Self::Short { minor, need, free } => format!(
+                "NVML shows {} free on nvidia{minor} for it (less the headroom and the Starts let through), \
+                 short of its {}: memory no container's ledger accounts for is held",
+                show_bytes(*free),
+                show_bytes(*need)
+            ),
             Self::Busy {
                 minor,
                 used,
@@ -328,7 +346,10 @@ impl Core {
     /// A disagreement between NVML and the ledgers on GPU `minor`, logged once with the containers holding it.
     fn compare_with_ledgers(&mut self, minor: u32) {
         let holders = self.ledgers_on(minor);
-        let ledgers = holders.iter().map(|(_, b)| *b).fold(0u64, u64::saturating_add);
+        let ledgers = holders
+            .iter()
+            .map(|(_, b)| *b)
+            .fold(0u64, u64::saturating_add);
         let Some(unaccounted) = self.floor.compare(minor, ledgers) else {
             return;
         };
@@ -354,33 +375,27 @@ impl Core {
         );
     }
 
-    /// GPU `key`'s room for anyone but `me` as the ledgers give it (`ledger_free`, after `held`), capped by
-    /// NVML's latest reading: its free memory less the headroom less the needs of the Starts let through that
-    /// have not allocated yet (in `held` as claims; NVML does not see them yet).
-    pub(crate) fn floor_room(
-        &self,
-        key: &DeviceKey,
-        held: &[baton_agent_api::room::HeldMemory],
-        ledger_free: u64,
-    ) -> u64 {
-        if !self.floor.applies() {
-            return ledger_free;
-        }
-        let Some(m) = minor_of(key).and_then(|minor| self.floor.latest(minor)) else {
-            return ledger_free;
-        };
-        let claimed = held
-            .iter()
-            .filter(|h| self.watched.get(&h.container).is_none_or(|w| !w.is_held()))
-            .try_fold(0u64, |sum, h| h.bytes.map(|b| sum.saturating_add(b)));
-        let Some(claimed) = claimed else {
-            return 0;
-        };
-        let nvml_free = m
-            .free()
-            .saturating_sub(self.gpu_headroom)
-            .saturating_sub(claimed);
-        ledger_free.min(nvml_free)
+    /// What NVML leaves on GPU `key` for a Start of container `me` by reading `m`: its free memory less the
+    /// headroom less the needs of the other Starts let through that have not allocated yet (NVML does not see
+    /// them yet; one with no need takes it all).
+    fn nvml_room(&self, key: &DeviceKey, me: &baton_agent_api::ContainerRef, m: Memory) -> u64 {
+        let claimed = self
+            .gapfill
+            .claims()
+            .filter(|(c, on)| {
+                c != me
+                    && (on.is_empty() || on.iter().any(|d| d.same_device(key)))
+                    && self.watched.get(c).is_none_or(|w| !w.is_held())
+            })
+            .try_fold(0u64, |sum, (c, _)| {
+                let need = self.watched.get(&c)?.registration.gpu_memory?;
+                Some(sum.saturating_add(need))
+            });
+        claimed.map_or(0, |claimed| {
+            m.free()
+                .saturating_sub(self.gpu_headroom)
+                .saturating_sub(claimed)
+        })
     }
 
     /// What `status` shows of GPU `key`'s floor.
@@ -418,8 +433,9 @@ impl Core {
     }
 
     /// Whether the floor keeps waiter `w` from starting now that the ledgers would let it: `fits` when it
-    /// goes through on room (the reading must be asked after it came), else it waits for the whole GPU (a
-    /// reading asked after its holders went must show each GPU back to its idle baseline). `None` lets it.
+    /// goes through on room (a reading asked after it came must leave its need on each GPU), else it waits for
+    /// the whole GPU (a reading asked after its holders went must show each GPU back to its idle baseline).
+    /// `None` lets it. Gap-fill plans its parks by the ledgers' room (NVML cannot say whose memory it sees).
     pub(crate) fn floor_holds(&self, w: &Waiter, fits: bool) -> Option<Hold> {
         if !self.floor.applies() {
             return None;
@@ -430,15 +446,19 @@ impl Core {
             w.clear_since_ns.unwrap_or(w.asked_ns).max(w.asked_ns)
         };
         // A device NVML does not number (not /dev/nvidiaN) has no floor.
-        w.devices.iter().filter_map(minor_of).find_map(|minor| {
-            if fits {
-                self.floor
-                    .read_since(minor, since)
-                    .is_none()
-                    .then_some(Hold::Unread)
-            } else {
-                self.floor.idle(minor, since).err()
+        w.devices.iter().find_map(|key| {
+            let minor = minor_of(key)?;
+            if !fits {
+                return self.floor.idle(minor, since).err();
             }
+            let Some(m) = self.floor.read_since(minor, since) else {
+                return Some(Hold::Unread);
+            };
+            let (need, free) = (
+                w.need.unwrap_or(u64::MAX),
+                self.nvml_room(key, &w.container, m),
+            );
+            (need > free).then_some(Hold::Short { minor, need, free })
         })
     }
 }
@@ -487,7 +507,11 @@ mod tests {
         let mut f = Floor::default();
         f.ask(10, Some(BTreeSet::new()));
         f.answered(10, reading(100 * MIB), Some(&BTreeSet::new()));
-        assert_eq!(f.idle(0, 11), Err(Hold::Unread), "asked before the holders went");
+        assert_eq!(
+            f.idle(0, 11),
+            Err(Hold::Unread),
+            "asked before the holders went"
+        );
         f.ask(20, None);
         f.answered(20, reading(100 * MIB + f.tolerance + 1), None);
         assert!(matches!(f.idle(0, 11), Err(Hold::Busy { .. })));
@@ -521,7 +545,10 @@ mod tests {
         assert_eq!(f.compare(0, 256 * MIB), None, "the first reading to say so");
         assert_eq!(f.compare(0, 256 * MIB), Some(768 * MIB));
         assert_eq!(f.compare(0, 256 * MIB), None, "counted and logged once");
-        assert_eq!((f.disagreements, f.unaccounted.get(&0)), (1, Some(&(768 * MIB))));
+        assert_eq!(
+            (f.disagreements, f.unaccounted.get(&0)),
+            (1, Some(&(768 * MIB)))
+        );
         assert_eq!(f.compare(0, 1024 * MIB), None);
         assert!(f.unaccounted.is_empty(), "it ended");
     }

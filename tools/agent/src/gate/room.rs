@@ -157,7 +157,6 @@ impl Core {
                 .saturating_sub(self.gpu_headroom)
                 .saturating_sub(used)
         });
-        let free = self.floor_room(key, &held, free);
         Some(Room {
             capacity,
             held,

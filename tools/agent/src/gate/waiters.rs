@@ -367,12 +367,20 @@ impl Core {
 
     /// Why waiter `w`'s GPU is not free at its deadline.
     fn still_held(&self, w: &Waiter) -> String {
+        let waited = std::time::Duration::from_nanos(now_monotonic_ns().saturating_sub(w.asked_ns));
+        // Set only when the ledgers let it through at its last check: NVML is what kept it.
+        if let Some(hold) = &w.floor {
+            return format!(
+                "the GPU was not free within {waited:?} ({}): {}",
+                self.fit_of(w).describe(),
+                hold.describe(self.floor.tolerance)
+            );
+        }
         let watched = self.watched_holders(w);
         let hidden = self
             .hidden_holders(w, false)
             .map(|(h, _)| h)
             .unwrap_or_default();
-        let waited = std::time::Duration::from_nanos(now_monotonic_ns().saturating_sub(w.asked_ns));
         if !watched.is_empty() {
             let fit = self.fit_of(w);
             let room = match fit {
@@ -394,13 +402,6 @@ impl Core {
             format!(
                 "the GPU is still held after {waited:?}: {}",
                 describe_hidden(&hidden)
-            )
-        } else if let Some(hold) = &w.floor {
-            let fit = self.fit_of(w);
-            format!(
-                "the GPU was not free within {waited:?} ({}): {}",
-                fit.describe(),
-                hold.describe(self.floor.tolerance)
             )
         } else if self.offload.is_scanning() {
             format!(
