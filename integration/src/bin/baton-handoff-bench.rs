@@ -15,12 +15,23 @@
 //! Start: CRIU's restore, cuda-checkpoint's restore and unlock) against a park resume of the same trainer. Figures only
 //! (no assertions); ratios are against the sequential arm, and the park resume, of the same run.
 //!
+//! First, what the gate's NVML floor costs (issue 39): FLOOR_ROUNDS overlapped handoffs of a trainer of
+//! FLOOR_MIB MiB with the agent's `--nvml-floor false`, then as many with the floor on, each on a rig of its
+//! own whose agent the bench starts with the fake NVML (integration/fake-nvml, answering from the mock's
+//! state after `BATON_BENCH_NVML_DELAY_US` per call, 0 by default): from the trainer's release to the
+//! server started and to the server holding the GPU, p50 and p99 both ways.
+//!
 //! Run as root: `cargo run --release -p baton-integration --bin baton-handoff-bench [-- ROUNDS MIB RATE
-//! SNAP_MIB]` (defaults 3, 4096, 4096, 512; `tools/dev bench` runs it).
+//! SNAP_MIB FLOOR_ROUNDS FLOOR_MIB]` (defaults 3, 4096, 4096, 512, 20, 256; ROUNDS 0 runs the floor part
+//! only; `tools/dev bench` runs it).
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use baton_integration::cuda::{CudaRig, Trainer, step_t_ns};
+use baton_integration::{
+    cuda::{CudaRig, Trainer, step_t_ns},
+    fake_nvml::FakeNvml,
+    trace_env::workspace_binary,
+};
 
 const WITHIN: Duration = Duration::from_secs(120);
 
@@ -58,6 +69,14 @@ fn main() -> Result<()> {
         })
     };
     let (rounds, mib, rate, snap_mib) = (arg(1, 3)?, arg(2, 4096)?, arg(3, 4096)?, arg(4, 512)?);
+    let (floor_rounds, floor_mib) = (arg(5, 20)?, arg(6, 256)?);
+    if floor_rounds > 0 {
+        floor_costs(floor_rounds, floor_mib, rate)?;
+        println!();
+    }
+    if rounds == 0 {
+        return Ok(());
+    }
     let Some(rig) = CudaRig::start("handoff-bench") else {
         bail!("cannot benchmark: a prerequisite is missing (see above)");
     };
@@ -279,6 +298,96 @@ fn resume(rig: &CudaRig, id: &str) -> Result<u64> {
     let (steps, _) = rig.baton_json(&["resume", id]);
     rig.wait_gpu(id, "held", WITHIN)?;
     Ok(step_t_ns(&steps, "done", id).saturating_sub(step_t_ns(&steps, "asked", id)))
+}
+
+/// The gate's NVML floor off and on (see the module's doc): `rounds` overlapped handoffs of a trainer of
+/// `mib` MiB copied at `rate` MiB/s each way, each way on a rig of its own.
+fn floor_costs(rounds: u64, mib: u64, rate: u64) -> Result<()> {
+    let delay_us: u64 = std::env::var("BATON_BENCH_NVML_DELAY_US")
+        .ok()
+        .map_or(Ok(0), |v| v.parse())
+        .context("BATON_BENCH_NVML_DELAY_US is a number")?;
+    let baton = baton_program()?;
+    let ways: [(&str, &[&str]); 2] = [
+        ("floor off (--nvml-floor false)", &["--nvml-floor", "false"]),
+        ("floor on", &[]),
+    ];
+    let mut rows = Vec::new();
+    for (n, (way, flags)) in ways.into_iter().enumerate() {
+        let Some(rig) = CudaRig::start(&format!("handoff-floor-{n}")) else {
+            bail!("cannot benchmark: a prerequisite is missing (see above)");
+        };
+        let dir = tempfile::tempdir()?;
+        let nvml = FakeNvml::install(
+            dir.path(),
+            rig.gpu.mock_dir.path(),
+            Duration::from_micros(delay_us),
+        )?;
+        let socket = rig.gpu.env.containerd().agent_socket();
+        let log = dir.path().join("agent.log");
+        let _agent = nvml.start_agent_program(&baton, &socket, &log, flags)?;
+        let trainer = Trainer {
+            vram_mib: mib,
+            copy_mib_per_s: rate,
+            ..Trainer::default()
+        };
+        let _trainer = rig.run("trainer", &trainer, &[]);
+        rig.wait_gpu("trainer", "held", WITHIN)?;
+        let mut rs = Vec::new();
+        for i in 0..rounds {
+            let server = format!("server-{i}");
+            rs.push(round(&rig, Arm::Overlapped, &server)?);
+            finish_round(&rig, &server)?;
+        }
+        rows.push((way, rs));
+    }
+    println!(
+        "the gate's NVML floor: {rounds} overlapped handoffs each way, a trainer of {mib} MiB copied at {rate} \
+         MiB/s, the fake NVML answering {delay_us} us per call"
+    );
+    println!(
+        "| NVML floor | release -> B started p50 | p99 | release -> B holds p50 | p99 | request -> B holds p50 |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for (way, rs) in &rows {
+        let mut started: Vec<u64> = rs
+            .iter()
+            .map(|r| r.started.saturating_sub(r.released))
+            .collect();
+        let mut holds: Vec<u64> = rs
+            .iter()
+            .map(|r| r.acquired.saturating_sub(r.released))
+            .collect();
+        started.sort_unstable();
+        holds.sort_unstable();
+        println!(
+            "| {way} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.1} ms |",
+            ms(pct(&started, 50.0)),
+            ms(pct(&started, 99.0)),
+            ms(pct(&holds, 50.0)),
+            ms(pct(&holds, 99.0)),
+            ms(to_b(rs))
+        );
+    }
+    Ok(())
+}
+
+/// `baton` beside this binary (the same build), else the workspace's debug one.
+fn baton_program() -> Result<std::path::PathBuf> {
+    let beside = std::env::current_exe()?.with_file_name("baton");
+    if beside.is_file() {
+        return Ok(beside);
+    }
+    workspace_binary("baton", "baton")
+}
+
+/// Nearest-rank percentile of sorted values.
+fn pct(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
 fn median(mut v: Vec<u64>) -> u64 {

@@ -16,8 +16,13 @@
 //! close's syscall to the kernel being past its release. Figures only (no assertions); ratios are against the
 //! same run.
 //!
-//! Run as root: `cargo run --release -p baton-integration --bin baton-signal-bench [-- CYCLES]`
-//! (`tools/dev bench` runs it).
+//! Then the same release cycles with the gate's NVML floor off and on (issue 39), FLOOR_CYCLES each way, each
+//! way on a containerd and mock of its own whose agent the bench starts with the fake NVML
+//! (integration/fake-nvml, answering from the mock's state after `BATON_BENCH_NVML_DELAY_US` per call, 0 by
+//! default): the floor asks NVML after each release, off the agent's thread; `released` must not wait for it.
+//!
+//! Run as root: `cargo run --release -p baton-integration --bin baton-signal-bench [-- CYCLES
+//! FLOOR_CYCLES]` (defaults 200, 100; CYCLES 0 runs the floor part only; `tools/dev bench` runs it).
 use std::{
     io::{BufRead, BufReader, Write},
     os::unix::net::UnixStream,
@@ -33,6 +38,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use baton_integration::{
     TestEnv,
+    fake_nvml::FakeNvml,
     holder::HolderContainer,
     shim_binary::{self, BATON_RUNTIME},
     trace_env::missing_trace_prerequisite,
@@ -46,18 +52,32 @@ const WITHIN: Duration = Duration::from_secs(30);
 type Stamped = (u64, String);
 
 fn main() -> Result<()> {
-    let cycles: usize = match std::env::args().nth(1) {
-        Some(n) => n.parse().context("CYCLES must be a number")?,
-        None => 200,
+    let number = |i: usize, default: usize| -> Result<usize> {
+        std::env::args().nth(i).map_or(Ok(default), |n| {
+            n.parse().context("CYCLES and FLOOR_CYCLES are numbers")
+        })
     };
+    let (cycles, floor_cycles) = (number(1, 200)?, number(2, 100)?);
     if let Some(reason) = missing_trace_prerequisite() {
         bail!("cannot benchmark: {reason}");
     }
-    let shim = match std::env::var_os("BATON_SHIM_BIN") {
+    let shim: std::path::PathBuf = match std::env::var_os("BATON_SHIM_BIN") {
         Some(p) => p.into(),
         None => shim_binary::baton_shim_release_binary().context("building the Baton shim")?,
     };
-    let env = TestEnv::with_shim("signal-bench", BATON_RUNTIME, Some(&shim))?;
+    if cycles > 0 {
+        signal(&shim, cycles)?;
+    }
+    if floor_cycles > 0 {
+        println!();
+        floor_costs(&shim, floor_cycles)?;
+    }
+    Ok(())
+}
+
+/// The release signal at each receiver over `cycles` cycles, with the agent the shim starts.
+fn signal(shim: &Path, cycles: usize) -> Result<()> {
+    let env = TestEnv::with_shim("signal-bench", BATON_RUNTIME, Some(shim))?;
     let mock_dir = tempfile::tempdir()?;
     let _mock = MockDriver::mount(MountOptions::new(mock_dir.path()))?;
     let mut h = HolderContainer::start(&env, "bench", mock_dir.path(), &[])?;
@@ -119,6 +139,66 @@ fn main() -> Result<()> {
     stop.store(true, Ordering::SeqCst);
     lat.print(cycles);
     h.finish()?;
+    Ok(())
+}
+
+/// The release signal at a `watch` subscriber over `cycles` cycles with the agent's NVML floor off, then on.
+fn floor_costs(shim: &Path, cycles: usize) -> Result<()> {
+    let delay_us: u64 = std::env::var("BATON_BENCH_NVML_DELAY_US")
+        .ok()
+        .map_or(Ok(0), |v| v.parse())
+        .context("BATON_BENCH_NVML_DELAY_US is a number")?;
+    let baton = std::env::current_exe()?.with_file_name("baton");
+    let baton = if baton.is_file() {
+        baton
+    } else {
+        baton_integration::trace_env::workspace_binary("baton", "baton")?
+    };
+    let ways: [(&str, &[&str]); 2] = [
+        ("floor off (--nvml-floor false)", &["--nvml-floor", "false"]),
+        ("floor on", &[]),
+    ];
+    let mut rows = Vec::new();
+    for (n, (way, flags)) in ways.into_iter().enumerate() {
+        let env = TestEnv::with_shim(&format!("signal-floor-{n}"), BATON_RUNTIME, Some(shim))?;
+        let mock_dir = tempfile::tempdir()?;
+        let _mock = MockDriver::mount(MountOptions::new(mock_dir.path()))?;
+        let dir = tempfile::tempdir()?;
+        let nvml = FakeNvml::install(dir.path(), mock_dir.path(), Duration::from_micros(delay_us))?;
+        let socket = env.containerd().agent_socket();
+        let _agent =
+            nvml.start_agent_program(&baton, &socket, &dir.path().join("agent.log"), flags)?;
+        let mut h = HolderContainer::start(&env, "bench", mock_dir.path(), &[])?;
+        let watch = watch_lines(&socket, "bench")?;
+        let mut jitter = Jitter(0x9e37_79b9_7f4a_7c15);
+        let mut lat = Vec::with_capacity(cycles);
+        for _ in 0..cycles {
+            let fd = h.num("open nvidiactl")?;
+            h.cmd(&format!("alloc {fd}"))?;
+            next_kind(&watch, "acquired")?;
+            std::thread::sleep(jitter.below(Duration::from_millis(20)));
+            let returned = h.num(&format!("close {fd}"))?;
+            let (t_watch, _) = next_kind(&watch, "released")?;
+            lat.push(t_watch.saturating_sub(returned));
+        }
+        h.finish()?;
+        lat.sort_unstable();
+        rows.push((way, lat));
+    }
+    println!(
+        "release signal with the gate's NVML floor off and on, {cycles} cycles each way (the fake NVML answering \
+         {delay_us} us per call): from the last close's return to a `watch` subscriber"
+    );
+    println!("| NVML floor | p50 | p99 | max |");
+    println!("|---|---|---|---|");
+    for (way, v) in &rows {
+        println!(
+            "| {way} | {} | {} | {} |",
+            us(pct(v, 50.0)),
+            us(pct(v, 99.0)),
+            us(v.last().copied().unwrap_or(0))
+        );
+    }
     Ok(())
 }
 
