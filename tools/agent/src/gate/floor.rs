@@ -26,6 +26,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use baton_agent_api::room::show_bytes;
+use baton_nvidia::fdkind::FdKind;
 use baton_tracer::now_monotonic_ns;
 
 use super::{DeviceKey, Waiter, room::minor_of};
@@ -67,6 +68,11 @@ struct Reading {
 pub enum Hold {
     /// No reading asked after `since` yet: NVML is to be asked.
     Unread,
+    /// NVML's answer had no memory of the GPU.
+    Unreadable {
+        /// The GPU's minor.
+        minor: u32,
+    },
     /// NVML shows less free on the GPU (less the headroom and the Starts let through) than the Start needs.
     Short {
         /// The GPU's minor.
@@ -92,6 +98,9 @@ impl Hold {
     pub fn describe(&self, tolerance: u64) -> String {
         match self {
             Self::Unread => "NVML had not answered how much of the GPU's memory is used".to_owned(),
+            Self::Unreadable { minor } => {
+                format!("NVML could not read the memory of nvidia{minor}")
+            }
             Self::Short { minor, need, free } => format!(
                 "NVML shows {} free on nvidia{minor} for it (less the headroom and the Starts let through), \
                  short of its {}: memory no container's ledger accounts for is held",
@@ -166,14 +175,19 @@ impl Floor {
         self.latest.as_ref()?.by_minor.get(&minor).copied()
     }
 
-    /// GPU `minor`'s reading if it was asked at `since_ns` or later.
-    fn read_since(&self, minor: u32, since_ns: u64) -> Option<Memory> {
-        self.latest
+    /// GPU `minor`'s reading if one was asked at `since_ns` or later: `Unread` when none was, `Unreadable`
+    /// when it has no memory of that GPU (NVML could not read it: the gate stays shut for it, asking again
+    /// with the /proc rechecks' growing delay rather than at once).
+    fn read_since(&self, minor: u32, since_ns: u64) -> Result<Memory, Hold> {
+        let r = self
+            .latest
             .as_ref()
-            .filter(|r| r.asked_ns >= since_ns)?
-            .by_minor
+            .filter(|r| r.asked_ns >= since_ns)
+            .ok_or(Hold::Unread)?;
+        r.by_minor
             .get(&minor)
             .copied()
+            .ok_or(Hold::Unreadable { minor })
     }
 
     /// GPU `minor`'s idle baseline, once measured.
@@ -183,7 +197,7 @@ impl Floor {
 
     /// Whether GPU `minor` lets a whole-GPU Start through by a reading asked at `since_ns` or later.
     pub fn idle(&self, minor: u32, since_ns: u64) -> Result<(), Hold> {
-        let m = self.read_since(minor, since_ns).ok_or(Hold::Unread)?;
+        let m = self.read_since(minor, since_ns)?;
         // Not measured yet: this reading, asked with no holder, is the baseline (see `answered`).
         let baseline = self.baseline(minor).unwrap_or(m.used);
         if m.used > baseline.saturating_add(self.tolerance) {
@@ -278,17 +292,35 @@ impl Floor {
 }
 
 impl Core {
+    /// The GPUs (minors of its open `nvidiaN` files, as the probes named them: no /proc read, so that the
+    /// once-a-second reading costs the core nothing per fd) that each watched container holding the GPU has
+    /// open; `None` for one that holds with no device file open (it counts on every GPU).
+    fn held_minors(&self) -> Vec<(&crate::registry::watched::Watched, Option<BTreeSet<u32>>)> {
+        let Some(tracer) = self.tracer.as_ref() else {
+            return Vec::new();
+        };
+        let mut by_cgroup: BTreeMap<u64, BTreeSet<u32>> = BTreeMap::new();
+        for (_, p) in tracer.fd_table().iter() {
+            for nv in p.fds.values().filter(|nv| nv.kind == FdKind::Device) {
+                by_cgroup
+                    .entry(p.cgroup_id)
+                    .or_default()
+                    .insert(u32::from(nv.minor));
+            }
+        }
+        self.watched
+            .values()
+            .filter(|w| w.is_held())
+            .map(|w| (w, by_cgroup.remove(&w.cgroup_id)))
+            .collect()
+    }
+
     /// The GPUs (minors) a watched container holds or a Start let through has claimed (`None`: all: one
-    /// holds with no device file known, or claimed every GPU).
+    /// holds with no device file open, or claimed every GPU).
     fn held_gpus(&self) -> Option<BTreeSet<u32>> {
         let mut held = BTreeSet::new();
-        let tracer = self.tracer.as_ref();
-        for w in self.watched.values().filter(|w| w.is_held()) {
-            let devices = tracer.map(|t| super::devices_held(t, w.cgroup_id));
-            let devices = devices.filter(|d| !d.is_empty())?;
-            for d in &devices {
-                held.insert(minor_of(d)?);
-            }
+        for (_, minors) in self.held_minors() {
+            held.extend(minors?);
         }
         for (_, on) in self.gapfill.claims() {
             if on.is_empty() {
@@ -323,20 +355,16 @@ impl Core {
         self.check_gates();
     }
 
-    /// The watched containers holding GPU `minor` (one holding with no device file known holds every GPU),
+    /// The watched containers holding GPU `minor` (one holding with no device file open holds every GPU),
     /// with their ledgers' video memory.
     fn ledgers_on(&self, minor: u32) -> Vec<(String, u64)> {
         let Some(tracer) = self.tracer.as_ref() else {
             return Vec::new();
         };
-        self.watched
-            .values()
-            .filter(|w| w.is_held())
-            .filter(|w| {
-                let devices = super::devices_held(tracer, w.cgroup_id);
-                devices.is_empty() || devices.iter().any(|d| minor_of(d) == Some(minor))
-            })
-            .map(|w| {
+        self.held_minors()
+            .into_iter()
+            .filter(|(_, minors)| minors.as_ref().is_none_or(|m| m.contains(&minor)))
+            .map(|(w, _)| {
                 let bytes = tracer.gpu_state(w.cgroup_id).vram_bytes;
                 (w.registration.container.id.clone(), bytes)
             })
@@ -388,7 +416,11 @@ impl Core {
                     && self.watched.get(c).is_none_or(|w| !w.is_held())
             })
             .try_fold(0u64, |sum, (c, _)| {
-                let need = self.watched.get(&c)?.registration.gpu_memory?;
+                // One no longer watched has gone (its claim lapses); one with no need takes the whole GPU.
+                let need = self
+                    .watched
+                    .get(&c)
+                    .map_or(Some(0), |w| w.registration.gpu_memory)?;
                 Some(sum.saturating_add(need))
             });
         claimed.map_or(0, |claimed| {
@@ -451,8 +483,9 @@ impl Core {
             if !fits {
                 return self.floor.idle(minor, since).err();
             }
-            let Some(m) = self.floor.read_since(minor, since) else {
-                return Some(Hold::Unread);
+            let m = match self.floor.read_since(minor, since) {
+                Ok(m) => m,
+                Err(hold) => return Some(hold),
             };
             let (need, free) = (
                 w.need.unwrap_or(u64::MAX),
@@ -518,6 +551,11 @@ mod tests {
         f.ask(30, None);
         f.answered(30, reading(100 * MIB + f.tolerance), None);
         assert_eq!(f.idle(0, 11), Ok(()));
+        assert_eq!(
+            f.idle(1, 11),
+            Err(Hold::Unreadable { minor: 1 }),
+            "a GPU the answer has no memory of"
+        );
     }
 
     #[test]

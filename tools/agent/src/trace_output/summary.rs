@@ -127,6 +127,15 @@ impl Summary {
                     "uvm: initialized={} registered_gpus={} va_spaces={}\n",
                     l.uvm.initialized, l.uvm.gpus_registered, l.uvm.va_spaces_registered
                 ));
+                if l.doubts != Default::default() {
+                    out.push_str(&format!(
+                        "doubtful: {} allocation(s) counted though read as refused or rewritten ({} live), {} \
+                         free(s) not believed\n",
+                        l.doubts.allocations,
+                        l.doubtful_objects(),
+                        l.doubts.frees_disputed
+                    ));
+                }
             }
             out.push_str(&format!(
                 "open NVIDIA fds: {}, device mappings: {}\n",
