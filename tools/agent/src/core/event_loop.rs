@@ -19,6 +19,9 @@ impl Core {
         // The GPUs' idle memory, while nothing is watched yet (`gate/floor.rs`).
         self.ask_floor();
         loop {
+            if std::mem::take(&mut self.floor.wanted) {
+                self.ask_floor();
+            }
             self.gap_fill_resume();
             self.idle_park_check();
             let launches_due = self.launch_due();

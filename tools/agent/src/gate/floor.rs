@@ -129,6 +129,8 @@ pub struct Floor {
     pub off: bool,
     /// `--nvml-tolerance-mib`, bytes.
     pub tolerance: u64,
+    /// A reading is to be asked once the event in hand is handled (a release: see `registry/publish.rs`).
+    pub wanted: bool,
     /// Whether NVML answered (`None`: not yet; `Some(false)`: the node has none).
     present: Option<bool>,
     latest: Option<Reading>,
@@ -152,6 +154,7 @@ impl Default for Floor {
         Self {
             off: false,
             tolerance: DEFAULT_TOLERANCE_MIB << 20,
+            wanted: false,
             present: None,
             latest: None,
             asked: None,

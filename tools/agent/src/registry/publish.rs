@@ -67,8 +67,10 @@ impl Core {
             self.publish_nvml_check(dropped);
         }
         if released {
-            // A GPU left with no holder gives the floor a reading of its idle memory (`gate/floor.rs`).
-            self.ask_floor();
+            // A GPU left with no holder gives the floor a reading of its idle memory (`gate/floor.rs`): asked
+            // once the gates were checked with the release, so that the Start it lets through waits for one
+            // NVML query, not for this one and then another asked after its holders went.
+            self.floor.wanted = true;
         }
     }
 
