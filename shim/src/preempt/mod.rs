@@ -15,6 +15,7 @@
 //! process that does not answer) and the error names the pid and the call. A resume that fails for some
 //! processes leaves those parked (a second resume retries them) and the others running; one that gave no
 //! process its GPU back freezes the container again, parked as it was.
+mod again;
 pub mod cuda;
 mod driver_api;
 mod gpu_checkpoint;
@@ -204,6 +205,9 @@ impl Container {
     /// `<snapshot_dir>/<namespace>/<id>`: see [`snapshot_image`]). Who asked (`parked_for`, `idle_park`) goes
     /// into the persisted state.
     pub async fn preempt(&self, r: PreemptRequest, steps: &mut Steps) -> Result<PreemptState> {
+        if r.again {
+            return self.park_again(r, steps).await;
+        }
         let PreemptRequest {
             pids,
             mode,

@@ -93,6 +93,12 @@ pub struct PreemptRequest {
     /// the budget, fills it before it forwards the request; a client leaves it out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_budget_left_bytes: Option<u64>,
+    /// Park again: the container is parked and acquired GPU state meanwhile (a fresh CUDA process in a
+    /// container parked without freezing); its shim parks the processes of `pids` that run CUDA now beside
+    /// the parked ones, or freezes the container when none can be. Only the agent asks it; it drops it
+    /// from a client's request.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub again: bool,
 }
 
 /// Where snapshot images go when neither the request nor the node's `snapshot_dir` names a place: on disk,
@@ -333,6 +339,7 @@ mod tests {
                 idle_park: false,
                 vram_bytes: None,
                 host_budget_left_bytes: None,
+                again: false,
             })
         );
         let handoff: RequestLine = serde_json::from_str(

@@ -240,6 +240,10 @@ pub struct WatchSettings {
     /// sets it: node-wide, the latest registration that carries it wins.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_memory_headroom: Option<u64>,
+    /// The least need a declared `gpu-memory` counts for at the gate (`gpu_memory_minimum`, node only),
+    /// bytes, when the TOML sets it: node-wide, the latest registration that carries it wins.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_memory_minimum: Option<u64>,
     /// What this container's park does when its memory cgroup has no room for the host copy
     /// (`park_memory`, node only): gap-fill never picks a co-runner whose park would be refused.
     #[serde(default, skip_serializing_if = "crate::ParkMemory::is_default")]
@@ -256,6 +260,7 @@ impl Default for WatchSettings {
             trace_prefix: "/dev/nvidia".to_owned(),
             rate_gate: None,
             gpu_memory_headroom: None,
+            gpu_memory_minimum: None,
             park_memory: crate::ParkMemory::Raise,
             parked_host_memory_budget: None,
         }

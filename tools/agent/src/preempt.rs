@@ -238,6 +238,7 @@ pub async fn preempt(
         idle_park: false,
         vram_bytes: Some(a.vram_bytes),
         host_budget_left_bytes: Some(a.host_budget_left),
+        again: false,
         ..r.clone()
     });
     let mut call = match ShimCall::start(&a, request) {
@@ -587,6 +588,7 @@ pub async fn handoff(
             idle_park: false,
             vram_bytes: Some(a.vram_bytes),
             host_budget_left_bytes: Some(a.host_budget_left),
+            again: false,
         });
         let (b_go, go) = oneshot::channel();
         let b_prepared =

@@ -114,6 +114,7 @@ pub async fn preempt(a: PreemptArgs) -> anyhow::Result<()> {
         idle_park: false,
         vram_bytes: None,
         host_budget_left_bytes: None,
+        again: false,
     });
     run(&a.agent, request, a.json).await
 }

@@ -49,6 +49,9 @@ impl Core {
         if let Some(headroom) = reg.settings.gpu_memory_headroom {
             self.gpu_headroom = headroom;
         }
+        if let Some(minimum) = reg.settings.gpu_memory_minimum {
+            self.gpu_min_need = minimum;
+        }
         if let Some(budget) = reg.settings.parked_host_memory_budget {
             self.parked_budget = Some(budget);
         }
