@@ -20,6 +20,7 @@ pub mod ledger;
 pub mod probes;
 pub mod release;
 pub mod schema;
+pub mod proc_read;
 pub mod seed;
 mod tracer;
 

@@ -71,6 +71,12 @@ pub enum TracerError {
     /// The ring buffer could not be polled.
     #[error("polling the eBPF ring buffer: {0}")]
     Poll(std::io::Error),
+    /// /proc could not be listed.
+    #[error(
+        "listing /proc: {0}: the tracer reads every process's /proc to follow what they already hold \
+         (run it as root, with /proc mounted)"
+    )]
+    ListProc(std::io::Error),
     /// A kernel map update failed.
     #[error("updating bpf map {map} for pid {pid}: {detail}")]
     MapUpdate {
@@ -223,7 +229,7 @@ impl Tracer {
             instance: INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         };
         if t.watch_all {
-            for pid in seed::all_pids() {
+            for pid in seed::all_pids().map_err(TracerError::ListProc)? {
                 t.seed_pid(pid)?;
             }
         }
@@ -263,7 +269,7 @@ impl Tracer {
     }
 
     /// The processes of watched cgroup `id` now.
-    fn cgroup_pids(&mut self, id: u64) -> Vec<i32> {
+    fn cgroup_pids(&mut self, id: u64) -> Vec<u32> {
         let Some(path) = self.cgroups.path_of(id).map(str::to_owned) else {
             return Vec::new();
         };
@@ -296,8 +302,8 @@ impl Tracer {
 
     /// Seeds one process's fds and mappings from /proc into the kernel map and the mirror (as opaque files:
     /// the records never showed what they carry).
-    fn seed_pid(&mut self, pid: i32) -> Result<(), TracerError> {
-        self.reseed_pid(pid as u32).map(drop)
+    fn seed_pid(&mut self, pid: u32) -> Result<(), TracerError> {
+        self.reseed_pid(pid).map(drop)
     }
 
     /// Attaches the launch uprobes to every libcuda file process `pid` maps that is not probed yet (opened
@@ -427,7 +433,7 @@ impl Tracer {
         self.probes.set_watch_all(on)?;
         self.watch_all = on;
         if on {
-            for pid in seed::all_pids() {
+            for pid in seed::all_pids().map_err(TracerError::ListProc)? {
                 self.seed_pid(pid)?;
             }
         }
