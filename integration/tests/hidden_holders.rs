@@ -371,16 +371,29 @@ fn a_dup_of_an_fd_number_reused_for_another_device_is_not_taken_for_a_hidden_hol
     h.finish().unwrap();
 }
 
-/// When container `id`'s last periodic check against /proc (`proc_check.at_ns`, CLOCK_MONOTONIC) was made,
-/// once one made after `after` is there.
-fn proc_check_after(rig: &Rig, id: &str, after: u64) -> u64 {
-    let at = || rig.status(id)["proc_check"]["at_ns"].as_u64().unwrap_or(0);
+/// Waits for container `id`'s next periodic check against /proc after `after` (`proc_check.at_ns`,
+/// CLOCK_MONOTONIC; the agent checks only a container that holds the GPU), then checks that it still holds the
+/// GPU and that no `released` came. Returns when that check was made.
+fn still_held_after_a_check(rig: &Rig, w: &mut AgentWatch, id: &str, after: u64) -> u64 {
+    let checked = || rig.status(id)["proc_check"]["at_ns"].as_u64().unwrap_or(0);
     assert!(
-        wait_until(WITHIN, || at() > after),
+        wait_until(WITHIN, || checked() > after || rig.status(id)["gpu"] != json!("held")),
         "the agent checks {id} against /proc: {}",
         rig.status(id)
     );
-    at()
+    let early: Vec<Value> = w
+        .drain_for(Duration::ZERO)
+        .into_iter()
+        .filter(|e| e["kind"] == json!("released"))
+        .collect();
+    assert!(
+        early.is_empty(),
+        "released while its device mapping holds the client: {early:?}"
+    );
+    let status = rig.status(id);
+    assert_eq!(status["gpu"], json!("held"), "{status}");
+    assert_eq!(status["mappings"], json!(1), "{status}");
+    checked()
 }
 
 /// /proc prints file names raw, and a name need not be UTF-8 (issue 39, item 1). A holder that keeps GPU
@@ -406,21 +419,9 @@ fn a_mapping_whose_name_is_not_utf8_below_a_mapping_only_holder_keeps_it_held_an
     assert!(odd < addr, "0x{odd:x} is below the device mapping 0x{addr:x}");
     let closed = a.num(&format!("close {fd}")).unwrap();
     assert!(wait_until(WITHIN, || rig.status("odd")["nvidia_fds"] == json!(0)));
-    // Two periodic checks after the close: each one read the maps whole.
-    let first = proc_check_after(&rig, "odd", closed);
-    proc_check_after(&rig, "odd", first);
-    let early: Vec<Value> = w
-        .drain_for(Duration::ZERO)
-        .into_iter()
-        .filter(|e| e["kind"] == json!("released"))
-        .collect();
-    assert!(
-        early.is_empty(),
-        "released while its device mapping holds the client: {early:?}"
-    );
-    let status = rig.status("odd");
-    assert_eq!(status["gpu"], json!("held"), "{status}");
-    assert_eq!(status["mappings"], json!(1), "{status}");
+    // Two periodic checks after the close: each reads the maps whole.
+    let first = still_held_after_a_check(&rig, &mut w, "odd", closed);
+    still_held_after_a_check(&rig, &mut w, "odd", first);
 
     // A Start that needs the whole GPU waits its 2 s at the gate and is refused, naming the holder.
     let started = HolderContainer::start(
