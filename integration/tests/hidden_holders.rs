@@ -377,7 +377,8 @@ fn a_dup_of_an_fd_number_reused_for_another_device_is_not_taken_for_a_hidden_hol
 fn still_held_after_a_check(rig: &Rig, w: &mut AgentWatch, id: &str, after: u64) -> u64 {
     let checked = || rig.status(id)["proc_check"]["at_ns"].as_u64().unwrap_or(0);
     assert!(
-        wait_until(WITHIN, || checked() > after || rig.status(id)["gpu"] != json!("held")),
+        wait_until(WITHIN, || checked() > after
+            || rig.status(id)["gpu"] != json!("held")),
         "the agent checks {id} against /proc: {}",
         rig.status(id)
     );
@@ -416,7 +417,10 @@ fn a_mapping_whose_name_is_not_utf8_below_a_mapping_only_holder_keeps_it_held_an
     let addr = a.num(&format!("mmap {fd}")).unwrap();
     expect_transition(&mut w, "odd", "acquired");
     let odd = a.num(&format!("map-below 0x{addr:x} fffe")).unwrap();
-    assert!(odd < addr, "0x{odd:x} is below the device mapping 0x{addr:x}");
+    assert!(
+        odd < addr,
+        "0x{odd:x} is below the device mapping 0x{addr:x}"
+    );
     let closed = a.num(&format!("close {fd}")).unwrap();
     assert!(wait_until(WITHIN, || rig.status("odd")["nvidia_fds"] == json!(0)));
     // Two periodic checks after the close: each reads the maps whole.
@@ -433,9 +437,10 @@ fn a_mapping_whose_name_is_not_utf8_below_a_mapping_only_holder_keeps_it_held_an
     assert!(started.is_err(), "the server started beside the holder");
     let log = std::fs::read_to_string(rig.env.containerd().log_path()).unwrap();
     assert!(
-        log.lines().any(|l| l.contains("wait-gpu-free: not starting")
-            && l.contains("id=server")
-            && l.contains("odd")),
+        log.lines()
+            .any(|l| l.contains("wait-gpu-free: not starting")
+                && l.contains("id=server")
+                && l.contains("odd")),
         "the gate refused the server, naming the holder: {log}"
     );
     assert_eq!(rig.status("odd")["gpu"], json!("held"));

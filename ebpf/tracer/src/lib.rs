@@ -18,9 +18,9 @@ pub mod files;
 pub mod launch;
 pub mod ledger;
 pub mod probes;
+pub mod proc_read;
 pub mod release;
 pub mod schema;
-pub mod proc_read;
 pub mod seed;
 mod tracer;
 

@@ -75,7 +75,8 @@ impl<'a> MapLine<'a> {
             rest = &rest[at + 1..];
             Some(f)
         };
-        let (range, perms, _offset, dev, inode) = (field()?, field()?, field()?, field()?, field()?);
+        let (range, perms, _offset, dev, inode) =
+            (field()?, field()?, field()?, field()?, field()?);
         let path = match rest.iter().position(|b| *b != b' ') {
             Some(at) => &rest[at..],
             None => &[][..],
@@ -213,7 +214,11 @@ impl ProcDir {
             }
         };
         for entry in tasks.flatten() {
-            let Some(tid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            let Some(tid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
                 continue;
             };
             if tid == pid {
@@ -350,10 +355,7 @@ impl ProcDir {
                 return Err(ProcError::Unreadable {
                     pid: self.pid,
                     what: "maps".to_owned(),
-                    why: format!(
-                        "a line does not parse: {:?}",
-                        String::from_utf8_lossy(text)
-                    ),
+                    why: format!("a line does not parse: {:?}", String::from_utf8_lossy(text)),
                 });
             };
             if each(&m).is_break() {
@@ -372,7 +374,10 @@ mod tests {
     fn maps_lines_parse_as_bytes_whatever_their_names() {
         let line = b"7f0000001000-7f0000003000 rw-s 00000000 00:2d 520                        /tmp/\xff\xfe";
         let m = MapLine::parse(line).unwrap();
-        assert_eq!((m.start, m.end, m.inode), (0x7f00_0000_1000, 0x7f00_0000_3000, 520));
+        assert_eq!(
+            (m.start, m.end, m.inode),
+            (0x7f00_0000_1000, 0x7f00_0000_3000, 520)
+        );
         assert_eq!(m.dev, nix::sys::stat::makedev(0, 0x2d));
         assert!(m.shared());
         assert_eq!(m.path, b"/tmp/\xff\xfe");
@@ -449,8 +454,17 @@ mod tests {
                 let mut thread: libc::pthread_t = 0;
                 // SAFETY: a new thread running `sleeper`, which takes no argument.
                 unsafe {
-                    libc::pthread_create(&mut thread, std::ptr::null(), sleeper, std::ptr::null_mut());
-                    libc::write(std::os::fd::AsRawFd::as_raw_fd(&write), b"x".as_ptr().cast(), 1);
+                    libc::pthread_create(
+                        &mut thread,
+                        std::ptr::null(),
+                        sleeper,
+                        std::ptr::null_mut(),
+                    );
+                    libc::write(
+                        std::os::fd::AsRawFd::as_raw_fd(&write),
+                        b"x".as_ptr().cast(),
+                        1,
+                    );
                     // This thread alone ends (exit, not exit_group), with nothing unwound.
                     libc::syscall(libc::SYS_exit, 0);
                 }
@@ -466,7 +480,10 @@ mod tests {
                 while std::fs::read_to_string(format!("/proc/{pid}/stat"))
                     .is_ok_and(|s| !s.contains(") Z "))
                 {
-                    assert!(std::time::Instant::now() < deadline, "the leader did not exit");
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "the leader did not exit"
+                    );
                     std::thread::sleep(std::time::Duration::from_millis(5));
                 }
                 let dir = ProcDir::open(pid);
@@ -476,7 +493,10 @@ mod tests {
                 let dir = dir.unwrap();
                 assert_ne!(dir.base, PathBuf::from(format!("/proc/{pid}")));
                 let numbers = numbers.unwrap().unwrap();
-                assert!(numbers.contains(&fd), "the inherited fd {fd} is read: {numbers:?}");
+                assert!(
+                    numbers.contains(&fd),
+                    "the inherited fd {fd} is read: {numbers:?}"
+                );
             }
         }
     }

@@ -150,9 +150,13 @@ mod tests {
                 minor: 0
             })
         );
-        let library = b"7f0000001000-7f0000003000 r-xp 00000000 fd:00 99 /usr/lib/libnvidia-ml.so.1";
+        let library =
+            b"7f0000001000-7f0000003000 r-xp 00000000 fd:00 99 /usr/lib/libnvidia-ml.so.1";
         assert_eq!(parse(library), None);
-        assert_eq!(parse(b"7f0000001000-7f0000003000 rw-p 00000000 00:00 0 "), None);
+        assert_eq!(
+            parse(b"7f0000001000-7f0000003000 rw-p 00000000 00:00 0 "),
+            None
+        );
     }
 
     #[test]

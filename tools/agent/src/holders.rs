@@ -502,11 +502,17 @@ mod tests {
     #[test]
     fn only_shared_or_nvidia_named_file_mappings_are_looked_at() {
         let look = |line: &[u8]| worth_a_look(&MapLine::parse(line).unwrap());
-        assert!(look(b"7f00a000-7f00b000 rw-s 00000000 00:2d 42          /dev/nvidia0"));
+        assert!(look(
+            b"7f00a000-7f00b000 rw-s 00000000 00:2d 42          /dev/nvidia0"
+        ));
         assert!(look(b"1000-2000 r--p 00000000 00:05 7 /tmp/mock/nvidiactl"));
-        assert!(!look(b"1000-2000 r-xp 00000000 fd:00 99 /usr/lib/libc.so.6"));
+        assert!(!look(
+            b"1000-2000 r-xp 00000000 fd:00 99 /usr/lib/libc.so.6"
+        ));
         assert!(!look(b"1000-2000 ---p 00000000 00:00 0 "));
-        assert!(look(b"1000-2000 rw-s 00000000 00:2d 43 /dev/shm/a name with spaces"));
+        assert!(look(
+            b"1000-2000 rw-s 00000000 00:2d 43 /dev/shm/a name with spaces"
+        ));
         assert!(look(b"1000-2000 rw-s 00000000 00:2d 43 /tmp/\xff\xfe"));
         assert!(!look(b"1000-2000 r--p 00000000 00:2d 43 /tmp/\xff\xfe"));
     }
@@ -525,7 +531,10 @@ mod tests {
         let text = b"pos:\t0\nflags:\t02000002\nSqMask:\t0x0\nUserFiles:\t3\n    0: /tmp/\xff\n    1: /dev/nvidiactl\n    2: /tmp/x\nUserBufs:\t0\n";
         let files: Vec<&[u8]> = registered_files(text).collect();
         assert_eq!(files, [&b"/tmp/\xff"[..], b"/dev/nvidiactl", b"/tmp/x"]);
-        assert_eq!(registered_files(b"UserFiles:\t0\nUserBufs:\t0\n").count(), 0);
+        assert_eq!(
+            registered_files(b"UserFiles:\t0\nUserBufs:\t0\n").count(),
+            0
+        );
     }
 
     #[test]

@@ -128,7 +128,9 @@ impl Tracer {
                 let dir = crate::proc_read::ProcDir::open(pid);
                 let still_open = |fd: i32| match &dir {
                     Ok(dir) => match dir.fd_target(fd) {
-                        Ok(Some(t)) => seed::classify_path(t.as_encoded_bytes(), &prefixes).is_some(),
+                        Ok(Some(t)) => {
+                            seed::classify_path(t.as_encoded_bytes(), &prefixes).is_some()
+                        }
                         Ok(None) => false,
                         Err(e) => e != crate::proc_read::ProcError::Gone,
                     },

@@ -587,13 +587,18 @@ fn map_below(below: usize, hex_name: &str) -> anyhow::Result<usize> {
     let name = (0..hex_name.len())
         .step_by(2)
         .map(|i| {
-            let pair = hex_name.get(i..i + 2).context("an odd number of hex digits")?;
+            let pair = hex_name
+                .get(i..i + 2)
+                .context("an odd number of hex digits")?;
             u8::from_str_radix(pair, 16).with_context(|| format!("{pair:?} is not hex"))
         })
         .collect::<anyhow::Result<Vec<u8>>>()?;
     let path = std::path::Path::new("/tmp").join(std::ffi::OsStr::from_bytes(&name));
     std::fs::write(&path, vec![0u8; MAP_LEN]).with_context(|| format!("creating {path:?}"))?;
-    let file = std::fs::File::options().read(true).write(true).open(&path)?;
+    let file = std::fs::File::options()
+        .read(true)
+        .write(true)
+        .open(&path)?;
     let mut at = 256usize << 20;
     while at + MAP_LEN <= below {
         // SAFETY: MAP_FIXED_NOREPLACE maps only where nothing is mapped; the mapping is kept until exit.
