@@ -1,5 +1,6 @@
 //! The [`Tracer`]: probes, record stream, fd mirror, ledgers and the cgroup index, kept consistent.
 mod apply;
+mod inherit;
 mod quota;
 mod resync;
 mod wait;
@@ -179,6 +180,16 @@ pub struct Tracer {
     instance: u64,
 }
 
+/// `pids` in the order they started (a parent before its children); one whose start cannot be read last.
+fn by_start_time(pids: impl IntoIterator<Item = u32>) -> Vec<u32> {
+    let mut pids: Vec<(Option<u64>, u32)> = pids
+        .into_iter()
+        .map(|pid| (cgroups::start_ticks(pid), pid))
+        .collect();
+    pids.sort_by_key(|(start, pid)| (start.is_none(), *start, *pid));
+    pids.into_iter().map(|(_, pid)| pid).collect()
+}
+
 /// Numbers the tracers of this process.
 static INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -258,7 +269,9 @@ impl Tracer {
                 detail: e.to_string(),
             })?;
         self.watched.insert(id);
-        for pid in self.cgroup_pids(id) {
+        // Parents before their children, so that a child's inherited files are found in its parent's.
+        let pids = by_start_time(self.cgroup_pids(id));
+        for pid in pids {
             if let Err(e) = self.seed_pid(pid) {
                 // Rolled back: a cgroup half watched would look followed while it is not.
                 self.unwatch_cgroup(id);

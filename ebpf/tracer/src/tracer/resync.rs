@@ -53,7 +53,9 @@ impl Tracer {
             match seed::all_pids() {
                 Ok(all) => pids.extend(all),
                 // The processes the mirror knows are read again all the same; none is dropped unread.
-                Err(e) => tracing::warn!("resync: cannot list /proc ({e}): only the followed processes are read again"),
+                Err(e) => tracing::warn!(
+                    "resync: cannot list /proc ({e}): only the followed processes are read again"
+                ),
             }
         } else {
             let cgroups: Vec<u64> = self.watched.iter().copied().collect();
@@ -65,7 +67,8 @@ impl Tracer {
         // them) may be missing from the ledger of every container traced.
         let mut cgroups: BTreeSet<u64> = self.watched.iter().copied().collect();
         cgroups.extend(self.fds.iter().map(|(_, p)| p.cgroup_id));
-        for pid in pids {
+        // Parents before their children, so that a child's inherited files are found in its parent's.
+        for pid in super::by_start_time(pids) {
             self.reseed_pid(pid)?;
         }
         for cg in cgroups {
@@ -206,6 +209,7 @@ impl Tracer {
         if !c.is_empty() {
             self.proc_changed(pid);
         }
+        self.share_with_parent(pid, &c);
         for fd in &c.stale_fds {
             self.kernel_forget(pid, cgroup_id, *fd);
         }
