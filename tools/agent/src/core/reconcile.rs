@@ -136,7 +136,7 @@ impl Core {
 
     /// Applies the records still in the ring, so that /proc is compared with everything the probes saw.
     /// False when the ring could not be read (the failure is handled as any batch's).
-    fn drain_for_proc(&mut self) -> bool {
+    pub(crate) fn drain_for_proc(&mut self) -> bool {
         let Some(tracer) = self.tracer.as_mut() else {
             return false;
         };
