@@ -488,7 +488,6 @@ fn an_agent_restarted_while_it_parks_the_trainer_still_starts_the_server_and_ado
         ..Trainer::with_worker()
     };
     let mut trainer = rig.run("trainer", &slow, &PREEMPTIBLE);
-    trainer.wait_line("phase worker-forked");
     let hangs = hang_files(&rig, "trainer");
     let _server = rig.create("server", &Trainer::default(), &SERVER);
     let start = start_in_background(&rig, "server");
