@@ -66,7 +66,8 @@ pub fn libcuda_files(pid: u32) -> Vec<MappedLibcuda> {
     // (path, range, (device, inode)) of each distinct libcuda file, from the maps read as bytes.
     let mut found: Vec<(PathBuf, (u64, u64), (u64, u64))> = Vec::new();
     let mut seen = HashSet::new();
-    let read = dir.for_each_mapping(|m| {
+    let wanted = |line: &[u8]| crate::proc_read::mentions(line, LIBCUDA.as_bytes());
+    let read = dir.for_each_mapping(wanted, |m| {
         let path = Path::new(std::ffi::OsStr::from_bytes(m.path));
         if m.path.starts_with(b"/") && is_libcuda(path) && seen.insert((m.dev, m.inode)) {
             found.push((path.to_owned(), (m.start, m.end), (m.dev, m.inode)));

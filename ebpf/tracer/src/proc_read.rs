@@ -331,11 +331,14 @@ impl ProcDir {
         }
     }
 
-    /// Calls `each` with every line of its maps, in address order, until it breaks; one buffer, so the text
-    /// is never held whole. A line that does not parse, or a read that fails while the process lives, is
-    /// [`ProcError::Unreadable`]: a read cut short would hide the mappings after it.
+    /// Calls `each` with every line of its maps that `wanted` lets through (it sees the raw line: a cheap
+    /// test spares the parse of the lines no caller looks at, most of a process's), in address order, until
+    /// it breaks; one buffer, so the text is never held whole. A wanted line that does not parse, or a read
+    /// that fails while the process lives, is [`ProcError::Unreadable`]: a read cut short would hide the
+    /// mappings after it.
     pub fn for_each_mapping(
         &self,
+        wanted: impl Fn(&[u8]) -> bool,
         mut each: impl FnMut(&MapLine<'_>) -> ControlFlow<()>,
     ) -> Result<(), ProcError> {
         let file =
@@ -351,6 +354,9 @@ impl ProcDir {
                 return Ok(());
             }
             let text = line.strip_suffix(b"\n").unwrap_or(&line);
+            if !wanted(text) {
+                continue;
+            }
             let Some(m) = MapLine::parse(text) else {
                 return Err(ProcError::Unreadable {
                     pid: self.pid,
@@ -363,6 +369,19 @@ impl ProcDir {
             }
         }
     }
+}
+
+/// Whether raw maps line `line` holds `needle` anywhere (a cheap test before the parse).
+pub fn mentions(line: &[u8], needle: &[u8]) -> bool {
+    memchr::memmem::find(line, needle).is_some()
+}
+
+/// Whether raw maps line `line` is a shared mapping (its permissions end in `s`), without parsing it.
+pub fn raw_shared(line: &[u8]) -> bool {
+    line.iter()
+        .position(|b| *b == b' ')
+        .and_then(|at| line.get(at + 4))
+        == Some(&b's')
 }
 
 #[cfg(test)]
@@ -382,6 +401,8 @@ mod tests {
         assert!(m.shared());
         assert_eq!(m.path, b"/tmp/\xff\xfe");
         assert_eq!(m.base_name(), b"\xff\xfe");
+        assert!(raw_shared(line) && !raw_shared(b"1000-2000 r--p 0 00:00 0 "));
+        assert!(mentions(line, b"/tmp/") && !mentions(line, b"nvidia"));
         let anonymous = MapLine::parse(b"1000-2000 ---p 00000000 00:00 0 ").unwrap();
         assert_eq!((anonymous.inode, anonymous.path), (0, &b""[..]));
         let spaced = MapLine::parse(b"1000-2000 rw-s 00000000 00:2d 43 /dev/shm/a b").unwrap();
@@ -421,10 +442,13 @@ mod tests {
         let (a, b) = (map(&odd), map(&later));
         let me = ProcDir::open(std::process::id()).unwrap();
         let mut names = Vec::new();
-        me.for_each_mapping(|m| {
-            names.push(m.path.to_vec());
-            ControlFlow::Continue(())
-        })
+        me.for_each_mapping(
+            |_| true,
+            |m| {
+                names.push(m.path.to_vec());
+                ControlFlow::Continue(())
+            },
+        )
         .unwrap();
         assert!(names.iter().any(|n| n.ends_with(b"/\xff\xfe")), "{names:?}");
         assert!(names.iter().any(|n| n.ends_with(b"/later")));

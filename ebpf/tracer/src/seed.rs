@@ -82,7 +82,9 @@ pub fn scan_process(pid: u32, prefixes: &[String]) -> Result<Vec<Seen>, ProcErro
 /// mappings has 50 MB of it).
 fn device_mappings(dir: &ProcDir, prefixes: &[String]) -> Result<Vec<Seen>, ProcError> {
     let mut found = Vec::new();
-    dir.for_each_mapping(|m| {
+    // Every NVIDIA device name begins with `nvidia`.
+    let wanted = |line: &[u8]| crate::proc_read::mentions(line, b"nvidia");
+    dir.for_each_mapping(wanted, |m| {
         if let Some(seen) = device_mapping(m, prefixes) {
             found.push(seen);
         }

@@ -19,7 +19,7 @@ use std::{
 use baton_nvidia::fdkind::{self, FdKind};
 use baton_tracer::{
     fdtable::ProcFds,
-    proc_read::{MapLine, ProcDir, ProcError, base_name},
+    proc_read::{MapLine, ProcDir, ProcError, base_name, mentions, raw_shared},
 };
 
 use super::gate::DeviceKey;
@@ -190,7 +190,9 @@ impl Classifier {
             }
         }
         let mut failed = None;
-        dir.for_each_mapping(|m| {
+        // Only shared mappings and those named as an NVIDIA device are parsed (see [`worth_a_look`]).
+        let wanted = |line: &[u8]| raw_shared(line) || mentions(line, b"nvidia");
+        dir.for_each_mapping(wanted, |m| {
             if !worth_a_look(m) {
                 return ControlFlow::Continue(());
             }
