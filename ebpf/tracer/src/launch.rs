@@ -63,8 +63,10 @@ pub fn libcuda_files(pid: u32) -> Vec<MappedLibcuda> {
     let Ok(dir) = crate::proc_read::ProcDir::open(pid) else {
         return Vec::new();
     };
-    // (path, range, (device, inode)) of each distinct libcuda file, from the maps read as bytes.
-    let mut found: Vec<(PathBuf, (u64, u64), (u64, u64))> = Vec::new();
+    /// A libcuda mapping: its path, its range and its file's (device, inode).
+    type Found = (PathBuf, (u64, u64), (u64, u64));
+    // Each distinct libcuda file, from the maps read as bytes.
+    let mut found: Vec<Found> = Vec::new();
     let mut seen = HashSet::new();
     let wanted = |line: &[u8]| crate::proc_read::mentions(line, LIBCUDA.as_bytes());
     let read = dir.for_each_mapping(wanted, |m| {
