@@ -98,8 +98,12 @@ fn an_idle_parked_server_is_handed_the_gpu_back_by_an_agent_started_since() {
     let Some(rig) = CudaRig::start("hand-back-restart") else {
         return;
     };
-    // No forked workers: a worker's inherited files, whose contents an agent started since never saw, would
-    // keep the trainer held through its park (a partial ledger fails closed: docs/design.md, "Agent restart").
+    // No forked workers. The trainer was parked for the server and resumed before the restart, so its worker
+    // would keep the files of the trainer's first CUDA session, which the agent started since sees in the
+    // worker alone (the trainer's restore opened others): the kernel (kcmp) shows them shared with no
+    // checkpointed process, so nothing tells them from files the worker opened itself, and they hold through
+    // the trainer's park (they fail closed; issue 39, item 3, gets a park after a restart released only for
+    // files the new agent saw shared with the parked process: preempt.rs and gap_fill.rs).
     let (_trainer, _server) =
         rig.idle_server_parked_for_a_trainer(&Trainer::default(), &IDLE_SERVER);
 

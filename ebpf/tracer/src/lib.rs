@@ -18,6 +18,7 @@ pub mod files;
 pub mod launch;
 pub mod ledger;
 pub mod probes;
+pub mod proc_read;
 pub mod release;
 pub mod schema;
 pub mod seed;

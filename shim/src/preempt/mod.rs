@@ -104,7 +104,26 @@ impl Steps {
             phase,
             pid,
             detail: detail.into(),
+            no_cuda_state: Vec::new(),
         };
+        self.send(step);
+    }
+
+    /// Records (and sends) that `pid`'s checkpoint returned: the driver freed its CUDA state. The step also
+    /// names the processes the driver has no CUDA state for (`no_cuda_state`, left alone): the agent's word
+    /// that the files only such processes share hold none.
+    pub fn checkpointed(&mut self, pid: u32, no_cuda_state: &[u32]) {
+        self.send(Step {
+            t_ns: now_monotonic_ns(),
+            container: self.container.clone(),
+            phase: Phase::Checkpointed,
+            pid: Some(pid),
+            detail: String::new(),
+            no_cuda_state: no_cuda_state.to_vec(),
+        });
+    }
+
+    fn send(&mut self, step: Step) {
         if let Some(tx) = &self.tx {
             let _ = tx.send(step.clone());
         }
@@ -252,6 +271,7 @@ impl Container {
             host_copy_bytes: vram_bytes.filter(|v| *v > 0),
             raised_limit: raised,
             unfrozen: mode == PreemptMode::Park && !self.settings.park_freezes(idle_park),
+            no_cuda_state: sorted.left_alone.iter().map(|(pid, _)| *pid).collect(),
         };
         self.set_preemption(Some(state.clone()));
         steps.state_entered(Some(state.clone()));
@@ -347,9 +367,10 @@ impl Container {
             format!("{} process(es){}", pids.len(), sorted.note()),
         );
         steps.emit(Phase::CheckpointStarted, None, "");
+        let left_alone: Vec<u32> = sorted.left_alone.iter().map(|(pid, _)| *pid).collect();
         let checkpoints = on_all(cuda, Action::Checkpoint, pids, None, |pid, r| {
             if r.is_ok() {
-                steps.emit(Phase::Checkpointed, Some(pid), "");
+                steps.checkpointed(pid, &left_alone);
             }
         })
         .await;

@@ -243,6 +243,12 @@ pub struct Step {
     /// More about it (an error, an exit status, what confirmed a release).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub detail: String,
+    /// On a `checkpointed` step, the shim's word: the container's processes that the driver answered having
+    /// no CUDA state for (CUDA_ERROR_NOT_INITIALIZED: a worker forked after CUDA init), left alone by the
+    /// park. With the process checkpointed (`pid`), they hold no CUDA state now (see the agent's
+    /// `registry::shims_word`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub no_cuda_state: Vec<u32>,
 }
 
 /// A step line, streamed before the reply of `preempt`, `resume`, `start` and `handoff`.
@@ -301,6 +307,10 @@ pub struct PreemptState {
     /// liveness probe is answered), its CUDA calls wait for the resume.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unfrozen: bool,
+    /// The processes the preemption named that the driver answered having no CUDA state for (a worker
+    /// forked after CUDA init): left alone, never checkpointed (host pids).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub no_cuda_state: Vec<u32>,
 }
 
 /// What a `preempt`, `resume`, `start` or `handoff` did.
@@ -365,6 +375,7 @@ mod tests {
             phase: Phase::GpuReleased,
             pid: None,
             detail: String::new(),
+            no_cuda_state: Vec::new(),
         };
         let text = serde_json::to_string(&StepLine { v: 1, step }).unwrap();
         assert_eq!(

@@ -93,6 +93,7 @@ impl<'w> Timeline<'w> {
             phase,
             pid,
             detail,
+            no_cuda_state: Vec::new(),
         };
         self.push(step).await
     }
@@ -305,6 +306,7 @@ pub async fn run_unattended(
         phase: Phase::Asked,
         pid: None,
         detail: [mode, "by", by].join(" ").trim_start().to_owned(),
+        no_cuda_state: Vec::new(),
     });
     let mut call = match ShimCall::start(r, request) {
         Ok(c) => c,

@@ -235,6 +235,7 @@ mod tests {
             phase: Phase::Checkpointed,
             pid: Some(42),
             detail: String::new(),
+            no_cuda_state: Vec::new(),
         };
         let line = render_step(&s, 1_000_000);
         assert!(line.contains("1.500 ms"), "{line}");

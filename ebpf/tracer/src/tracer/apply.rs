@@ -124,9 +124,17 @@ impl Tracer {
             Body::Fork { child } => self.fork(pid, *child)?,
             Body::Exec => {
                 let prefixes = self.probes.prefixes().to_vec();
-                let still_open = |fd: i32| {
-                    std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
-                        .is_ok_and(|p| seed::classify_path(&p, &prefixes).is_some())
+                // An fd whose link cannot be read stays (what it is is unknown); one closed by the exec goes.
+                let dir = crate::proc_read::ProcDir::open(pid);
+                let still_open = |fd: i32| match &dir {
+                    Ok(dir) => match dir.fd_target(fd) {
+                        Ok(Some(t)) => {
+                            seed::classify_path(t.as_encoded_bytes(), &prefixes).is_some()
+                        }
+                        Ok(None) => false,
+                        Err(e) => e != crate::proc_read::ProcError::Gone,
+                    },
+                    Err(e) => *e != crate::proc_read::ProcError::Gone,
                 };
                 self.launch_libs.forget_pid(pid);
                 let closed = self.fds.exec(pid, &still_open);

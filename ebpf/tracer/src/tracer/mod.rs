@@ -1,5 +1,6 @@
 //! The [`Tracer`]: probes, record stream, fd mirror, ledgers and the cgroup index, kept consistent.
 mod apply;
+mod inherit;
 mod quota;
 mod resync;
 mod wait;
@@ -71,6 +72,12 @@ pub enum TracerError {
     /// The ring buffer could not be polled.
     #[error("polling the eBPF ring buffer: {0}")]
     Poll(std::io::Error),
+    /// /proc could not be listed.
+    #[error(
+        "listing /proc: {0}: the tracer reads every process's /proc to follow what they already hold \
+         (run it as root, with /proc mounted)"
+    )]
+    ListProc(std::io::Error),
     /// A kernel map update failed.
     #[error("updating bpf map {map} for pid {pid}: {detail}")]
     MapUpdate {
@@ -173,6 +180,16 @@ pub struct Tracer {
     instance: u64,
 }
 
+/// `pids` in the order they started (a parent before its children); one whose start cannot be read last.
+fn by_start_time(pids: impl IntoIterator<Item = u32>) -> Vec<u32> {
+    let mut pids: Vec<(Option<u64>, u32)> = pids
+        .into_iter()
+        .map(|pid| (cgroups::start_ticks(pid), pid))
+        .collect();
+    pids.sort_by_key(|(start, pid)| (start.is_none(), *start, *pid));
+    pids.into_iter().map(|(_, pid)| pid).collect()
+}
+
 /// Numbers the tracers of this process.
 static INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -223,7 +240,7 @@ impl Tracer {
             instance: INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         };
         if t.watch_all {
-            for pid in seed::all_pids() {
+            for pid in seed::all_pids().map_err(TracerError::ListProc)? {
                 t.seed_pid(pid)?;
             }
         }
@@ -252,7 +269,9 @@ impl Tracer {
                 detail: e.to_string(),
             })?;
         self.watched.insert(id);
-        for pid in self.cgroup_pids(id) {
+        // Parents before their children, so that a child's inherited files are found in its parent's.
+        let pids = by_start_time(self.cgroup_pids(id));
+        for pid in pids {
             if let Err(e) = self.seed_pid(pid) {
                 // Rolled back: a cgroup half watched would look followed while it is not.
                 self.unwatch_cgroup(id);
@@ -263,7 +282,7 @@ impl Tracer {
     }
 
     /// The processes of watched cgroup `id` now.
-    fn cgroup_pids(&mut self, id: u64) -> Vec<i32> {
+    fn cgroup_pids(&mut self, id: u64) -> Vec<u32> {
         let Some(path) = self.cgroups.path_of(id).map(str::to_owned) else {
             return Vec::new();
         };
@@ -296,8 +315,8 @@ impl Tracer {
 
     /// Seeds one process's fds and mappings from /proc into the kernel map and the mirror (as opaque files:
     /// the records never showed what they carry).
-    fn seed_pid(&mut self, pid: i32) -> Result<(), TracerError> {
-        self.reseed_pid(pid as u32).map(drop)
+    fn seed_pid(&mut self, pid: u32) -> Result<(), TracerError> {
+        self.reseed_pid(pid).map(drop)
     }
 
     /// Attaches the launch uprobes to every libcuda file process `pid` maps that is not probed yet (opened
@@ -427,7 +446,7 @@ impl Tracer {
         self.probes.set_watch_all(on)?;
         self.watch_all = on;
         if on {
-            for pid in seed::all_pids() {
+            for pid in seed::all_pids().map_err(TracerError::ListProc)? {
                 self.seed_pid(pid)?;
             }
         }

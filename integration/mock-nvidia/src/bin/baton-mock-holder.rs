@@ -25,7 +25,8 @@
 //! closes all it holds) -> `ok T`; `grab-fd PID FD` (pidfd_getfd of the child's FD) -> `ok NEWFD`; `ring-file FD`
 //! (FD registered as a fixed file of a new io_uring) -> `ok RINGFD`; `clone-files` (a receiver child that
 //! shares this process's fd table) -> `ok PID`; `child-exit-now PID` (the child exits, reaped) -> `ok T`; `exec-map PATH` (re-executes; the new program maps PATH before anything else) ->
-//! `ok T ADDR`; `anon-maps N` (N anonymous mappings of its own that do not merge, as a tenant with a
+//! `ok T ADDR`; `map-below ADDR HEXNAME` (creates /tmp/NAME, NAME the bytes HEXNAME spells, which need not be
+//! UTF-8, and maps it shared at the lowest free address from 256 MiB up, below ADDR) -> `ok ADDR`; `anon-maps N` (N anonymous mappings of its own that do not merge, as a tenant with a
 //! long /proc maps has; needs `vm.max_map_count` above N) -> `ok LINES` (of its maps now).
 use std::{
     collections::HashMap,
@@ -152,6 +153,7 @@ impl Holder {
             }
             "keep-dups" => keep_dups(num(1)? as RawFd, num(2)? as u64)?.to_string(),
             "anon-maps" => anon_maps(num(1)? as usize)?.to_string(),
+            "map-below" => format!("0x{:x}", map_below(num(1)? as usize, arg(2)?)?),
             "reuse-dup" => self
                 .reuse_dup(arg(1)?, arg(2)?, num(3)? as usize, num(4)? as usize)?
                 .to_string(),
@@ -575,6 +577,47 @@ fn shm_over(addr: usize, pages: usize) -> anyhow::Result<()> {
         bail!("shmat(SHM_REMAP): {error}");
     }
     Ok(())
+}
+
+/// Creates `/tmp/NAME` (NAME: the bytes `hex_name` spells) and maps its one page shared at the lowest free
+/// page-aligned address from 256 MiB up that is below `below` (`MAP_FIXED_NOREPLACE`, one MiB apart): a
+/// mapping whose line comes before `below`'s in /proc/PID/maps. Returns its address.
+fn map_below(below: usize, hex_name: &str) -> anyhow::Result<usize> {
+    use std::os::unix::ffi::OsStrExt;
+    let name = (0..hex_name.len())
+        .step_by(2)
+        .map(|i| {
+            let pair = hex_name
+                .get(i..i + 2)
+                .context("an odd number of hex digits")?;
+            u8::from_str_radix(pair, 16).with_context(|| format!("{pair:?} is not hex"))
+        })
+        .collect::<anyhow::Result<Vec<u8>>>()?;
+    let path = std::path::Path::new("/tmp").join(std::ffi::OsStr::from_bytes(&name));
+    std::fs::write(&path, vec![0u8; MAP_LEN]).with_context(|| format!("creating {path:?}"))?;
+    let file = std::fs::File::options()
+        .read(true)
+        .write(true)
+        .open(&path)?;
+    let mut at = 256usize << 20;
+    while at + MAP_LEN <= below {
+        // SAFETY: MAP_FIXED_NOREPLACE maps only where nothing is mapped; the mapping is kept until exit.
+        let mapped = unsafe {
+            mman::mmap(
+                std::num::NonZeroUsize::new(at),
+                std::num::NonZeroUsize::new(MAP_LEN).context("length")?,
+                mman::ProtFlags::PROT_READ | mman::ProtFlags::PROT_WRITE,
+                mman::MapFlags::MAP_SHARED | mman::MapFlags::MAP_FIXED_NOREPLACE,
+                &file,
+                0,
+            )
+        };
+        if let Ok(addr) = mapped {
+            return Ok(addr.as_ptr() as usize);
+        }
+        at += 1 << 20;
+    }
+    bail!("no free address below 0x{below:x}")
 }
 
 /// munmap of `pages` pages at `addr`.

@@ -141,7 +141,7 @@ impl Core {
                 }
             }
             Done::Step(step) => {
-                self.note(&Note::of_step(&step));
+                self.preemption_noted(&Note::of_step(&step));
                 return;
             }
             Done::ServerParked { container, result } => self.idle_parked(&container, &result),

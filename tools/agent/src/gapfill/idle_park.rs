@@ -276,6 +276,7 @@ impl Core {
                     phase: Phase::StillParked,
                     pid: None,
                     detail: detail.clone(),
+                    no_cuda_state: Vec::new(),
                 }));
                 let _ = done.send(Done::ServerResumed {
                     container,
