@@ -59,10 +59,38 @@ pub mod syscalls {
     pub const MREMAP: &[i64] = &[libc::SYS_mremap];
     /// execve, execveat.
     pub const EXEC: &[i64] = &[libc::SYS_execve, libc::SYS_execveat];
+    /// ioctl.
+    pub const IOCTL: &[i64] = &[libc::SYS_ioctl];
+    /// open, openat, openat2.
+    pub const OPEN: &[i64] = &[libc::SYS_openat, libc::SYS_openat2, OPEN_PLAIN];
+    /// dup, dup2, dup3, fcntl.
+    pub const DUP: &[i64] = &[libc::SYS_dup, libc::SYS_dup3, DUP2, libc::SYS_fcntl];
+    /// madvise.
+    pub const MADVISE: &[i64] = &[libc::SYS_madvise];
+
+    /// The syscalls a call the probes keep in flight (`Sys`) may be.
+    pub fn of(call: baton_probe_common::Sys) -> &'static [i64] {
+        use baton_probe_common::Sys;
+        match call {
+            Sys::Ioctl => IOCTL,
+            Sys::Open => OPEN,
+            Sys::Dup => DUP,
+            Sys::Mmap => MMAP,
+            Sys::Close => CLOSE,
+            Sys::Munmap => MUNMAP,
+            Sys::CloseRange => CLOSE_RANGE,
+            Sys::Mremap => MREMAP,
+            Sys::Madvise => MADVISE,
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     const DUP2: i64 = libc::SYS_dup2;
     #[cfg(not(target_arch = "x86_64"))]
     const DUP2: i64 = libc::SYS_dup3;
+    #[cfg(target_arch = "x86_64")]
+    const OPEN_PLAIN: i64 = libc::SYS_open;
+    #[cfg(not(target_arch = "x86_64"))]
+    const OPEN_PLAIN: i64 = libc::SYS_openat;
 }
 
 /// /proc checks of an awaiting thread: every `FIRST_CHECK_NS` for the first `FAST_CHECKS_NS` after its
@@ -154,6 +182,23 @@ impl Releases {
                 });
             }
             Entry::Occupied(mut o) => o.get_mut().removed_again(ts_ns, exiting, syscalls),
+        }
+    }
+
+    /// Thread `tid` of `pid` in cgroup `cgroup_id` began at `ts_ns` a call by one of `syscalls` whose record
+    /// the probes lost: what it does is unknown (it may open, map or free anything), so it holds its
+    /// container's release back like a removal of GPU state until the thread is seen past it.
+    pub fn call_lost(
+        &mut self,
+        tid: u32,
+        pid: u32,
+        cgroup_id: u64,
+        ts_ns: u64,
+        syscalls: &'static [i64],
+    ) {
+        self.removed(tid, pid, cgroup_id, ts_ns, false, syscalls);
+        if let Some(a) = self.awaiting.get_mut(&tid) {
+            a.frees_state = true;
         }
     }
 

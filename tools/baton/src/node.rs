@@ -109,8 +109,8 @@ fn gpu_word(g: GpuHold) -> &'static str {
 /// The table `baton status` prints.
 pub fn render_status(s: &NodeStatus, now_ns: u64) -> String {
     let mut out = format!(
-        "agent pid {}, probes {} ({} programs), {} ring-buffer drops ({} resyncs from /proc), {} calls lost \
-         to in-flight slot collisions\n",
+        "agent pid {}, probes {} ({} programs), {} ring-buffer drops ({} resyncs from /proc), {} calls \
+         sharing an in-flight slot kept in the overflow, {} calls lost (made up for from /proc)\n",
         s.agent_pid,
         if s.probes_attached {
             "attached"
@@ -120,8 +120,19 @@ pub fn render_status(s: &NodeStatus, now_ns: u64) -> String {
         s.programs_attached,
         s.ringbuf_drops,
         s.resyncs,
-        s.pending_evicted
+        s.pending_overflowed,
+        s.pending_lost
     );
+    if let Some(m) = &s.probe_fd_map {
+        out.push_str(&format!(
+            "probe fd map: {} of {} entries free, {} of its reserve of {} (kept for each container's first \
+             fds)\n",
+            m.entries.saturating_sub(m.used),
+            m.entries,
+            m.reserve_free,
+            m.reserve
+        ));
+    }
     out.push_str(&format!(
         "{:<16} {:<10} {:<9} {:>8} {:>4} {:>5} {:>7} {:>12}  {}\n",
         "CONTAINER", "NAMESPACE", "GPU", "SINCE", "FDS", "MAPS", "OBJECTS", "VRAM", "PIDS"

@@ -154,7 +154,29 @@ impl Tracer {
                 if self.releases.confirmed(e.tid, *kind, e.ts_ns).is_none() {
                     return Ok(false);
                 }
+                if let Some((lost_pid, _)) = self.lost_calls.remove(&e.tid) {
+                    // The call whose record was lost has returned: /proc shows what it did.
+                    self.reseed_pid(lost_pid)?;
+                    self.resyncs += 1;
+                }
                 self.forget_proc_if_done(pid);
+            }
+            Body::Lost { call, fd } => {
+                // Whatever the call does (an open, a mapping, an allocation, a free) the records will not
+                // say: the ledger is partial, and once the thread is past the call (its next traced syscall,
+                // or /proc) the process is read again from /proc. Until then it holds its container's
+                // release back.
+                tracing::debug!(
+                    pid,
+                    tid = e.tid,
+                    fd,
+                    "the probes lost the record of a {call:?} call: the process is read again from /proc \
+                     once it returns"
+                );
+                self.ledger.container_mut(cg).partial = true;
+                self.releases
+                    .call_lost(e.tid, pid, cg, e.ts_ns, syscalls::of(*call));
+                self.lost_calls.insert(e.tid, (pid, cg));
             }
             Body::Resync { .. } => {}
         }
