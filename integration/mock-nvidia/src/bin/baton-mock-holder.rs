@@ -26,7 +26,10 @@
 //! (FD registered as a fixed file of a new io_uring) -> `ok RINGFD`; `clone-files` (a receiver child that
 //! shares this process's fd table) -> `ok PID`; `child-exit-now PID` (the child exits, reaped) -> `ok T`; `exec-map PATH` (re-executes; the new program maps PATH before anything else) ->
 //! `ok T ADDR`; `anon-maps N` (N anonymous mappings of its own that do not merge, as a tenant with a
-//! long /proc maps has; needs `vm.max_map_count` above N) -> `ok LINES` (of its maps now).
+//! long /proc maps has; needs `vm.max_map_count` above N) -> `ok LINES` (of its maps now); `munmap-raw ADDR
+//! LEN` (munmap of LEN bytes, failing or not) -> `ok ERRNO T` (0: it succeeded); `ioctl-threads FD N` (N more
+//! threads that make RM_CONTROL calls on FD back to back, as a tenant's busy threads would) -> `ok`, and
+//! `stop-ioctl-threads` (they end) -> `ok CALLS`.
 use std::{
     collections::HashMap,
     io::{BufRead, Write},
@@ -75,6 +78,9 @@ struct Holder {
     /// Children from `fork-receiver`, by pid.
     receivers: HashMap<i32, Receiver>,
     spinning: Arc<AtomicBool>,
+    /// Threads of `ioctl-threads`, which make calls while this is set; each answers how many it made.
+    calling: Arc<AtomicBool>,
+    callers: Vec<std::thread::JoinHandle<u64>>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -94,6 +100,8 @@ fn main() -> anyhow::Result<()> {
         children: HashMap::new(),
         receivers: HashMap::new(),
         spinning: Arc::new(AtomicBool::new(false)),
+        calling: Arc::new(AtomicBool::new(false)),
+        callers: Vec::new(),
     };
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
@@ -164,6 +172,22 @@ impl Holder {
                     let _ = unsafe { libc::ioctl(fd, cmd as libc::c_ulong, params.as_mut_ptr()) };
                 }
                 String::new()
+            }
+            "ioctl-threads" => {
+                self.ioctl_threads(num(1)? as RawFd, num(2)? as usize);
+                String::new()
+            }
+            "stop-ioctl-threads" => {
+                self.calling.store(false, Ordering::SeqCst);
+                let mut calls = 0;
+                for t in self.callers.drain(..) {
+                    calls += t.join().map_err(|_| anyhow!("a calling thread panicked"))?;
+                }
+                calls.to_string()
+            }
+            "munmap-raw" => {
+                let errno = munmap_raw(num(1)? as usize, num(2)? as usize);
+                format!("{errno} {}", now_ns())
             }
             "alloc" => self.alloc(num(1)? as RawFd)?,
             "alloc-client" => self.alloc_client(num(1)? as RawFd)?,
@@ -451,6 +475,26 @@ impl Holder {
         }
     }
 
+    /// `n` more threads that make RM_CONTROL calls on `fd` back to back until `stop-ioctl-threads`.
+    fn ioctl_threads(&mut self, fd: RawFd, n: usize) {
+        self.calling.store(true, Ordering::SeqCst);
+        for _ in 0..n {
+            let calling = self.calling.clone();
+            self.callers.push(std::thread::spawn(move || {
+                let cmd = ioc::iowr(ioc::NV_IOCTL_MAGIC, escape::RM_CONTROL, nvos00::SIZE);
+                let mut params = vec![0u8; nvos00::SIZE as usize];
+                let mut calls = 0;
+                while calling.load(Ordering::Relaxed) {
+                    // SAFETY: `params` is a live buffer of the size the command encodes; the fd is the
+                    // script's and stays open while the threads run.
+                    let _ = unsafe { libc::ioctl(fd, cmd as libc::c_ulong, params.as_mut_ptr()) };
+                    calls += 1;
+                }
+                calls
+            }));
+        }
+    }
+
     /// A thread closes `fd` and then spins with no syscall (not even for the time, which may be one: this
     /// thread stamps nothing, the main thread does once it sees the close done): only /proc can tell that
     /// the closing thread returned to user space.
@@ -626,6 +670,18 @@ fn dont_fork(addr: usize, pages: usize) -> anyhow::Result<()> {
     unsafe { mman::madvise(ptr, pages * MAP_LEN, mman::MmapAdvise::MADV_DONTFORK) }
         .context("madvise")?;
     Ok(())
+}
+
+/// munmap of `len` bytes at `addr` as the script says, whatever they are (an unaligned address, a length
+/// past the address space): the errno it failed with, or 0.
+fn munmap_raw(addr: usize, len: usize) -> i32 {
+    // SAFETY: the script unmaps what it names; a call the kernel refuses changes nothing, and no Rust object
+    // lives in the script's mappings.
+    if unsafe { libc::munmap(addr as *mut libc::c_void, len) } == 0 {
+        0
+    } else {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(-1)
+    }
 }
 
 fn unmap(addr: usize) -> anyhow::Result<()> {
