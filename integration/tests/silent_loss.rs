@@ -110,9 +110,11 @@ fn a_failing_munmap_leaves_a_mapping_only_holder_held() {
     h.finish().unwrap();
 }
 
-/// The node's `pid_max`, raised for a test and put back when dropped.
+/// The node's `pid_max`, raised for a test and put back when dropped. The tests that raise it take turns
+/// (a lock file): one that read another's raised value would put that back for good.
 struct RaisedPidMax {
     was: String,
+    _turn: nix::fcntl::Flock<std::fs::File>,
 }
 
 const PID_MAX: &str = "/proc/sys/kernel/pid_max";
@@ -120,11 +122,16 @@ const PID_MAX: &str = "/proc/sys/kernel/pid_max";
 impl RaisedPidMax {
     /// Raises `pid_max` to systemd's 4,194,304 (the kernel's limit on 64-bit) if it is lower.
     fn to_systemds() -> Self {
+        let lock =
+            std::fs::File::create(std::env::temp_dir().join("baton-test-pid-max.lock")).unwrap();
+        let turn = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| e)
+            .unwrap();
         let was = std::fs::read_to_string(PID_MAX).unwrap().trim().to_owned();
         if was.parse::<u64>().unwrap() < 4_194_304 {
             std::fs::write(PID_MAX, "4194304").unwrap();
         }
-        Self { was }
+        Self { was, _turn: turn }
     }
 }
 
@@ -132,6 +139,11 @@ impl Drop for RaisedPidMax {
     fn drop(&mut self) {
         let _ = std::fs::write(PID_MAX, &self.was);
     }
+}
+
+/// The next pid the node hands out is `pid` (unless another process takes it first).
+fn next_pid_is(pid: u32) {
+    std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).unwrap();
 }
 
 /// Gives `flooder` (host pid `pid`, RM_CONTROL calls on its fd `fd`) a calling thread whose tid is `tid`:
@@ -143,7 +155,7 @@ fn calling_thread_at(flooder: &mut HolderContainer, pid: u32, fd: u64, tid: u32)
         if Path::new(&format!("/proc/{tid}")).exists() {
             return Path::new(&format!("/proc/{pid}/task/{tid}")).exists();
         }
-        std::fs::write("/proc/sys/kernel/ns_last_pid", (tid - 1).to_string()).unwrap();
+        next_pid_is(tid);
         flooder.cmd(&format!("ioctl-threads {fd} 1")).unwrap();
         if Path::new(&format!("/proc/{pid}/task/{tid}")).exists() {
             return true;
@@ -212,6 +224,67 @@ fn a_flood_of_threads_sharing_the_victims_in_flight_slot_loses_none_of_its_calls
     assert_eq!(released["bytes_freed"], json!(expected), "{released}");
     victim.finish().unwrap();
     flooder.finish().unwrap();
+}
+
+/// Threads per batch of the crowd that shares in-flight slots.
+const SLOTS: u32 = 256;
+
+#[test]
+fn calls_that_find_no_room_in_flight_are_made_up_for_from_proc_not_only_counted() {
+    // Every close of a device file holds the driver up for 3 s (the mock serves one request at a time): calls
+    // made meanwhile stay in flight.
+    let Some(rig) = Rig::start_with("loss-lost", |o| o.with_close_delay(Duration::from_secs(3)))
+    else {
+        return;
+    };
+    let _pid_max = RaisedPidMax::to_systemds();
+    let mut h = rig.holder("crowd");
+    let mut w = rig.watch("crowd");
+    let ctl = h.num("open nvidiactl").unwrap();
+    let alloc = h.cmd(&format!("alloc {ctl}")).unwrap();
+    assert_eq!(alloc[1], "0", "{alloc:?}");
+    expect_transition(&mut w, "crowd", "acquired");
+    let slow = h.num("open nvidia0").unwrap();
+    holder_pid(&rig, "crowd");
+
+    // Batches of threads whose tids share slots (tid % 65536): more of them in flight at once than the
+    // container's share of the overflow holds, then threads that map a device file on top of them.
+    let batches = baton_tracer::PENDING_OVERFLOW_PER_CGROUP / SLOTS + 2;
+    let first = 40_000;
+    for k in 0..batches {
+        next_pid_is(first + k * 65_536);
+        h.cmd(&format!("callers calls {SLOTS}")).unwrap();
+    }
+    next_pid_is(first + batches * 65_536);
+    h.cmd(&format!("callers maps {SLOTS}")).unwrap();
+
+    // The driver is held up by a close; every thread calls it meanwhile (and stays inside its call), then
+    // the last batch maps nvidiactl's file (which the driver is not asked about) on top of them.
+    h.cmd(&format!("close-async {slow}")).unwrap();
+    let calling = h.num(&format!("go calls ioctl {ctl}")).unwrap();
+    h.num(&format!("go maps map {ctl}")).unwrap();
+    let mapped = h.num("join maps").unwrap();
+    h.num("join calls").unwrap();
+    assert_eq!(mapped, u64::from(SLOTS), "{calling} calls were in flight");
+
+    // Calls were lost, and none silently: the ledger says it is partial, and the mappings whose records
+    // were lost are followed all the same, from /proc once their threads were past them.
+    let node = rig.node_status();
+    assert!(
+        node["pending_lost"].as_u64().unwrap() > 0,
+        "calls found no room ({calling} calls in flight): {node}"
+    );
+    assert!(
+        wait_until(WITHIN, || {
+            let s = rig.status("crowd");
+            s["mappings"] == json!(mapped) && s["unconfirmed"] == json!(0)
+        }),
+        "the crowd's {mapped} mappings are followed: {}",
+        rig.status("crowd")
+    );
+    assert_eq!(rig.status("crowd")["partial"], json!(true));
+    assert!(rig.node_status()["resyncs"].as_u64().unwrap() > 0);
+    h.finish().unwrap();
 }
 
 /// How many containers of one tenant flood the fd map.

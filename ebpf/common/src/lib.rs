@@ -89,6 +89,14 @@ pub enum Counter {
 /// Number of `Counter` slots.
 pub const COUNTER_SLOTS: u32 = 7;
 
+/// Records the probes' `PENDING_OVERFLOW` holds for the node: calls in flight whose slot (`tid % 65536`)
+/// another thread's call held when they began.
+pub const PENDING_OVERFLOW_ENTRIES: u32 = 16384;
+
+/// Records of one cgroup `PENDING_OVERFLOW` takes at most, so that one tenant's colliding threads cannot take
+/// the room another's need; a call past it is lost (`Counter::PendingLost`, a `Lost` record).
+pub const PENDING_OVERFLOW_PER_CGROUP: u32 = PENDING_OVERFLOW_ENTRIES / 16;
+
 /// Entries `NV_FDS` holds for the whole node.
 pub const NV_FDS_ENTRIES: u32 = 131_072;
 

@@ -19,7 +19,9 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap},
 };
-use baton_probe_common::{Counter, NAME_CAP, RecordKind, Sys};
+use baton_probe_common::{
+    Counter, NAME_CAP, PENDING_OVERFLOW_ENTRIES, PENDING_OVERFLOW_PER_CGROUP, RecordKind, Sys,
+};
 use core::intrinsics::AtomicOrdering;
 
 use crate::{
@@ -70,13 +72,6 @@ pub const PENDING_SLOTS: u32 = 65536;
 #[map(name = "PENDING_OVERFLOW")]
 static PENDING_OVERFLOW: HashMap<u32, Pending> =
     HashMap::with_max_entries(PENDING_OVERFLOW_ENTRIES, 0);
-
-/// Records `PENDING_OVERFLOW` holds for the node: as many threads inside traced calls at once whose slots
-/// are held by others.
-const PENDING_OVERFLOW_ENTRIES: u32 = 16384;
-
-/// Records of one cgroup `PENDING_OVERFLOW` takes at most.
-const PENDING_OVERFLOW_PER_CGROUP: u64 = (PENDING_OVERFLOW_ENTRIES / 16) as u64;
 
 /// Records in `PENDING_OVERFLOW` per cgroup (atomic; entries stay, at 0, once made).
 #[map(name = "PENDING_OVERFLOW_CG")]
@@ -158,7 +153,7 @@ fn put_overflow(tid: u32, mut p: Pending) {
     };
     // SAFETY: a live, aligned map value; racing claimants of one cgroup may pass the check together, which
     // overshoots the share by at most one record per CPU.
-    if unsafe { core::ptr::read_volatile(share) } >= PENDING_OVERFLOW_PER_CGROUP {
+    if unsafe { core::ptr::read_volatile(share) } >= u64::from(PENDING_OVERFLOW_PER_CGROUP) {
         lost(&p);
         return;
     }

@@ -29,7 +29,11 @@
 //! long /proc maps has; needs `vm.max_map_count` above N) -> `ok LINES` (of its maps now); `munmap-raw ADDR
 //! LEN` (munmap of LEN bytes, failing or not) -> `ok ERRNO T` (0: it succeeded); `ioctl-threads FD N` (N more
 //! threads that make RM_CONTROL calls on FD back to back, as a tenant's busy threads would) -> `ok`, and
-//! `stop-ioctl-threads` (they end) -> `ok CALLS`.
+//! `stop-ioctl-threads` (they end) -> `ok CALLS`; `callers TAG N` (N more parked threads in group TAG, made
+//! one after the other) -> `ok`, `go TAG ioctl FD` or `go TAG map FD` (each makes that one call, a mapping
+//! of a page kept; answered once each is inside it or past it) -> `ok INSIDE`, `join TAG` -> `ok MAPPED`;
+//! `close-async FD` (a thread closes FD; answered once it is inside the close) -> `ok` (see
+//! `workload::callers`).
 use std::{
     collections::HashMap,
     io::{BufRead, Write},
@@ -45,6 +49,7 @@ use anyhow::{Context, anyhow, bail};
 use baton_mock_nvidia::{
     wire::put_u32,
     workload::{
+        callers::{self, Callers},
         calls,
         nvfile::NvFile,
         receiver::{self, Receiver, now_ns},
@@ -78,9 +83,8 @@ struct Holder {
     /// Children from `fork-receiver`, by pid.
     receivers: HashMap<i32, Receiver>,
     spinning: Arc<AtomicBool>,
-    /// Threads of `ioctl-threads`, which make calls while this is set; each answers how many it made.
-    calling: Arc<AtomicBool>,
-    callers: Vec<std::thread::JoinHandle<u64>>,
+    /// Threads that call the driver together (`ioctl-threads`, `callers`).
+    callers: Callers,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -100,8 +104,7 @@ fn main() -> anyhow::Result<()> {
         children: HashMap::new(),
         receivers: HashMap::new(),
         spinning: Arc::new(AtomicBool::new(false)),
-        calling: Arc::new(AtomicBool::new(false)),
-        callers: Vec::new(),
+        callers: Callers::default(),
     };
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
@@ -174,16 +177,19 @@ impl Holder {
                 String::new()
             }
             "ioctl-threads" => {
-                self.ioctl_threads(num(1)? as RawFd, num(2)? as usize);
+                self.callers.start_busy(num(1)? as RawFd, num(2)? as usize);
                 String::new()
             }
-            "stop-ioctl-threads" => {
-                self.calling.store(false, Ordering::SeqCst);
-                let mut calls = 0;
-                for t in self.callers.drain(..) {
-                    calls += t.join().map_err(|_| anyhow!("a calling thread panicked"))?;
-                }
-                calls.to_string()
+            "stop-ioctl-threads" => self.callers.stop_busy()?.to_string(),
+            "callers" => {
+                self.callers.park(arg(1)?, num(2)? as usize)?;
+                String::new()
+            }
+            "go" => self.callers.go(arg(1)?, arg(2)?, arg(3)?)?.to_string(),
+            "join" => self.callers.join(arg(1)?)?.to_string(),
+            "close-async" => {
+                callers::close_async(num(1)? as RawFd)?;
+                String::new()
             }
             "munmap-raw" => {
                 let errno = munmap_raw(num(1)? as usize, num(2)? as usize);
@@ -472,26 +478,6 @@ impl Holder {
                 self.children.insert(child.as_raw(), write);
                 Ok(child.as_raw())
             }
-        }
-    }
-
-    /// `n` more threads that make RM_CONTROL calls on `fd` back to back until `stop-ioctl-threads`.
-    fn ioctl_threads(&mut self, fd: RawFd, n: usize) {
-        self.calling.store(true, Ordering::SeqCst);
-        for _ in 0..n {
-            let calling = self.calling.clone();
-            self.callers.push(std::thread::spawn(move || {
-                let cmd = ioc::iowr(ioc::NV_IOCTL_MAGIC, escape::RM_CONTROL, nvos00::SIZE);
-                let mut params = vec![0u8; nvos00::SIZE as usize];
-                let mut calls = 0;
-                while calling.load(Ordering::Relaxed) {
-                    // SAFETY: `params` is a live buffer of the size the command encodes; the fd is the
-                    // script's and stays open while the threads run.
-                    let _ = unsafe { libc::ioctl(fd, cmd as libc::c_ulong, params.as_mut_ptr()) };
-                    calls += 1;
-                }
-                calls
-            }));
         }
     }
 
