@@ -432,4 +432,25 @@ mod tests {
             Err(ParseError::Short { .. })
         ));
     }
+
+    #[test]
+    fn a_lost_record_names_its_call_and_an_unknown_call_is_an_error() {
+        let mut lost = open_record();
+        lost.hdr.kind = RecordKind::Lost as u32;
+        lost.aux = Sys::Mmap as i32;
+        lost.fd = 7;
+        let e = parse(&as_bytes(&lost), &Layout::DEFAULT).unwrap();
+        assert!(matches!(
+            e.body,
+            Body::Lost {
+                call: Sys::Mmap,
+                fd: 7
+            }
+        ));
+        lost.aux = 99;
+        assert!(matches!(
+            parse(&as_bytes(&lost), &Layout::DEFAULT),
+            Err(ParseError::UnknownKind(15))
+        ));
+    }
 }

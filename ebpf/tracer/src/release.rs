@@ -424,6 +424,36 @@ mod tests {
     }
 
     #[test]
+    fn a_lost_call_holds_its_container_back_until_its_thread_is_past_it() {
+        let me = std::process::id();
+        let (tid, tx, reader) = thread_blocked_in_read();
+        let mut r = Releases::default();
+        // A read stands in for the lost call's syscall: inside it, the thread is not past it.
+        r.call_lost(tid, me, 4, 1_000, &[libc::SYS_read]);
+        assert_eq!(r.unconfirmed(4), 1, "what the call does is unknown");
+        assert_eq!(r.last_removal_ns(4), None, "a lost call is no removal");
+        assert_eq!(r.check_proc(1_000 + FIRST_CHECK_NS), vec![]);
+        end_thread(tid, tx, reader);
+        let past = r.check_proc(u64::MAX / 2);
+        assert_eq!(past.len(), 1);
+        assert_eq!(r.confirmed(tid, ConfirmKind::Proc, 5_000), Some((me, 4)));
+        assert_eq!(r.unconfirmed(4), 0);
+    }
+
+    #[test]
+    fn each_call_in_flight_names_its_syscalls() {
+        use baton_probe_common::Sys;
+        for v in 1..=9 {
+            let call = Sys::from_u8(v).unwrap();
+            assert!(!syscalls::of(call).is_empty(), "{call:?}");
+        }
+        assert_eq!(Sys::from_u8(0), None);
+        assert_eq!(Sys::from_u8(10), None);
+        assert!(syscalls::of(Sys::Open).contains(&libc::SYS_openat));
+        assert!(syscalls::of(Sys::Dup).contains(&libc::SYS_fcntl));
+    }
+
+    #[test]
     fn proc_confirms_a_thread_that_is_gone_and_backs_off_for_one_that_is_not() {
         let mut r = Releases::default();
         // No such pid: gone.

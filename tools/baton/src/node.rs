@@ -545,4 +545,37 @@ mod tests {
              nvml=\"timed_out\""
         );
     }
+
+    #[test]
+    fn status_shows_the_calls_kept_and_lost_in_flight_and_what_is_left_of_the_fd_map() {
+        let s: NodeStatus = serde_json::from_value(serde_json::json!({
+            "agent_pid": 1,
+            "probes_attached": true,
+            "programs_attached": 33,
+            "ringbuf_drops": 0,
+            "containers": [],
+            "pending_overflowed": 12,
+            "pending_lost": 3,
+            "probe_fd_map": {"entries": 131072, "used": 100352, "reserve": 32768, "reserve_free": 30720},
+        }))
+        .unwrap();
+        let out = render_status(&s, 0);
+        assert!(
+            out.contains("12 calls sharing an in-flight slot kept in the overflow, 3 calls lost"),
+            "{out}"
+        );
+        assert!(
+            out.contains(
+                "probe fd map: 30720 of 131072 entries free, 30720 of its reserve of 32768"
+            ),
+            "{out}"
+        );
+        // An older agent's count of overwritten records reads as lost ones.
+        let old: NodeStatus = serde_json::from_value(serde_json::json!({
+            "agent_pid": 1, "probes_attached": true, "programs_attached": 33, "ringbuf_drops": 0,
+            "containers": [], "pending_evicted": 5,
+        }))
+        .unwrap();
+        assert_eq!((old.pending_lost, old.probe_fd_map), (5, None));
+    }
 }

@@ -174,6 +174,9 @@ pub struct Tracer {
     /// Threads inside a call whose record the probes lost (`Body::Lost`), with their (pid, cgroup): the
     /// process is read again from /proc once the thread is confirmed past the call.
     lost_calls: HashMap<u32, (u32, u64)>,
+    /// Processes to read again from /proc once the ring is drained: a call of theirs whose record was lost
+    /// has returned.
+    lost_reseeds: std::collections::BTreeSet<u32>,
 }
 
 /// Numbers the tracers of this process.
@@ -225,6 +228,7 @@ impl Tracer {
             reads_in_flight: 0,
             instance: INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             lost_calls: HashMap::new(),
+            lost_reseeds: std::collections::BTreeSet::new(),
         };
         if t.watch_all {
             for pid in seed::all_pids() {

@@ -240,3 +240,29 @@ impl Tracer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use baton_probe_common::{NV_FDS_BASE, NV_FDS_ENTRIES, NV_FDS_RESERVE, fd_entry_allowed};
+
+    #[test]
+    fn a_container_within_its_base_may_take_the_reserve_and_one_past_it_may_not() {
+        let (all, shared, base) = (
+            u64::from(NV_FDS_ENTRIES),
+            u64::from(NV_FDS_ENTRIES - NV_FDS_RESERVE),
+            u64::from(NV_FDS_BASE),
+        );
+        // With room in the shared part, anyone may add.
+        assert!(fd_entry_allowed(0, 0));
+        assert!(fd_entry_allowed(shared - 1, base + 100));
+        // The shared part full: only a container within its base, from the reserve.
+        assert!(!fd_entry_allowed(shared, base));
+        assert!(fd_entry_allowed(shared, base - 1));
+        assert!(fd_entry_allowed(all - 1, 0));
+        // The whole map full: no one.
+        assert!(!fd_entry_allowed(all, 0));
+        // Sixteen containers at the default quota stop at the shared part, leaving the reserve whole.
+        let quota = u64::from(baton_probe_common::DEFAULT_FD_QUOTA);
+        assert!(16 * quota > shared && NV_FDS_RESERVE >= 64 * NV_FDS_BASE);
+    }
+}
