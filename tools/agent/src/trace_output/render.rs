@@ -126,7 +126,8 @@ pub fn line(e: &Event, container: &str, t0_ns: u64) -> String {
         }
         Body::Exec => format!("{head} exec"),
         Body::Lost { call, fd } => format!(
-            "{head} {}({fd}): record lost (no in-flight slot): re-read from /proc once it returns",
+            "{head} {}({fd}): record lost (no room in flight): its file counts as holding, or the process is \
+             re-read from /proc once the call returns",
             call.name()
         ),
         Body::Resync { lost } => {
