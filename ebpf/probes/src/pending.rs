@@ -8,8 +8,10 @@
 //! `PENDING_OVERFLOW`, a hash map by tid, which the exit looks in only while it holds something (one array
 //! load otherwise). Each cgroup may have `PENDING_OVERFLOW_PER_CGROUP` records there, so one tenant's
 //! colliding threads cannot take the room another's need. A call whose record finds no room at all is
-//! *lost*: it is counted, a `Lost` record names it, and its thread is marked for confirmation, so that user
-//! space re-reads the process from /proc once the call has returned (`baton_tracer::tracer::apply`).
+//! *lost*: it is counted, a `Lost` record names it, and its thread is marked for confirmation. User space
+//! marks the container's ledger partial, counts a lost driver call's file as holding GPU state until its
+//! final release, and re-reads the process from /proc once any other lost call has returned
+//! (`baton_tracer::tracer::apply`).
 //!
 //! A claim needs no compare-and-swap (the BPF target has none before v3 atomics): a claimant adds one to the
 //! slot's `claims` and reads it back; only the claimant that reads 1 owns the slot (coherence orders the adds
