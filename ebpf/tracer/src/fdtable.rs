@@ -161,6 +161,11 @@ impl FdTable {
         self.files.add_uvm_gpus(id, delta);
     }
 
+    /// What file `id` carries is unknown from now on (see [`crate::files::Files::mark_opaque`]).
+    pub fn mark_opaque(&mut self, id: FileId) {
+        self.files.mark_opaque(id);
+    }
+
     /// `tgid` opened a device file as `fd` (a new open file). Returns it.
     pub fn open(&mut self, tgid: u32, cgroup_id: u64, fd: i32, kind: FdKind, minor: u8) -> FileId {
         let file = self.files.create(kind, minor, cgroup_id, false);

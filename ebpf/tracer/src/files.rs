@@ -164,6 +164,14 @@ impl Files {
         }
     }
 
+    /// What file `id` carries is unknown from now on (a call on it went unrecorded): it counts as holding
+    /// GPU state until its final release, which frees whatever it carries.
+    pub fn mark_opaque(&mut self, id: FileId) {
+        if let Some(f) = self.files.get_mut(&id) {
+            f.opaque = true;
+        }
+    }
+
     /// Adds `delta` to the GPUs registered with UVM through file `id`.
     pub fn add_uvm_gpus(&mut self, id: FileId, delta: i64) {
         if let Some(f) = self.files.get_mut(&id) {

@@ -178,6 +178,12 @@ pub struct Tracer {
     reads_in_flight: usize,
     /// Which tracer of this process this is (a ticket of another one is refused).
     instance: u64,
+    /// Threads inside a call whose record the probes lost (`Body::Lost`), with their (pid, cgroup): the
+    /// process is read again from /proc once the thread is confirmed past the call.
+    lost_calls: HashMap<u32, (u32, u64)>,
+    /// Processes to read again from /proc once the ring is drained: a call of theirs whose record was lost
+    /// has returned.
+    lost_reseeds: std::collections::BTreeSet<u32>,
 }
 
 /// `pids` in the order they started (a parent before its children); one whose start cannot be read last.
@@ -238,6 +244,8 @@ impl Tracer {
             change_seq: 0,
             reads_in_flight: 0,
             instance: INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            lost_calls: HashMap::new(),
+            lost_reseeds: std::collections::BTreeSet::new(),
         };
         if t.watch_all {
             for pid in seed::all_pids().map_err(TracerError::ListProc)? {
@@ -310,6 +318,7 @@ impl Tracer {
         self.forget_cgroup_quota(id);
         self.watched.remove(&id);
         self.releases.forget_cgroup(id);
+        self.lost_calls.retain(|_, (_, cg)| *cg != id);
         self.probes.forget_launches(id);
     }
 
@@ -422,9 +431,16 @@ impl Tracer {
         )
     }
 
-    /// Calls lost because another thread took their `PENDING` slot (see the probes' maps).
-    pub fn pending_evicted(&self) -> u64 {
-        self.probes.counter(Counter::PendingEvicted)
+    /// Calls whose record the probes could not keep (their in-flight slot was another thread's and the
+    /// overflow was full: see the probes' `pending.rs`); each made its container partial and its process
+    /// read again from /proc.
+    pub fn pending_lost(&self) -> u64 {
+        self.probes.counter(Counter::PendingLost)
+    }
+
+    /// Calls whose in-flight slot another thread's call held, kept in the overflow instead (nothing lost).
+    pub fn pending_overflowed(&self) -> u64 {
+        self.probes.counter(Counter::PendingOverflow)
     }
 
     /// Removals confirmed from /proc rather than by a probe.

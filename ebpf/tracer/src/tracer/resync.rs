@@ -10,12 +10,13 @@ use crate::{
 };
 
 impl Tracer {
-    /// If records were dropped since the last look: applies every record still in the ring (older than what
-    /// /proc shows now), then re-reads every traced process from /proc, and returns those records followed by
-    /// a `Resync` event saying how many were lost.
+    /// If records were dropped since the last look, or calls whose record the probes lost have returned:
+    /// applies every record still in the ring (older than what /proc shows now), then re-reads from /proc
+    /// every traced process (records dropped: a `Resync` event, saying how many, follows the records
+    /// returned) or those processes (each once, however many of its calls were lost).
     pub(super) fn resync_if_records_lost(&mut self) -> Result<Vec<Event>, TracerError> {
         let drops = self.dropped();
-        if drops <= self.drops_seen {
+        if drops <= self.drops_seen && self.lost_reseeds.is_empty() {
             return Ok(Vec::new());
         }
         let mut out = Vec::new();
@@ -27,6 +28,14 @@ impl Tracer {
             out.extend(self.apply_all(batch)?);
         }
         let drops = self.dropped();
+        if drops <= self.drops_seen {
+            for pid in std::mem::take(&mut self.lost_reseeds) {
+                self.reseed_pid(pid)?;
+            }
+            self.resyncs += 1;
+            return Ok(out);
+        }
+        self.lost_reseeds.clear();
         let lost = drops - self.drops_seen;
         self.drops_seen = drops;
         self.resync()?;

@@ -27,7 +27,14 @@
 //! shares this process's fd table) -> `ok PID`; `child-exit-now PID` (the child exits, reaped) -> `ok T`; `exec-map PATH` (re-executes; the new program maps PATH before anything else) ->
 //! `ok T ADDR`; `map-below ADDR HEXNAME` (creates /tmp/NAME, NAME the bytes HEXNAME spells, which need not be
 //! UTF-8, and maps it shared at the lowest free address from 256 MiB up, below ADDR) -> `ok ADDR`; `anon-maps N` (N anonymous mappings of its own that do not merge, as a tenant with a
-//! long /proc maps has; needs `vm.max_map_count` above N) -> `ok LINES` (of its maps now).
+//! long /proc maps has; needs `vm.max_map_count` above N) -> `ok LINES` (of its maps now); `munmap-raw ADDR
+//! LEN` (munmap of LEN bytes, failing or not) -> `ok ERRNO T` (0: it succeeded); `ioctl-threads FD N` (N more
+//! threads that make RM_CONTROL calls on FD back to back, as a tenant's busy threads would) -> `ok`, and
+//! `stop-ioctl-threads` (they end) -> `ok CALLS`; `callers TAG N` (N more parked threads in group TAG, made
+//! one after the other) -> `ok`, `go TAG ioctl FD` or `go TAG map FD` (each makes that one call, a mapping
+//! of a page kept; answered once each is inside it or past it) -> `ok INSIDE`, `join TAG` -> `ok MAPPED`;
+//! `close-async FD` (a thread closes FD; answered once it is inside the close) -> `ok` (see
+//! `workload::callers`).
 use std::{
     collections::HashMap,
     io::{BufRead, Write},
@@ -43,6 +50,7 @@ use anyhow::{Context, anyhow, bail};
 use baton_mock_nvidia::{
     wire::put_u32,
     workload::{
+        callers::{self, Callers},
         calls,
         nvfile::NvFile,
         receiver::{self, Receiver, now_ns},
@@ -76,6 +84,8 @@ struct Holder {
     /// Children from `fork-receiver`, by pid.
     receivers: HashMap<i32, Receiver>,
     spinning: Arc<AtomicBool>,
+    /// Threads that call the driver together (`ioctl-threads`, `callers`).
+    callers: Callers,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -95,6 +105,7 @@ fn main() -> anyhow::Result<()> {
         children: HashMap::new(),
         receivers: HashMap::new(),
         spinning: Arc::new(AtomicBool::new(false)),
+        callers: Callers::default(),
     };
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
@@ -166,6 +177,25 @@ impl Holder {
                     let _ = unsafe { libc::ioctl(fd, cmd as libc::c_ulong, params.as_mut_ptr()) };
                 }
                 String::new()
+            }
+            "ioctl-threads" => {
+                self.callers.start_busy(num(1)? as RawFd, num(2)? as usize);
+                String::new()
+            }
+            "stop-ioctl-threads" => self.callers.stop_busy()?.to_string(),
+            "callers" => {
+                self.callers.park(arg(1)?, num(2)? as usize)?;
+                String::new()
+            }
+            "go" => self.callers.go(arg(1)?, arg(2)?, arg(3)?)?.to_string(),
+            "join" => self.callers.join(arg(1)?)?.to_string(),
+            "close-async" => {
+                callers::close_async(num(1)? as RawFd)?;
+                String::new()
+            }
+            "munmap-raw" => {
+                let errno = munmap_raw(num(1)? as usize, num(2)? as usize);
+                format!("{errno} {}", now_ns())
             }
             "alloc" => self.alloc(num(1)? as RawFd)?,
             "alloc-client" => self.alloc_client(num(1)? as RawFd)?,
@@ -669,6 +699,18 @@ fn dont_fork(addr: usize, pages: usize) -> anyhow::Result<()> {
     unsafe { mman::madvise(ptr, pages * MAP_LEN, mman::MmapAdvise::MADV_DONTFORK) }
         .context("madvise")?;
     Ok(())
+}
+
+/// munmap of `len` bytes at `addr` as the script says, whatever they are (an unaligned address, a length
+/// past the address space): the errno it failed with, or 0.
+fn munmap_raw(addr: usize, len: usize) -> i32 {
+    // SAFETY: the script unmaps what it names; a call the kernel refuses changes nothing, and no Rust object
+    // lives in the script's mappings.
+    if unsafe { libc::munmap(addr as *mut libc::c_void, len) } == 0 {
+        0
+    } else {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(-1)
+    }
 }
 
 fn unmap(addr: usize) -> anyhow::Result<()> {
