@@ -474,6 +474,12 @@ impl Container {
         ))
     }
 
+    /// Persists the preemption state `state` and tells the timeline's hook (the agent) at once.
+    fn enter(&self, steps: &Steps, state: Option<PreemptState>) {
+        self.set_preemption(state.clone());
+        steps.state_entered(state);
+    }
+
     /// Gives a parked container its GPU back: thaw, restore every CUDA process, unlock them. A process that
     /// exits meanwhile (a job that finished) is reported as finished, not as a failed restore; its exit
     /// reaches containerd as a TaskExit with its real status.
@@ -493,17 +499,20 @@ impl Container {
             }
         };
         let cuda = self.cuda_checkpoint(self.init_pid().await).await?;
-        self.set_preemption(Some(PreemptState {
-            state: PreemptPhase::Resuming,
-            since_ns: now_monotonic_ns(),
-            ..parked.clone()
-        }));
+        self.enter(
+            steps,
+            Some(PreemptState {
+                state: PreemptPhase::Resuming,
+                since_ns: now_monotonic_ns(),
+                ..parked.clone()
+            }),
+        );
         // The hold, if any, ends; a container left running by a resume that failed part-way is not frozen.
         self.end_hold_for("a resume").await;
         let was_frozen = self.procs.lock().await.init.state == State::Paused;
         if was_frozen {
             if let Err(e) = self.set_paused(false).await {
-                self.set_preemption(Some(parked));
+                self.enter(steps, Some(parked));
                 return Err(e);
             }
             steps.emit(Phase::Thawed, None, "");
@@ -514,7 +523,7 @@ impl Container {
         if failures.is_empty() {
             // Every process was restored: the host copy is freed, the limit a park raised goes back.
             let limit = self.put_back_limit(parked.raised_limit).await;
-            self.set_preemption(None);
+            self.enter(steps, None);
             let detail = limit.map_or_else(|| "resumed".to_owned(), |l| format!("resumed; {l}"));
             steps.emit(Phase::Done, None, detail);
             return Ok(());
@@ -543,12 +552,15 @@ impl Container {
                 ),
             }
         }
-        self.set_preemption(Some(PreemptState {
-            state: PreemptPhase::Parked,
-            pids: failed.clone(),
-            since_ns: now_monotonic_ns(),
-            ..parked
-        }));
+        self.enter(
+            steps,
+            Some(PreemptState {
+                state: PreemptPhase::Parked,
+                pids: failed.clone(),
+                since_ns: now_monotonic_ns(),
+                ..parked
+            }),
+        );
         let detail: Vec<&str> = failures.iter().map(|(_, e)| e.as_str()).collect();
         Err(ShimError::Other(format!(
             "resume {}: {}; still parked: pid(s) {failed:?} (the others run): `baton resume {}` retries them",

@@ -33,10 +33,10 @@ impl Core {
                 return;
             }
         };
-        tracing::warn!(
+        tracing::debug!(
             id = c.id,
             pids = ?r.pids,
-            "agent: a parked container acquired GPU state again: parking it again"
+            "agent: a parked container acquired GPU state: asking its shim to park it again"
         );
         let request = Request::Preempt(PreemptRequest {
             target: Target::exact(c),
@@ -69,7 +69,10 @@ impl Core {
         match result {
             Ok(o) => {
                 self.set_preemption(c, o.preemption.clone());
-                tracing::info!(id = c.id, "agent: parked again");
+                tracing::warn!(
+                    id = c.id,
+                    "agent: a parked container acquired GPU state again: parked again"
+                );
             }
             // A resume that began meanwhile (the shim refuses while one runs, or once it ran) is no failure.
             Err(e) if e.contains("not parked") || e.contains("resumed already") => {
