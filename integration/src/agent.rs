@@ -339,9 +339,12 @@ pub fn install_binary(rootfs: &Path, bin: &Path) -> anyhow::Result<String> {
 }
 
 /// Copies `src` to `dst` through a temporary file renamed over it, so that a container of the same rootfs
-/// that runs the old copy keeps it (writing over a running binary fails with ETXTBSY).
+/// that runs the old copy keeps it (writing over a running binary fails with ETXTBSY). The temporary file is
+/// this call's own, so that threads starting containers at once do not rename each other's.
 fn copy_replacing(src: &Path, dst: &Path) -> anyhow::Result<()> {
-    let tmp = dst.with_extension(format!("tmp-{}", std::process::id()));
+    static COPIES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COPIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dst.with_extension(format!("tmp-{}-{n}", std::process::id()));
     std::fs::copy(src, &tmp)?;
     std::fs::rename(&tmp, dst)?;
     Ok(())

@@ -471,20 +471,24 @@ fn an_agent_restarted_while_the_trainer_is_parked_for_a_server_still_resumes_it_
 /// The agent dies while it parks the trainer for a server waiting behind the gate (a DaemonSet rollout in the
 /// middle of a scale-from-zero start): the shim finishes the park it was asked for, the server's Start asks the
 /// next agent for the time it has left instead of failing, the new agent adopts the park (parked for the
-/// server) and resumes the trainer when the server goes. The trainers have no forked worker: after an agent
-/// restart a worker's inherited files count as held (see hand_back.rs).
+/// server) and resumes the trainer when the server goes. The trainer has a forked worker, which the new agent
+/// sees holding opaque files: the kernel (kcmp) says they are its parent's, and the shim's word on the
+/// driver's checkpoint, which the parked state carries, says they carry nothing (issue 39, item 3). The
+/// checkpoint waits (the mock's hang file) until the new agent watches the trainer, so that it reads the
+/// parent's files before the checkpoint closes them: files it sees only in the worker would hold (they could
+/// be ones the worker opened itself).
 #[test]
 fn an_agent_restarted_while_it_parks_the_trainer_still_starts_the_server_and_adopts_the_park() {
     let Some(rig) = CudaRig::start("gapfill-restart-mid-park") else {
         return;
     };
-    // A park that takes a while: its lock takes 3 s.
+    // A park that waits in its checkpoint while the hang files exist.
     let slow = Trainer {
-        extra: vec!["--lock-delay-ms".into(), "3000".into()],
-        ..Trainer::default()
+        extra: vec!["--hang-at".into(), "checkpoint".into()],
+        ..Trainer::with_worker()
     };
     let mut trainer = rig.run("trainer", &slow, &PREEMPTIBLE);
-    rig.wait_held("trainer");
+    let hangs = hang_files(&rig, "trainer");
     let _server = rig.create("server", &Trainer::default(), &SERVER);
     let start = start_in_background(&rig, "server");
     assert!(
@@ -496,6 +500,17 @@ fn an_agent_restarted_while_it_parks_the_trainer_still_starts_the_server_and_ado
     );
     assert!(preemption(&rig, "trainer")["state"] != json!("parked"));
     rig.gpu.env.containerd().kill_agent();
+    // The next agent (the shims start it) watches the trainer, both processes holding their files.
+    assert!(
+        wait_until(WITHIN, || try_status(&rig, "trainer").is_some_and(|s| {
+            s["processes"].as_array().is_some_and(|p| p.len() == 2)
+        })),
+        "the new agent watches the trainer and its worker: {:?}",
+        try_status(&rig, "trainer")
+    );
+    for hang in &hangs {
+        std::fs::remove_file(hang).unwrap();
+    }
 
     let (result, _) = start.join().unwrap();
     result.unwrap_or_else(|e| panic!("the server's Start survives the agent's restart: {e}"));
@@ -522,6 +537,40 @@ fn an_agent_restarted_while_it_parks_the_trainer_still_starts_the_server_and_ado
         "{}",
         rig.gpu.status("trainer")
     );
+}
+
+/// Container `id`'s status from the agent now (`None` while no agent watches it).
+fn try_status(rig: &CudaRig, id: &str) -> Option<Value> {
+    baton_integration::agent::container_status(&rig.gpu.env.containerd().agent_socket(), id)
+        .ok()
+        .flatten()
+}
+
+/// Creates the hang file of each process of container `id` once both its workload process and the worker it
+/// forked hold the GPU's files (a `--hang-at` action waits while its process's file exists); returns them.
+fn hang_files(rig: &CudaRig, id: &str) -> Vec<std::path::PathBuf> {
+    assert!(
+        wait_until(WITHIN, || rig.gpu.status(id)["processes"]
+            .as_array()
+            .is_some_and(|p| p.len() == 2)),
+        "{id} and its worker hold the GPU's files: {}",
+        rig.gpu.status(id)
+    );
+    let pids: Vec<u32> = rig.gpu.status(id)["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["pid"].as_u64().unwrap() as u32)
+        .collect();
+    pids.into_iter()
+        .map(|pid| {
+            let hang = baton_mock_nvidia::workload::control::host_socket_path(pid)
+                .unwrap()
+                .with_extension("hang");
+            std::fs::write(&hang, "").unwrap();
+            hang
+        })
+        .collect()
 }
 
 /// The rate gate's row of the trainer's GPU (the mock's `nvidia0`).
@@ -565,8 +614,10 @@ fn the_rate_gate_stops_filling_when_preemptions_cost_too_much_and_fills_again_on
     // until it has left the window.
     const WINDOW: Duration = Duration::from_secs(15);
     let toml = "gap_fill_min_share = 0.99\ngap_fill_window = \"15s\"\n";
-    // Every shim of a node has the node's TOML. The trainer has no forked worker: after the agent's restart
-    // below, a worker's inherited files would count as held (see hand_back.rs).
+    // Every shim of a node has the node's TOML. The trainer has no forked worker: the server-1 park and resume
+    // below happen before the agent's restart, so a worker would keep the files of the trainer's first CUDA
+    // session, which the next agent sees in the worker alone; nothing the kernel or the driver says tells
+    // them from files the worker opened itself, so they hold (see hand_back.rs).
     let options = baton_integration::api::runtime_options_toml(toml);
     let mut trainer = rig.create_with("trainer", &Trainer::default(), &PREEMPTIBLE, Some(options));
     rig.gpu.env.api().unwrap().start("trainer", "").unwrap();

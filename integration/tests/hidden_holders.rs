@@ -370,3 +370,80 @@ fn a_dup_of_an_fd_number_reused_for_another_device_is_not_taken_for_a_hidden_hol
     );
     h.finish().unwrap();
 }
+
+/// Waits for container `id`'s next periodic check against /proc after `after` (`proc_check.at_ns`,
+/// CLOCK_MONOTONIC; the agent checks only a container that holds the GPU), then checks that it still holds the
+/// GPU and that no `released` came. Returns when that check was made.
+fn still_held_after_a_check(rig: &Rig, w: &mut AgentWatch, id: &str, after: u64) -> u64 {
+    let checked = || rig.status(id)["proc_check"]["at_ns"].as_u64().unwrap_or(0);
+    assert!(
+        wait_until(WITHIN, || checked() > after
+            || rig.status(id)["gpu"] != json!("held")),
+        "the agent checks {id} against /proc: {}",
+        rig.status(id)
+    );
+    let early: Vec<Value> = w
+        .drain_for(Duration::ZERO)
+        .into_iter()
+        .filter(|e| e["kind"] == json!("released"))
+        .collect();
+    assert!(
+        early.is_empty(),
+        "released while its device mapping holds the client: {early:?}"
+    );
+    let status = rig.status(id);
+    assert_eq!(status["gpu"], json!("held"), "{status}");
+    assert_eq!(status["mappings"], json!(1), "{status}");
+    checked()
+}
+
+/// /proc prints file names raw, and a name need not be UTF-8 (issue 39, item 1). A holder that keeps GPU
+/// state through a device mapping alone (its fd closed) and also maps a file named `/tmp/\xff\xfe` at a lower
+/// address: the agent's periodic check against /proc must still see the device mapping (it read the maps
+/// line by line as text and stopped at the odd line, so the mapping above it looked gone: the ledger freed
+/// the client and `released` went out, `confirmed_by: proc`), the check before a release must too (it read
+/// the maps as one string, which failed, and took that for "no mappings"), and so must the gate: a Start
+/// that needs the whole GPU is refused while the holder lives.
+#[test]
+fn a_mapping_whose_name_is_not_utf8_below_a_mapping_only_holder_keeps_it_held_and_the_gate_shut() {
+    let Some(rig) = Rig::start("hidden-non-utf8") else {
+        return;
+    };
+    let mut a = rig.holder("odd");
+    let mut w = rig.watch("odd");
+    let fd = a.num("open nvidia0").unwrap();
+    let alloc = a.cmd(&format!("alloc {fd}")).unwrap();
+    assert_eq!(alloc[1], "0", "{alloc:?}");
+    let addr = a.num(&format!("mmap {fd}")).unwrap();
+    expect_transition(&mut w, "odd", "acquired");
+    let odd = a.num(&format!("map-below 0x{addr:x} fffe")).unwrap();
+    assert!(
+        odd < addr,
+        "0x{odd:x} is below the device mapping 0x{addr:x}"
+    );
+    let closed = a.num(&format!("close {fd}")).unwrap();
+    assert!(wait_until(WITHIN, || rig.status("odd")["nvidia_fds"] == json!(0)));
+    // Two periodic checks after the close: each reads the maps whole.
+    let first = still_held_after_a_check(&rig, &mut w, "odd", closed);
+    still_held_after_a_check(&rig, &mut w, "odd", first);
+
+    // A Start that needs the whole GPU waits its 2 s at the gate and is refused, naming the holder.
+    let started = HolderContainer::start(
+        &rig.env,
+        "server",
+        rig.mock_dir.path(),
+        &[("baton.io/wait-gpu-free", "2s")],
+    );
+    assert!(started.is_err(), "the server started beside the holder");
+    let log = std::fs::read_to_string(rig.env.containerd().log_path()).unwrap();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("wait-gpu-free: not starting")
+                && l.contains("id=server")
+                && l.contains("odd")),
+        "the gate refused the server, naming the holder: {log}"
+    );
+    assert_eq!(rig.status("odd")["gpu"], json!("held"));
+    a.num(&format!("munmap 0x{addr:x}")).unwrap();
+    expect_transition(&mut w, "odd", "released");
+}

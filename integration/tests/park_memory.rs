@@ -146,8 +146,19 @@ fn gap_fill_parks_a_co_runner_it_can_park_and_skips_one_whose_park_would_be_refu
         return;
     };
     let refuse = "park_memory = \"refuse\"\n";
-    let low = [PREEMPTIBLE.as_slice(), &[("baton.io/priority", "0")]].concat();
-    let high = [PREEMPTIBLE.as_slice(), &[("baton.io/priority", "5")]].concat();
+    // Each says what it needs: room is among declarers (a co-runner that declares nothing counts as the
+    // whole GPU).
+    let declared = ("baton.io/gpu-memory", "192Mi");
+    let low = [
+        PREEMPTIBLE.as_slice(),
+        &[("baton.io/priority", "0"), declared],
+    ]
+    .concat();
+    let high = [
+        PREEMPTIBLE.as_slice(),
+        &[("baton.io/priority", "5"), declared],
+    ]
+    .concat();
     let limited = Trainer {
         vram_mib: 192,
         memory_limit_bytes: Some(128 * MIB),

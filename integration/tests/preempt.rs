@@ -993,9 +993,9 @@ fn park_and_resume_go_through_the_driver_api_where_the_library_has_it() {
 
 /// A trainer that forked a worker after CUDA init (a DataLoader worker: the H200 recording's point 5) is
 /// parked through the program and through the driver API: only the process that owns CUDA state is locked,
-/// checkpointed and restored (the agent sends its pid alone; the shim's get-state leaves the worker alone,
-/// which the driver answers CUDA_ERROR_NOT_INITIALIZED for), the worker is frozen with the container and
-/// keeps its inherited NVIDIA fds throughout, and the release comes although it holds them.
+/// checkpointed and restored (the agent names both; the shim's get-state leaves the worker alone, which the
+/// driver answers CUDA_ERROR_NOT_INITIALIZED for), the worker is frozen with the container and keeps its
+/// inherited NVIDIA fds throughout, and the release comes although it holds them.
 #[test]
 fn a_forked_worker_is_left_alone_and_the_park_releases_the_gpu_while_it_keeps_its_fds() {
     let Some(rig) = CudaRig::start("preempt-worker") else {
@@ -1057,6 +1057,69 @@ fn a_forked_worker_is_left_alone_and_the_park_releases_the_gpu_while_it_keeps_it
         );
         assert_eq!(rig.task_status(id).as_deref(), Some("RUNNING"));
     }
+}
+
+/// Issue 39, item 3: the agent restarts (a DaemonSet rollout) after the trainer forked its worker and before
+/// the park. The new agent reads the container's files from /proc, their contents unknown (opaque), and the
+/// worker's inherited fds and mappings would hold the GPU for as long as it lives, so the park was never
+/// released. Now the kernel (kcmp) says the worker's fds are its parent's open files, and the shim, which ran
+/// the driver's checkpoint, says the parent was checkpointed and the worker has no CUDA state: the release
+/// comes while the worker keeps its fds.
+#[test]
+fn a_park_after_an_agent_restart_is_released_while_the_forked_worker_keeps_its_fds() {
+    let Some(rig) = CudaRig::start("preempt-worker-restart") else {
+        return;
+    };
+    let id = "trainer";
+    let mut trainer = rig.create(id, &Trainer::with_worker(), &[]);
+    rig.gpu.env.api().unwrap().start(id, "").unwrap();
+    trainer.wait_line("phase worker-forked");
+    wait_held(&rig, id, 2);
+    let before = pids_of(&rig, id);
+
+    // The agent goes; the shim starts another and registers the container again.
+    rig.gpu.env.containerd().kill_agent();
+    wait_held(&rig, id, 2);
+    let status = rig.gpu.status(id);
+    assert_eq!(status["partial"], json!(true), "read from /proc: {status}");
+    let mut pids = pids_of(&rig, id);
+    pids.sort_unstable();
+    let mut was = before.clone();
+    was.sort_unstable();
+    assert_eq!(pids, was, "the same processes: {status}");
+    let mut w = rig.gpu.watch(id);
+
+    let (steps, outcome) = rig.baton_json(&["preempt", id]);
+    assert_eq!(outcome["preemption"]["state"], json!("parked"), "{outcome}");
+    let parent = outcome["preemption"]["pids"][0].as_u64().unwrap() as u32;
+    let worker = *pids.iter().find(|p| **p != parent).unwrap();
+    // The timeline has the release (the park's own `done` waits a while for it, never made up).
+    t_of(&steps, "gpu_released", None);
+    let released = w.next_transition(id, WITHIN).unwrap();
+    assert_eq!(released["kind"], json!("released"), "{released}");
+    let status = rig.gpu.status(id);
+    assert_eq!(status["gpu"], json!("released"), "{status}");
+    let worker_fds = status["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["pid"] == json!(worker))
+        .map_or(0, |p| p["fds"].as_u64().unwrap());
+    assert!(worker_fds > 0, "the worker keeps its fds: {status}");
+    assert_eq!(
+        outcome["preemption"]["no_cuda_state"],
+        json!([worker]),
+        "the shim says the worker was left alone: {outcome}"
+    );
+
+    let (steps, outcome) = rig.baton_json(&["resume", id]);
+    assert_eq!(outcome["preemption"], Value::Null, "{outcome}: {steps:?}");
+    let line = trainer.wait_line("restored checksum");
+    assert!(line.ends_with("intact"), "{line}");
+    assert_eq!(
+        w.next_transition(id, WITHIN).unwrap()["kind"],
+        json!("acquired")
+    );
 }
 
 /// The pid of host process `pid` in its own pid namespace (the last field of `NSpid` in /proc/PID/status).

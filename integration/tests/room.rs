@@ -11,7 +11,7 @@
 )]
 
 use baton_integration::{
-    agent::{AgentProcess, wait_until},
+    agent::{AgentProcess, container_status, wait_until},
     agent_steps::AgentSteps,
     api::Api,
     cuda::{CudaRig, PREEMPTIBLE, Running, SERVER, Trainer, WITHIN},
@@ -26,10 +26,13 @@ fn rig_with_nvml(name: &str) -> Option<(CudaRig, AgentProcess, tempfile::TempDir
     FakeNvml::rig(name, 2048, &[])
 }
 
-/// A trainer of `mib` MiB the agent may park, with base priority `priority`.
+/// A trainer of `mib` MiB the agent may park, with base priority `priority`, that says what it needs (room
+/// is among declarers: one that declares nothing counts as the whole GPU).
 fn run_trainer(rig: &CudaRig, id: &str, mib: u64, priority: &str) -> Running {
+    let need = format!("{mib}Mi");
     let mut annotations = PREEMPTIBLE.to_vec();
     annotations.push(("baton.io/priority", priority));
+    annotations.push(("baton.io/gpu-memory", &need));
     let t = Trainer {
         vram_mib: mib,
         ..Trainer::default()
@@ -244,4 +247,77 @@ fn a_server_that_can_never_fit_parks_nothing_and_its_start_fails_naming_the_figu
         "nothing was parked for it: {}",
         rig.gpu.status("trainer")
     );
+}
+
+#[test]
+fn a_one_byte_declaration_waits_beside_a_holder_that_declared_nothing_and_counts_for_the_nodes_minimum()
+ {
+    let Some((rig, _agent, _dir)) = rig_with_nvml("room-declarers") else {
+        return;
+    };
+    // A holder that says nothing of its need (and may not be parked): it may grow to the whole GPU.
+    let undeclared = Trainer {
+        vram_mib: 256,
+        ..Trainer::default()
+    };
+    let _holder = rig.run("holder", &undeclared, &[]);
+    rig.wait_held("holder");
+    assert!(
+        wait_until(WITHIN, || gpu_row(&rig)["room"]["capacity_bytes"]
+            == json!(2048 * MIB)),
+        "{}",
+        gpu_row(&rig)
+    );
+    assert_eq!(
+        gpu_row(&rig)["room"]["room_bytes"],
+        json!(0),
+        "a holder that declared nothing leaves no room: {}",
+        gpu_row(&rig)
+    );
+    // A tenant that declares one byte does not start beside it, and the error says why.
+    let tiny = [
+        ("baton.io/role", "latency-critical"),
+        ("baton.io/wait-gpu-free", "3s"),
+        ("baton.io/gpu-memory", "1"),
+    ];
+    let _tiny = rig.create("tiny", &Trainer::default(), &tiny);
+    let error = start_in_background(&rig, "tiny")
+        .join()
+        .unwrap()
+        .expect_err("a 1-byte declaration does not start beside an undeclared holder");
+    assert!(
+        error.contains("holder counts as the whole GPU: it declared no baton.io/gpu-memory"),
+        "{error}"
+    );
+    assert_eq!(rig.gpu.status("holder")["gpu"], json!("held"));
+    // The holder goes (`ctr run --rm` deletes it).
+    rig.gpu
+        .env
+        .api()
+        .unwrap()
+        .kill("holder", "", 9, true)
+        .unwrap();
+    let socket = rig.gpu.env.containerd().agent_socket();
+    assert!(
+        wait_until(WITHIN, || container_status(&socket, "holder")
+            .is_ok_and(|s| s.is_none_or(|s| s["gpu"] != json!("held")))),
+        "the holder let go: {}",
+        rig.gpu.node_status()
+    );
+
+    // Beside a holder that declared its 1,536 MiB, 512 MiB are free: a 1-byte declaration counts for the
+    // node's least need (1 GiB here), which is not free.
+    let declared = Trainer {
+        vram_mib: 1536,
+        ..Trainer::default()
+    };
+    let _big = rig.run("declared", &declared, &[("baton.io/gpu-memory", "1536Mi")]);
+    rig.wait_held("declared");
+    let minimum = baton_integration::api::runtime_options_toml("gpu_memory_minimum = \"1Gi\"\n");
+    let _small = rig.create_with("small", &Trainer::default(), &tiny, Some(minimum));
+    let error = start_in_background(&rig, "small")
+        .join()
+        .unwrap()
+        .expect_err("a 1-byte declaration counts as the node's minimum of 1 GiB");
+    assert!(error.contains("needs 1 GiB, 512 MiB free"), "{error}");
 }

@@ -290,6 +290,31 @@ fn shim_invalid_baton_annotations_are_clear_errors() {
         assert_clear(&error.to_string(), id, &[key]);
         assert_still_serving(&env, &api, &shim, id);
     }
+    // A co-runner the agent may park for a server does not opt out of the park's freeze: a thawed parked
+    // co-runner could start a fresh CUDA process beside that server (issue 39). Nor does a tenant lower the
+    // node's least need of the gate's room. Both are the node's TOML's.
+    let co_runner = [
+        SANDBOX,
+        ("baton.io/role", "co-runner"),
+        ("baton.io/preemptible", "park"),
+    ];
+    for (id, annotation) in [
+        ("nofreeze", ("baton.io/park-freeze", "false")),
+        ("tinyneed", ("baton.io/gpu_memory_minimum", "1")),
+    ] {
+        let annotations = [co_runner.as_slice(), &[annotation]].concat();
+        let error = env
+            .create_task_via_api(&api, id, &["/bin/sleep", "300"], &annotations, None)
+            .expect_err(&format!("{annotation:?} accepted"));
+        let error = error.to_string();
+        assert!(
+            [annotation.0, "not allowed in annotations", "options TOML"]
+                .iter()
+                .all(|needle| error.contains(needle)),
+            "{id}: {error}"
+        );
+        assert_still_serving(&env, &api, &shim, id);
+    }
 }
 
 #[test]

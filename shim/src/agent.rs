@@ -215,6 +215,7 @@ fn registration_of(c: &GpuContainer<'_>) -> Option<Registration> {
             trace_prefix: c.settings.trace_prefix.clone(),
             rate_gate: c.settings.rate_gate.map(Box::new),
             gpu_memory_headroom: c.settings.gpu_memory_headroom,
+            gpu_memory_minimum: c.settings.gpu_memory_minimum,
             park_memory: c.settings.park_memory,
             parked_host_memory_budget: c.settings.parked_host_memory_budget,
         },

@@ -116,6 +116,9 @@ pub struct BatonSettings {
     pub gpu_memory: Option<u64>,
     /// The memory the gate keeps free on each GPU (`gpu_memory_headroom`, node only, bytes).
     pub gpu_memory_headroom: Option<u64>,
+    /// The least need a declared `gpu-memory` counts for at the gate (`gpu_memory_minimum`, node only,
+    /// bytes).
+    pub gpu_memory_minimum: Option<u64>,
     /// The node's budget for the memory limits parks raise, in all (`parked_host_memory_budget`, node
     /// only, bytes); `None`: the agent's default, half the node's memory.
     pub parked_host_memory_budget: Option<u64>,
@@ -189,6 +192,7 @@ impl Default for BatonSettings {
             park_when_idle: None,
             gpu_memory: None,
             gpu_memory_headroom: None,
+            gpu_memory_minimum: None,
             parked_host_memory_budget: None,
             pod: None,
             kubernetes: None,
@@ -384,6 +388,12 @@ impl BatonSettings {
                         .ok_or_else(|| invalid(baton_agent_api::room::QUANTITY_SYNTAX))?,
                 );
             }
+            "gpu_memory_minimum" => {
+                self.gpu_memory_minimum = Some(
+                    baton_agent_api::room::parse_quantity(value)
+                        .ok_or_else(|| invalid(baton_agent_api::room::QUANTITY_SYNTAX))?,
+                );
+            }
             "parked_host_memory_budget" => {
                 self.parked_host_memory_budget = Some(
                     baton_agent_api::room::parse_quantity(value)
@@ -439,8 +449,8 @@ impl BatonSettings {
                 return Err(ShimError::InvalidArgument(format!(
                     "{origin} {full_key}: not allowed in annotations (they come from pod specs, and \
                      {key} is the node's to decide: it names a program the shim runs as root or the \
-                     agent it trusts, or what the GPU probes see): set {key} in the runtime's options \
-                     TOML on the node instead"
+                     agent it trusts, what the GPU probes see, how a preemption is bounded or held, or \
+                     what the gate counts): set {key} in the runtime's options TOML on the node instead"
                 )));
             }
             if !out.set(key, &annotations[full_key], &origin)? {
@@ -980,22 +990,30 @@ mod tests {
     }
 
     #[test]
-    fn a_park_freezes_unless_it_is_an_idle_park_or_park_freeze_says_otherwise() {
+    fn a_park_freezes_unless_it_is_an_idle_park_or_the_nodes_park_freeze_says_otherwise() {
         let d = BatonSettings::default();
         assert!(d.park_freezes(false), "a park for a server freezes");
         assert!(!d.park_freezes(true), "an idle park does not (probes)");
         for (value, freezes) in [("false", false), ("true", true)] {
-            let a: HashMap<String, String> =
-                [("baton.io/park-freeze".to_string(), value.to_string())].into();
-            let s = d.clone().with_annotations(&a, "pod").unwrap();
+            let s = parse_toml_options(&format!("park-freeze = \"{value}\"\n"))
+                .unwrap()
+                .baton;
             assert_eq!(
                 (s.park_freezes(false), s.park_freezes(true)),
                 (freezes, freezes)
             );
         }
-        let bad: HashMap<String, String> =
-            [("baton.io/park-freeze".to_string(), "sometimes".to_string())].into();
-        let err = d.with_annotations(&bad, "container").unwrap_err();
+        // A tenant does not opt out of the freeze (issue 39): the annotation is refused, naming the TOML.
+        for layer in ["pod", "container"] {
+            let a: HashMap<String, String> =
+                [("baton.io/park-freeze".to_string(), "false".to_string())].into();
+            let err = d.with_annotations(&a, layer).unwrap_err().to_string();
+            assert!(
+                err.contains("not allowed in annotations") && err.contains("options TOML"),
+                "{err}"
+            );
+        }
+        let err = parse_toml_options("park-freeze = \"sometimes\"\n").unwrap_err();
         assert!(
             err.to_string().contains("park-freeze") && err.to_string().contains("true or false"),
             "{err}"
@@ -1213,6 +1231,13 @@ mod tests {
         assert_eq!(cfg.baton.gpu_memory_headroom, Some(2 << 30));
         let err = BatonSettings::default()
             .with_annotations(&a("baton.io/gpu_memory_headroom", "0"), "pod")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not allowed in annotations"), "{err}");
+        let cfg = parse_toml_options("gpu_memory_minimum = \"1Gi\"\n").unwrap();
+        assert_eq!(cfg.baton.gpu_memory_minimum, Some(1 << 30));
+        let err = BatonSettings::default()
+            .with_annotations(&a("baton.io/gpu_memory_minimum", "1"), "pod")
             .unwrap_err()
             .to_string();
         assert!(err.contains("not allowed in annotations"), "{err}");

@@ -55,6 +55,10 @@ pub mod maps {
     /// cgroup v2 id -> u32: cgroups that reached `Config::fd_quota` (or found `NV_FDS` full): their later
     /// fds are not followed by the probes, so user space follows them through /proc.
     pub const CG_OVER: &str = "CG_OVER";
+    /// index 0 -> u64: `NV_FDS` entries the probes made, less those they removed (atomic, wrapping); index 1:
+    /// those user space made, less those it removed (written by user space only). Their sum is how full the
+    /// map is, which [`NV_FDS_RESERVE`](super::NV_FDS_RESERVE) is judged against.
+    pub const NV_FDS_USED: &str = "NV_FDS_USED";
 }
 
 /// Per-CPU counters kept by the probes.
@@ -65,22 +69,58 @@ pub enum Counter {
     RingbufDrops = 0,
     /// Parameter reads from user memory that failed.
     ReadFailures = 1,
-    /// Calls in flight whose slot another thread took over before their exit (their events are lost).
-    PendingEvicted = 2,
+    /// Calls whose enter could not keep their record for their exit: another thread's call held their
+    /// `PENDING` slot and the overflow had no room for them (or for their cgroup). Each sends a
+    /// `RecordKind::Lost` record, which user space makes up for from /proc.
+    PendingLost = 2,
     /// Removals whose thread could not be put in `AWAIT_CONFIRM` (map full): user space confirms them from
     /// /proc instead.
     ConfirmMapFull = 3,
     /// NVIDIA fds not followed because their cgroup had `Config::fd_quota` entries in `NV_FDS` already.
     FdQuotaRefused = 4,
-    /// NVIDIA fds not followed because `NV_FDS` was full.
+    /// NVIDIA fds not followed because `NV_FDS` was full, or its shared part was ([`NV_FDS_RESERVE`]) and
+    /// their cgroup had its [`NV_FDS_BASE`] already.
     FdMapFull = 5,
+    /// Calls whose `PENDING` slot another thread's call held: their record waited in the overflow map
+    /// instead (nothing lost).
+    PendingOverflow = 6,
 }
 
 /// Number of `Counter` slots.
-pub const COUNTER_SLOTS: u32 = 6;
+pub const COUNTER_SLOTS: u32 = 7;
+
+/// Records the probes' `PENDING_OVERFLOW` holds for the node: calls in flight whose slot (`tid % 65536`)
+/// another thread's call held when they began.
+pub const PENDING_OVERFLOW_ENTRIES: u32 = 16384;
+
+/// Records of one cgroup `PENDING_OVERFLOW` takes at most, so that one tenant's colliding threads cannot take
+/// the room another's need; a call past it is lost (`Counter::PendingLost`, a `Lost` record).
+pub const PENDING_OVERFLOW_PER_CGROUP: u32 = PENDING_OVERFLOW_ENTRIES / 16;
 
 /// Entries `NV_FDS` holds for the whole node.
 pub const NV_FDS_ENTRIES: u32 = 131_072;
+
+/// Entries of `NV_FDS` kept for the first [`NV_FDS_BASE`] fds of each cgroup: a cgroup past its base gets no
+/// more once the map holds `NV_FDS_ENTRIES - NV_FDS_RESERVE`, so the containers of one tenant, each at its
+/// quota, cannot take the entries another container needs to be followed at all.
+pub const NV_FDS_RESERVE: u32 = NV_FDS_ENTRIES / 4;
+
+/// How many of a cgroup's fds may come out of [`NV_FDS_RESERVE`]: a CUDA process holds 31 NVIDIA fds with one
+/// GPU (../shared/gpu/580.159.04/README.md), so a container of a process and a dozen forked workers fits.
+/// The reserve holds the base of 64 containers whatever the others took.
+pub const NV_FDS_BASE: u32 = 512;
+
+/// Whether a cgroup that has `cgroup_entries` entries in `NV_FDS` may add one more while the map holds
+/// `map_entries` (the probes and user space both judge by this rule): within its [`NV_FDS_BASE`], while the
+/// map has room; past it, while the shared part (all but [`NV_FDS_RESERVE`]) has room.
+pub const fn fd_entry_allowed(map_entries: u64, cgroup_entries: u64) -> bool {
+    let limit = if cgroup_entries < NV_FDS_BASE as u64 {
+        NV_FDS_ENTRIES
+    } else {
+        NV_FDS_ENTRIES - NV_FDS_RESERVE
+    };
+    map_entries < limit as u64
+}
 
 /// The default of `Config::fd_quota`: how many `NV_FDS` entries one cgroup may take (a CUDA process opens a
 /// few dozen device files; 32 such processes fit with room to spare), so that 16 containers at their quota
@@ -138,6 +178,10 @@ pub enum RecordKind {
     /// A holder's `madvise(MADV_DONTFORK | MADV_DOFORK)` succeeded (`FdRecord`, `addr`/`len` the range,
     /// `aux` the advice): whether a fork copies those mappings to the child.
     Madvise = 14,
+    /// A traced call's enter could not keep its record for the exit (`Counter::PendingLost`): what the call
+    /// does is unknown (`FdRecord`, sent at its enter: `aux` the call's [`Sys`], `fd` its fd or -1). The
+    /// thread is marked for confirmation like a removal, so user space learns when the call has returned.
+    Lost = 15,
 }
 
 impl RecordKind {
@@ -158,6 +202,7 @@ impl RecordKind {
             12 => Self::MapFixed,
             13 => Self::Mremap,
             14 => Self::Madvise,
+            15 => Self::Lost,
             _ => return None,
         })
     }
@@ -313,6 +358,63 @@ pub struct MapRecord {
     pub flags: u32,
     /// Explicit padding.
     pub _pad: u32,
+}
+
+/// Which syscall a call in flight (the probes' `PENDING`) belongs to; also `aux` of a `Lost` record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Sys {
+    /// ioctl on an NVIDIA fd.
+    Ioctl = 1,
+    /// open, openat, openat2 of an NVIDIA device file.
+    Open = 2,
+    /// dup, dup2, dup3, fcntl(F_DUPFD*) of (or onto) an NVIDIA fd.
+    Dup = 3,
+    /// mmap of an NVIDIA fd, or a holder's MAP_FIXED mmap.
+    Mmap = 4,
+    /// close of an NVIDIA fd.
+    Close = 5,
+    /// A holder's munmap.
+    Munmap = 6,
+    /// A holder's close_range.
+    CloseRange = 7,
+    /// A holder's mremap.
+    Mremap = 8,
+    /// A holder's madvise(MADV_DONTFORK | MADV_DOFORK).
+    Madvise = 9,
+}
+
+impl Sys {
+    /// The call for a raw value read from a record, if it is one.
+    pub const fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => Self::Ioctl,
+            2 => Self::Open,
+            3 => Self::Dup,
+            4 => Self::Mmap,
+            5 => Self::Close,
+            6 => Self::Munmap,
+            7 => Self::CloseRange,
+            8 => Self::Mremap,
+            9 => Self::Madvise,
+            _ => return None,
+        })
+    }
+
+    /// The syscall's name, as traces show it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Ioctl => "ioctl",
+            Self::Open => "open",
+            Self::Dup => "dup",
+            Self::Mmap => "mmap",
+            Self::Close => "close",
+            Self::Munmap => "munmap",
+            Self::CloseRange => "close_range",
+            Self::Mremap => "mremap",
+            Self::Madvise => "madvise",
+        }
+    }
 }
 
 /// Key of `NV_FDS`.

@@ -5,14 +5,13 @@ use aya_ebpf::{
 };
 use baton_nvidia::fdkind::{self, FdKind};
 use baton_probe_common::{
-    Counter, FdInfo, FdRecord, NAME_CAP, PATH_CAP, PREFIX_CAP, PREFIX_SLOTS, RecordKind,
+    Counter, FdInfo, FdRecord, NAME_CAP, PATH_CAP, PREFIX_CAP, PREFIX_SLOTS, RecordKind, Sys,
 };
 
 use crate::{
     confirm::{await_confirm, confirm_returned},
-    maps::{
-        self, NV_PROCS, PATH_BUF, PREFIXES, Pending, Sys, forget_fd, put_pending, take_pending,
-    },
+    maps::{self, NV_PROCS, PATH_BUF, PREFIXES, forget_fd},
+    pending::{Pending, put_pending, take_pending},
     util::{arg, count, current_is_watched, header, ids, now_ns},
 };
 
@@ -85,6 +84,7 @@ pub fn pending(sys: Sys, fd: i32, info: FdInfo) -> Pending {
         arg: 0,
         len: 0,
         arg2: 0,
+        cg: 0,
         cmd: 0,
         fd,
         sys,

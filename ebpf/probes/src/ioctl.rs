@@ -10,12 +10,13 @@ use aya_ebpf::{
 };
 use baton_nvidia::{class, escape, fdkind::FdKind, ioc, params, uvm};
 use baton_probe_common::{
-    Counter, DATA_CAP, EnterReading, IoctlRecord, NAME_CAP, NESTED_CAP, RecordKind,
+    Counter, DATA_CAP, EnterReading, IoctlRecord, NAME_CAP, NESTED_CAP, RecordKind, Sys,
 };
 
 use crate::{
     confirm::confirm_returned,
-    maps::{CONSUMER, EVENTS, Pending, Sys, nv_fd, put_pending, take_pending},
+    maps::{CONSUMER, EVENTS, nv_fd},
+    pending::{Pending, put_pending, take_pending},
     util::{arg, count, header, ids, now_ns},
 };
 
@@ -35,6 +36,7 @@ pub fn sys_enter_ioctl(ctx: TracePointContext) -> u32 {
         arg: arg(&ctx, 2),
         len: 0,
         arg2: 0,
+        cg: 0,
         cmd: arg(&ctx, 1) as u32,
         fd: fd as i32,
         sys: Sys::Ioctl,

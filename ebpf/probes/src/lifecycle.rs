@@ -10,6 +10,7 @@ use crate::{
     confirm::await_confirm,
     fds::{NO_INFO, emit_fd},
     maps::{CONFIG, FORKED, NV_PROCS},
+    pending::forget_pending,
     util::ids,
 };
 
@@ -76,10 +77,12 @@ pub fn sched_process_exec(_ctx: TracePointContext) -> u32 {
 /// Every exiting thread of a holder is reported and marked: the one that drops the last reference to the
 /// fd table (not necessarily the last to exit) runs the files' releases in its `exit_task_work`, after this
 /// tracepoint. `NV_PROCS` is left to user space, which drops it once every thread is confirmed dead (the
-/// process's other threads are still to be marked).
+/// process's other threads are still to be marked). Any thread's exit, holder or not, gives back what it left
+/// in `PENDING` (see `pending.rs`).
 #[tracepoint]
 pub fn sched_process_exit(ctx: TracePointContext) -> u32 {
     let (tgid, tid) = ids();
+    forget_pending(tid);
     if !holds_nvidia(tgid) {
         return 0;
     }

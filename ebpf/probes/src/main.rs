@@ -31,6 +31,8 @@ mod lifecycle;
 #[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
+mod pending;
+#[cfg(target_arch = "bpf")]
 mod util;
 #[cfg(target_arch = "bpf")]
 mod vmas;

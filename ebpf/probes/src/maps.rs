@@ -5,6 +5,7 @@ use aya_ebpf::{
 };
 use baton_probe_common::{
     COUNTER_SLOTS, Config, Counter, FdInfo, FdKey, NV_FDS_ENTRIES, PREFIX_SLOTS, Prefix,
+    fd_entry_allowed,
 };
 use core::intrinsics::AtomicOrdering;
 
@@ -17,6 +18,11 @@ pub static EVENTS: RingBuf = RingBuf::with_byte_size(16 << 20, 0);
 /// NVIDIA device fds of each process. Each cgroup may take `Config::fd_quota` of them (see [`track_fd`]).
 #[map(name = "NV_FDS")]
 pub static NV_FDS: HashMap<FdKey, FdInfo> = HashMap::with_max_entries(NV_FDS_ENTRIES, 0);
+
+/// Index 0: `NV_FDS` entries made here, less those removed here (atomic, wrapping); index 1: user space's
+/// (`baton_probe_common::maps::NV_FDS_USED`).
+#[map(name = "NV_FDS_USED")]
+pub static NV_FDS_USED: Array<u64> = Array::with_max_entries(2, 0);
 
 /// `NV_FDS` entries made here per cgroup (`baton_probe_common::maps::CG_FDS`).
 #[map(name = "CG_FDS")]
@@ -96,15 +102,31 @@ pub fn nv_fd(tgid: u32, fd: u32) -> Option<FdInfo> {
 }
 
 /// `tgid` no longer has fd `fd` as an NVIDIA fd. A child whose table is still to be copied keeps a
-/// [`FdInfo::CLOSED`] entry instead, which the copy does not overwrite.
+/// [`FdInfo::CLOSED`] entry instead, which the copy does not overwrite; like every `CLOSED` entry it counts
+/// in no share (user space removes it uncounted).
 #[inline(always)]
 pub fn forget_fd(tgid: u32, fd: u32) {
     let key = FdKey { tgid, fd };
     // SAFETY: presence check only.
     if unsafe { FORKED.get(tgid).is_some() } {
-        let _ = NV_FDS.insert(key, FdInfo::CLOSED, 0);
+        // SAFETY: the value is copied out at once.
+        let had = unsafe { NV_FDS.get(key).copied() }.is_some_and(|i| !i.is_closed());
+        if NV_FDS.insert(key, FdInfo::CLOSED, 0).is_ok() && had {
+            count_entry(cgroup_id(), u64::MAX);
+        }
     } else if NV_FDS.remove(key).is_ok() {
-        add_cgroup_fds(cgroup_id(), u64::MAX);
+        count_entry(cgroup_id(), u64::MAX);
+    }
+}
+
+/// Adds `delta` (wrapping: `u64::MAX` takes one away) to cgroup `cg`'s count in `CG_FDS` and to the node's
+/// in `NV_FDS_USED`.
+#[inline(always)]
+fn count_entry(cg: u64, delta: u64) {
+    add_cgroup_fds(cg, delta);
+    if let Some(n) = NV_FDS_USED.get_ptr_mut(0) {
+        // SAFETY: a live, aligned map value, added to atomically as in `add_cgroup_fds`.
+        unsafe { core::intrinsics::atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, delta) };
     }
 }
 
@@ -118,13 +140,29 @@ fn add_cgroup_fds(cg: u64, delta: u64) {
     }
 }
 
+/// Entries in `NV_FDS` now, by both sides' counts.
+#[inline(always)]
+fn map_entries() -> u64 {
+    let side = |i: u32| {
+        NV_FDS_USED
+            .get_ptr_mut(i)
+            // SAFETY: a live, aligned array element; an aligned 8-byte load is one instruction.
+            .map_or(0, |n| unsafe { core::ptr::read_volatile(n) })
+    };
+    let n = side(0).wrapping_add(side(1));
+    // Counts that went below zero for a moment (a removal counted before its add): empty.
+    if (n as i64) < 0 { 0 } else { n }
+}
+
 /// `BPF_NOEXIST`: only add.
 const BPF_NOEXIST: u64 = 1;
 
-/// Puts NVIDIA fd `fd` of `tgid` in `NV_FDS` if the current cgroup is within its quota (an entry already
-/// there is replaced, which takes no more room). Returns whether the fd is followed. A cgroup at its quota,
-/// or a full map, gets nothing more and is marked in `CG_OVER` (user space then follows it through /proc):
-/// one tenant cannot take the map, and so the probes, from the others.
+/// Puts NVIDIA fd `fd` of `tgid` in `NV_FDS` if the current cgroup is within its quota and the map has room
+/// for it (an entry already there is replaced, which takes no more room). Returns whether the fd is
+/// followed. A cgroup at its quota, or past its base with the map's shared part full
+/// (`baton_probe_common::fd_entry_allowed`), or finding the map full, gets nothing more and is marked in
+/// `CG_OVER` (user space then follows it through /proc): one tenant cannot take the map, and so the probes,
+/// from the others, however many containers it runs.
 #[inline(always)]
 pub fn track_fd(tgid: u32, fd: u32, info: FdInfo) -> bool {
     let key = FdKey { tgid, fd };
@@ -134,112 +172,32 @@ pub fn track_fd(tgid: u32, fd: u32, info: FdInfo) -> bool {
     }
     let cg = cgroup_id();
     let quota = CONFIG.get(0).map_or(0, |c| c.fd_quota);
-    if quota != 0 {
-        // SAFETY: the values are copied out at once.
-        let mine = unsafe { CG_FDS.get(cg).copied() };
-        // SAFETY: as above.
-        let theirs = unsafe { CG_FDS_USER.get(cg).copied() }.unwrap_or(0);
-        let used = mine.unwrap_or(0).wrapping_add(theirs) as i64;
-        if used >= i64::from(quota) {
-            count(Counter::FdQuotaRefused);
-            let _ = CG_OVER.insert(cg, 1, BPF_NOEXIST);
-            return false;
-        }
-        if mine.is_none() {
-            let _ = CG_FDS.insert(cg, 0, BPF_NOEXIST);
-        }
+    // SAFETY: the values are copied out at once.
+    let mine = unsafe { CG_FDS.get(cg).copied() };
+    // SAFETY: as above.
+    let theirs = unsafe { CG_FDS_USER.get(cg).copied() }.unwrap_or(0);
+    let used = mine.unwrap_or(0).wrapping_add(theirs) as i64;
+    if quota != 0 && used >= i64::from(quota) {
+        count(Counter::FdQuotaRefused);
+        let _ = CG_OVER.insert(cg, 1, BPF_NOEXIST);
+        return false;
     }
-    add_cgroup_fds(cg, 1);
+    if !fd_entry_allowed(map_entries(), used.max(0) as u64) {
+        count(Counter::FdMapFull);
+        let _ = CG_OVER.insert(cg, 1, BPF_NOEXIST);
+        return false;
+    }
+    if mine.is_none() {
+        let _ = CG_FDS.insert(cg, 0, BPF_NOEXIST);
+    }
+    count_entry(cg, 1);
     if NV_FDS.insert(key, info, 0).is_err() {
-        add_cgroup_fds(cg, u64::MAX);
+        count_entry(cg, u64::MAX);
         count(Counter::FdMapFull);
         let _ = CG_OVER.insert(cg, 1, BPF_NOEXIST);
         return false;
     }
     true
-}
-
-/// Which syscall a pending entry belongs to.
-#[derive(Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Sys {
-    Ioctl = 1,
-    Open = 2,
-    Dup = 3,
-    Mmap = 4,
-    Close = 5,
-    Munmap = 6,
-    CloseRange = 7,
-    Mremap = 8,
-    Madvise = 9,
-}
-
-/// What a thread's syscall enter left for its exit.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct Pending {
-    pub ts_ns: u64,
-    pub arg: u64,
-    pub len: u64,
-    /// A third argument (mremap's new length).
-    pub arg2: u64,
-    pub cmd: u32,
-    pub fd: i32,
-    pub sys: Sys,
-    pub kind: u8,
-    pub minor: u8,
-    pub flags: u8,
-    /// The thread that owns the slot (0: free).
-    pub tid: u32,
-    pub name: [u8; baton_probe_common::NAME_CAP],
-    /// An ioctl's params as they were at its entry (allocations and frees only: see `ioctl::read_at_enter`).
-    pub enter: baton_probe_common::EnterReading,
-}
-
-/// Slots for the syscalls in flight, indexed by `tid % PENDING_SLOTS` (a thread is in one syscall at a time).
-/// An array, not a hash map: its lookups are inlined by the verifier and need no locking or allocation,
-/// which matters because every ioctl on the node pays the exit-side lookup. Two threads whose tids share a
-/// slot and are inside traced calls at the same moment collide: the later one takes the slot, the older
-/// call's record is lost, and the eviction is counted (`Counter::PendingEvicted`, shown in `baton status`).
-/// Two such threads on two CPUs may even write the slot at once; the owner tid is checked again at exit,
-/// which catches the collision in all but a torn write, whose record then decodes as garbage, never as an
-/// out-of-bounds access (the slot is plain data of fixed size).
-#[map(name = "PENDING")]
-pub static PENDING: Array<Pending> = Array::with_max_entries(PENDING_SLOTS, 0);
-
-/// Slots in `PENDING`.
-pub const PENDING_SLOTS: u32 = 65536;
-
-/// Remembers the current thread's syscall `p` until its exit.
-#[inline(always)]
-pub fn put_pending(tid: u32, mut p: Pending) {
-    if let Some(slot) = PENDING.get_ptr_mut(tid % PENDING_SLOTS) {
-        p.tid = tid;
-        // SAFETY: `slot` points at a live, fixed-size array element; another thread sharing the slot may write
-        // it concurrently (see PENDING), which can tear the plain-data contents but cannot make an access go
-        // out of bounds.
-        unsafe {
-            if (*slot).tid != 0 && (*slot).tid != tid {
-                crate::util::count(baton_probe_common::Counter::PendingEvicted);
-            }
-            *slot = p;
-        }
-    }
-}
-
-/// Takes the current thread's pending entry if it belongs to `sys`.
-#[inline(always)]
-pub fn take_pending(tid: u32, sys: Sys) -> Option<Pending> {
-    let slot = PENDING.get_ptr_mut(tid % PENDING_SLOTS)?;
-    // SAFETY: as in `put_pending`; the entry is copied out and its owner cleared. A torn copy is possible
-    // only in the collision `PENDING` describes.
-    unsafe {
-        if (*slot).tid != tid || (*slot).sys != sys {
-            return None;
-        }
-        (*slot).tid = 0;
-        Some(*slot)
-    }
 }
 
 /// Scratch space for an opened path (too big for comfort on the 512-byte stack).

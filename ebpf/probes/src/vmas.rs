@@ -8,12 +8,13 @@
 //! are reported for munmap, MAP_FIXED, mremap and madvise; ranges are resolved against the mirror in user
 //! space, which ignores those that held no NVIDIA mapping.
 use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
-use baton_probe_common::{Counter, FdInfo, MapRecord, NAME_CAP, RecordKind};
+use baton_probe_common::{Counter, FdInfo, MapRecord, NAME_CAP, RecordKind, Sys};
 
 use crate::{
     confirm::{await_confirm, confirm_returned},
     fds::{NO_INFO, emit_fd, nv_fd, pending},
-    maps::{EVENTS, NV_PROCS, Sys, put_pending, take_pending},
+    maps::{EVENTS, NV_PROCS},
+    pending::{put_pending, take_pending},
     util::{arg, count, header, ids, now_ns},
 };
 
@@ -115,32 +116,42 @@ pub fn sys_exit_mmap(ctx: TracePointContext) -> u32 {
     0
 }
 
+/// A holder's `munmap(addr, len)`: kept for the exit, where it is known whether it unmapped anything (a
+/// failed one, an unaligned address or a range past the address space, leaves every mapping as it was).
 #[tracepoint]
 pub fn sys_enter_munmap(ctx: TracePointContext) -> u32 {
     confirm_returned();
     let (tgid, tid) = ids();
     if is_holder(tgid) {
-        put_pending(tid, pending(Sys::Munmap, -1, NO_INFO));
-        emit_fd(
-            RecordKind::Munmap,
-            -1,
-            -1,
-            NO_INFO,
-            arg(&ctx, 0),
-            arg(&ctx, 1),
-            &[0; NAME_CAP],
-        );
+        let mut p = pending(Sys::Munmap, -1, NO_INFO);
+        p.arg = arg(&ctx, 0);
+        p.len = arg(&ctx, 1);
+        put_pending(tid, p);
     }
     0
 }
 
-/// An munmap by a holder returned: the mapping's file reference, if it was the last, is dropped as task work
-/// before the thread is back in user space. User space only waits for it when the range held NVIDIA mappings.
+/// A holder's munmap succeeded: the range is unmapped, and the mapping's file reference, if it was the last,
+/// is dropped as task work before the thread is back in user space. User space only waits for it when the
+/// range held NVIDIA mappings.
 #[tracepoint]
-pub fn sys_exit_munmap(_ctx: TracePointContext) -> u32 {
-    if take_pending(ids().1, Sys::Munmap).is_some() {
-        await_confirm();
+pub fn sys_exit_munmap(ctx: TracePointContext) -> u32 {
+    let Some(p) = take_pending(ids().1, Sys::Munmap) else {
+        return 0;
+    };
+    if arg(&ctx, 0) != 0 {
+        return 0;
     }
+    emit_fd(
+        RecordKind::Munmap,
+        -1,
+        -1,
+        NO_INFO,
+        p.arg,
+        p.len,
+        &[0; NAME_CAP],
+    );
+    await_confirm();
     0
 }
 

@@ -6,7 +6,7 @@ use baton_nvidia::{
 };
 use baton_probe_common::{
     ConfirmReason, DATA_CAP, EnterReading, FdRecord, Header, IoctlRecord, MapRecord, NAME_CAP,
-    NESTED_CAP, RecordKind,
+    NESTED_CAP, RecordKind, Sys,
 };
 
 use crate::release::ConfirmKind;
@@ -125,6 +125,15 @@ pub enum Body {
         kind: crate::release::ConfirmKind,
         /// When the thread was marked (its removal's syscall exit, exec or exit), CLOCK_MONOTONIC ns.
         marked_ns: u64,
+    },
+    /// The probes could not keep the record of a call this thread began (its in-flight slot was another
+    /// thread's and the overflow was full): what the call does is unknown. Its container's ledger is partial
+    /// from now on, and the process is read again from /proc once the call has returned.
+    Lost {
+        /// Which call.
+        call: baton_probe_common::Sys,
+        /// Its fd (-1: none, or not known at its enter).
+        fd: i32,
     },
     /// Records were lost (the ring buffer was full): the mirror was rebuilt from /proc (`cgroup_id` 0).
     Resync {
@@ -357,6 +366,10 @@ fn fd_body(kind: RecordKind, rec: &FdRecord) -> Option<Body> {
             len: rec.len,
             dont_fork: rec.aux == MADV_DONTFORK,
         },
+        RecordKind::Lost => Body::Lost {
+            call: u8::try_from(rec.aux).ok().and_then(Sys::from_u8)?,
+            fd: rec.fd,
+        },
         RecordKind::Ioctl | RecordKind::Mremap => return None,
     })
 }
@@ -434,6 +447,27 @@ mod tests {
         assert!(matches!(
             parse(&as_bytes(&short_ioctl), &Layout::DEFAULT),
             Err(ParseError::Short { .. })
+        ));
+    }
+
+    #[test]
+    fn a_lost_record_names_its_call_and_an_unknown_call_is_an_error() {
+        let mut lost = open_record();
+        lost.hdr.kind = RecordKind::Lost as u32;
+        lost.aux = Sys::Mmap as i32;
+        lost.fd = 7;
+        let e = parse(&as_bytes(&lost), &Layout::DEFAULT).unwrap();
+        assert!(matches!(
+            e.body,
+            Body::Lost {
+                call: Sys::Mmap,
+                fd: 7
+            }
+        ));
+        lost.aux = 99;
+        assert!(matches!(
+            parse(&as_bytes(&lost), &Layout::DEFAULT),
+            Err(ParseError::UnknownKind(15))
         ));
     }
 }

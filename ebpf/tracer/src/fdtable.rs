@@ -161,6 +161,11 @@ impl FdTable {
         self.files.add_uvm_gpus(id, delta);
     }
 
+    /// What file `id` carries is unknown from now on (see [`crate::files::Files::mark_opaque`]).
+    pub fn mark_opaque(&mut self, id: FileId) {
+        self.files.mark_opaque(id);
+    }
+
     /// `tgid` opened a device file as `fd` (a new open file). Returns it.
     pub fn open(&mut self, tgid: u32, cgroup_id: u64, fd: i32, kind: FdKind, minor: u8) -> FileId {
         let file = self.files.create(kind, minor, cgroup_id, false);
@@ -195,7 +200,42 @@ impl FdTable {
     /// `tgid` holds `fd`, a device file of unknown identity (read from /proc).
     pub fn add_opaque_fd(&mut self, tgid: u32, cgroup_id: u64, fd: i32, kind: FdKind, minor: u8) {
         let file = self.files.create(kind, minor, cgroup_id, true);
+        self.files.seen_in(file, tgid);
         self.set_fd(tgid, cgroup_id, fd, NvFd { kind, minor, file });
+    }
+
+    /// Opaque file `from` is opaque file `into` (the kernel said so, see `crate::tracer::inherit`): every fd
+    /// and mapping of `from` refers to `into` from now on. Whether it was merged (both must be opaque).
+    pub fn merge_files(&mut self, from: FileId, into: FileId) -> bool {
+        if !self.files.absorb(from, into) {
+            return false;
+        }
+        for p in self.procs.values_mut() {
+            for nv in p.fds.values_mut().filter(|nv| nv.file == from) {
+                nv.file = into;
+            }
+            for m in p.maps.values_mut().filter(|m| m.file == from) {
+                m.file = into;
+            }
+        }
+        true
+    }
+
+    /// What opaque file `id` carries is known from now on (see [`crate::files::Files::make_known`]).
+    pub fn make_known(&mut self, id: FileId) {
+        self.files.make_known(id);
+    }
+
+    /// The processes that hold each file now (through an fd or a mapping).
+    pub fn holders_by_file(&self) -> HashMap<FileId, std::collections::BTreeSet<u32>> {
+        let mut out: HashMap<FileId, std::collections::BTreeSet<u32>> = HashMap::new();
+        for (pid, p) in &self.procs {
+            let files = p.fds.values().map(|nv| nv.file);
+            for file in files.chain(p.maps.values().map(|m| m.file)) {
+                out.entry(file).or_default().insert(*pid);
+            }
+        }
+        out
     }
 
     /// Fd `fd` of `tgid` now refers to `nv` (whatever it referred to before is dropped).
@@ -254,6 +294,7 @@ impl FdTable {
         minor: u8,
     ) {
         let file = self.files.create(kind, minor, cgroup_id, true);
+        self.files.seen_in(file, tgid);
         self.insert_map(tgid, cgroup_id, addr, len, file);
     }
 

@@ -12,7 +12,8 @@
 //!
 //! Opaque files are those whose identity the records never showed: read from /proc (a process followed only
 //! once it already held them, a holder found by a /proc check). Which clients they carry is unknown, so each
-//! counts as holding GPU state until it goes.
+//! counts as holding GPU state until it goes, or until the driver's checkpoint says what they carry (see
+//! `crate::tracer::inherit`): each remembers the processes /proc showed holding it when it was read.
 use std::collections::HashMap;
 
 use baton_nvidia::fdkind::FdKind;
@@ -34,6 +35,9 @@ pub struct FileInfo {
     pub opaque: bool,
     /// GPUs registered with UVM through it (`UVM_REGISTER_GPU` less `UVM_UNREGISTER_GPU`; UVM files only).
     pub uvm_gpus: i64,
+    /// For an opaque file: the processes /proc showed holding it when it was read (the kernel said that their
+    /// fds are this one open file: see `crate::tracer::inherit`).
+    pub seen_in: Vec<u32>,
     /// References: fd entries, mapping ranges and the files that keep it alive.
     refs: u32,
     /// The files it keeps alive while it lives.
@@ -62,6 +66,7 @@ impl Files {
                 cgroup_id,
                 opaque,
                 uvm_gpus: 0,
+                seen_in: Vec::new(),
                 refs: 0,
                 keeps: Vec::new(),
             },
@@ -118,6 +123,55 @@ impl Files {
         self.take_ref(kept);
     }
 
+    /// /proc showed process `pid` holding opaque file `id`.
+    pub fn seen_in(&mut self, id: FileId, pid: u32) {
+        if let Some(f) = self.files.get_mut(&id)
+            && !f.seen_in.contains(&pid)
+        {
+            f.seen_in.push(pid);
+        }
+    }
+
+    /// Opaque file `from` is file `into` (the kernel said so): `into` takes its references, the processes it
+    /// was seen in and the files it keeps, and `from` is gone without being released (its references now
+    /// point to `into`: the caller re-points them). Nothing happens unless both are opaque.
+    pub fn absorb(&mut self, from: FileId, into: FileId) -> bool {
+        let both_opaque = [from, into]
+            .iter()
+            .all(|id| self.files.get(id).is_some_and(|f| f.opaque));
+        if from == into || !both_opaque {
+            return false;
+        }
+        let Some(gone) = self.files.remove(&from) else {
+            return false;
+        };
+        if let Some(f) = self.files.get_mut(&into) {
+            f.refs += gone.refs;
+            for pid in gone.seen_in {
+                if !f.seen_in.contains(&pid) {
+                    f.seen_in.push(pid);
+                }
+            }
+            f.keeps.extend(gone.keeps);
+        }
+        true
+    }
+
+    /// What opaque file `id` carries is known from now on (none of the clients the ledger does not have).
+    pub fn make_known(&mut self, id: FileId) {
+        if let Some(f) = self.files.get_mut(&id) {
+            f.opaque = false;
+        }
+    }
+
+    /// What file `id` carries is unknown from now on (a call on it went unrecorded): it counts as holding
+    /// GPU state until its final release, which frees whatever it carries.
+    pub fn mark_opaque(&mut self, id: FileId) {
+        if let Some(f) = self.files.get_mut(&id) {
+            f.opaque = true;
+        }
+    }
+
     /// Adds `delta` to the GPUs registered with UVM through file `id`.
     pub fn add_uvm_gpus(&mut self, id: FileId, delta: i64) {
         if let Some(f) = self.files.get_mut(&id) {
@@ -154,5 +208,33 @@ mod tests {
         let gone: Vec<FileId> = f.take_released().into_iter().map(|(id, _)| id).collect();
         assert_eq!(gone, vec![dev, ctl]);
         assert!(f.iter().next().is_none());
+    }
+
+    #[test]
+    fn an_opaque_file_absorbs_another_with_its_references_and_is_released_with_the_last() {
+        let mut f = Files::default();
+        let parent = f.create(FdKind::Ctl, 255, 1, true);
+        let child = f.create(FdKind::Ctl, 255, 1, true);
+        let known = f.create(FdKind::Ctl, 255, 1, false);
+        f.take_ref(parent);
+        f.take_ref(child);
+        f.take_ref(known);
+        f.seen_in(parent, 10);
+        f.seen_in(child, 11);
+        assert!(
+            !f.absorb(child, known),
+            "a file the records know is never merged"
+        );
+        assert!(f.absorb(child, parent));
+        assert!(f.get(child).is_none());
+        assert_eq!(f.get(parent).unwrap().seen_in, [10, 11]);
+        f.drop_ref(parent);
+        assert!(
+            f.take_released().is_empty(),
+            "the child's reference holds it"
+        );
+        f.drop_ref(parent);
+        let gone: Vec<FileId> = f.take_released().into_iter().map(|(id, _)| id).collect();
+        assert_eq!(gone, vec![parent]);
     }
 }

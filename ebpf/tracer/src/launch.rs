@@ -59,24 +59,33 @@ pub struct MappedLibcuda {
 /// maps entry; empty when it maps none or is gone. A file whose (device, inode) is not the entry's is left
 /// out with a warning.
 pub fn libcuda_files(pid: u32) -> Vec<MappedLibcuda> {
-    let Ok(maps) = procfs::process::Process::new(pid as i32).and_then(|p| p.maps()) else {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(dir) = crate::proc_read::ProcDir::open(pid) else {
         return Vec::new();
     };
+    /// A libcuda mapping: its path, its range and its file's (device, inode).
+    type Found = (PathBuf, (u64, u64), (u64, u64));
+    // Each distinct libcuda file, from the maps read as bytes.
+    let mut found: Vec<Found> = Vec::new();
     let mut seen = HashSet::new();
-    let mut out = Vec::new();
-    for m in maps {
-        let procfs::process::MMapPath::Path(p) = &m.pathname else {
-            continue;
-        };
-        let entry_id = (maps_dev(m.dev), m.inode);
-        if !is_libcuda(p) || !seen.insert(entry_id) {
-            continue;
+    let wanted = |line: &[u8]| crate::proc_read::mentions(line, LIBCUDA.as_bytes());
+    let read = dir.for_each_mapping(wanted, |m| {
+        let path = Path::new(std::ffi::OsStr::from_bytes(m.path));
+        if m.path.starts_with(b"/") && is_libcuda(path) && seen.insert((m.dev, m.inode)) {
+            found.push((path.to_owned(), (m.start, m.end), (m.dev, m.inode)));
         }
+        std::ops::ControlFlow::Continue(())
+    });
+    if read.is_err() {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for (p, (start, end), entry_id) in found {
         let shown = Path::new("/proc")
             .join(pid.to_string())
             .join("root")
-            .join(p.strip_prefix("/").unwrap_or(p));
-        let map_file = format!("/proc/{pid}/map_files/{:x}-{:x}", m.address.0, m.address.1);
+            .join(p.strip_prefix("/").unwrap_or(&p));
+        let map_file = format!("/proc/{pid}/map_files/{start:x}-{end:x}");
         match open_checked(Path::new(&map_file), entry_id) {
             Ok(file) => out.push(MappedLibcuda {
                 path: shown,
@@ -91,11 +100,6 @@ pub fn libcuda_files(pid: u32) -> Vec<MappedLibcuda> {
         }
     }
     out
-}
-
-/// The device number of a maps entry's `major:minor`.
-fn maps_dev((major, minor): (i32, i32)) -> u64 {
-    libc::makedev(major as u32, minor as u32)
 }
 
 /// Opens `path` (a `map_files` link) and checks that it is the file (device, inode) `expected`.

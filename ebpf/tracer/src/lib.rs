@@ -18,12 +18,16 @@ pub mod files;
 pub mod launch;
 pub mod ledger;
 pub mod probes;
+pub mod proc_read;
 pub mod release;
 pub mod schema;
 pub mod seed;
 mod tracer;
 
-pub use baton_probe_common::{DEFAULT_FD_QUOTA, LaunchCounts, LaunchFn, NV_FDS_ENTRIES};
+pub use baton_probe_common::{
+    DEFAULT_FD_QUOTA, LaunchCounts, LaunchFn, NV_FDS_BASE, NV_FDS_ENTRIES, NV_FDS_RESERVE,
+    PENDING_OVERFLOW_PER_CGROUP,
+};
 pub use tracer::{
     GpuState, ReadTicket, ReconciledReads, Tracer, TracerConfig, TracerError, now_monotonic_ns,
 };

@@ -142,6 +142,8 @@ pub struct Probes {
     pub cg_fds_user: HashMap<MapData, u64, u64>,
     /// Cgroups past their fd quota.
     pub cg_over: HashMap<MapData, u64, u32>,
+    /// `NV_FDS` entries the probes made (index 0, wrapping) and user space made (index 1, written here only).
+    pub nv_fds_used: Array<MapData, u64>,
     fd_quota: u32,
     /// Index 0 set while the consumer sleeps with no timer (see the ioctl probe's wakeup policy).
     pub consumer: Array<MapData, u32>,
@@ -200,6 +202,8 @@ impl Probes {
         let cg_fds_user =
             HashMap::try_from(take(maps::CG_FDS_USER)?).map_err(map_err(maps::CG_FDS_USER))?;
         let cg_over = HashMap::try_from(take(maps::CG_OVER)?).map_err(map_err(maps::CG_OVER))?;
+        let nv_fds_used =
+            Array::try_from(take(maps::NV_FDS_USED)?).map_err(map_err(maps::NV_FDS_USED))?;
         let mut prefixes =
             Array::try_from(take(maps::PREFIXES)?).map_err(map_err(maps::PREFIXES))?;
         for (slot, p) in cfg.prefixes.iter().enumerate() {
@@ -218,6 +222,7 @@ impl Probes {
                 cg_fds,
                 cg_fds_user,
                 cg_over,
+                nv_fds_used,
                 fd_quota: cfg.fd_quota,
                 consumer,
                 prefixes,

@@ -59,10 +59,38 @@ pub mod syscalls {
     pub const MREMAP: &[i64] = &[libc::SYS_mremap];
     /// execve, execveat.
     pub const EXEC: &[i64] = &[libc::SYS_execve, libc::SYS_execveat];
+    /// ioctl.
+    pub const IOCTL: &[i64] = &[libc::SYS_ioctl];
+    /// open, openat, openat2.
+    pub const OPEN: &[i64] = &[libc::SYS_openat, libc::SYS_openat2, OPEN_PLAIN];
+    /// dup, dup2, dup3, fcntl.
+    pub const DUP: &[i64] = &[libc::SYS_dup, libc::SYS_dup3, DUP2, libc::SYS_fcntl];
+    /// madvise.
+    pub const MADVISE: &[i64] = &[libc::SYS_madvise];
+
+    /// The syscalls a call the probes keep in flight (`Sys`) may be.
+    pub fn of(call: baton_probe_common::Sys) -> &'static [i64] {
+        use baton_probe_common::Sys;
+        match call {
+            Sys::Ioctl => IOCTL,
+            Sys::Open => OPEN,
+            Sys::Dup => DUP,
+            Sys::Mmap => MMAP,
+            Sys::Close => CLOSE,
+            Sys::Munmap => MUNMAP,
+            Sys::CloseRange => CLOSE_RANGE,
+            Sys::Mremap => MREMAP,
+            Sys::Madvise => MADVISE,
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     const DUP2: i64 = libc::SYS_dup2;
     #[cfg(not(target_arch = "x86_64"))]
     const DUP2: i64 = libc::SYS_dup3;
+    #[cfg(target_arch = "x86_64")]
+    const OPEN_PLAIN: i64 = libc::SYS_open;
+    #[cfg(not(target_arch = "x86_64"))]
+    const OPEN_PLAIN: i64 = libc::SYS_openat;
 }
 
 /// /proc checks of an awaiting thread: every `FIRST_CHECK_NS` for the first `FAST_CHECKS_NS` after its
@@ -154,6 +182,23 @@ impl Releases {
                 });
             }
             Entry::Occupied(mut o) => o.get_mut().removed_again(ts_ns, exiting, syscalls),
+        }
+    }
+
+    /// Thread `tid` of `pid` in cgroup `cgroup_id` began at `ts_ns` a call by one of `syscalls` whose record
+    /// the probes lost: what it does is unknown (it may open, map or free anything), so it holds its
+    /// container's release back like a removal of GPU state until the thread is seen past it.
+    pub fn call_lost(
+        &mut self,
+        tid: u32,
+        pid: u32,
+        cgroup_id: u64,
+        ts_ns: u64,
+        syscalls: &'static [i64],
+    ) {
+        self.removed(tid, pid, cgroup_id, ts_ns, false, syscalls);
+        if let Some(a) = self.awaiting.get_mut(&tid) {
+            a.frees_state = true;
         }
     }
 
@@ -376,6 +421,36 @@ mod tests {
             })
         );
         assert_eq!(r.next_check_ns(), None);
+    }
+
+    #[test]
+    fn a_lost_call_holds_its_container_back_until_its_thread_is_past_it() {
+        let me = std::process::id();
+        let (tid, tx, reader) = thread_blocked_in_read();
+        let mut r = Releases::default();
+        // A read stands in for the lost call's syscall: inside it, the thread is not past it.
+        r.call_lost(tid, me, 4, 1_000, &[libc::SYS_read]);
+        assert_eq!(r.unconfirmed(4), 1, "what the call does is unknown");
+        assert_eq!(r.last_removal_ns(4), None, "a lost call is no removal");
+        assert_eq!(r.check_proc(1_000 + FIRST_CHECK_NS), vec![]);
+        end_thread(tid, tx, reader);
+        let past = r.check_proc(u64::MAX / 2);
+        assert_eq!(past.len(), 1);
+        assert_eq!(r.confirmed(tid, ConfirmKind::Proc, 5_000), Some((me, 4)));
+        assert_eq!(r.unconfirmed(4), 0);
+    }
+
+    #[test]
+    fn each_call_in_flight_names_its_syscalls() {
+        use baton_probe_common::Sys;
+        for v in 1..=9 {
+            let call = Sys::from_u8(v).unwrap();
+            assert!(!syscalls::of(call).is_empty(), "{call:?}");
+        }
+        assert_eq!(Sys::from_u8(0), None);
+        assert_eq!(Sys::from_u8(10), None);
+        assert!(syscalls::of(Sys::Open).contains(&libc::SYS_openat));
+        assert!(syscalls::of(Sys::Dup).contains(&libc::SYS_fcntl));
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub struct TraceEvent<'a> {
     /// Thread id.
     pub tid: u32,
     /// `ioctl`, `open`, `close`, `dup`, `mmap`, `munmap`, `map_fixed`, `mremap`, `madvise`, `exec`, `exit`,
-    /// `fork`.
+    /// `fork`; `lost` (a call whose record the probes could not keep: `name` says which syscall).
     pub event: &'static str,
     /// The fd, when the event has one.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -220,6 +220,11 @@ impl<'a> TraceEvent<'a> {
             Body::Resync { lost } => {
                 t.event = "resync";
                 t.len = Some(*lost);
+            }
+            Body::Lost { call, fd } => {
+                t.event = "lost";
+                t.name = Some(call.name());
+                t.fd = (*fd >= 0).then_some(*fd);
             }
             Body::Exit => t.event = "exit",
             Body::ThreadExit => t.event = "thread-exit",

@@ -15,6 +15,7 @@
 //! process that does not answer) and the error names the pid and the call. A resume that fails for some
 //! processes leaves those parked (a second resume retries them) and the others running; one that gave no
 //! process its GPU back freezes the container again, parked as it was.
+mod again;
 pub mod cuda;
 mod driver_api;
 mod gpu_checkpoint;
@@ -103,7 +104,26 @@ impl Steps {
             phase,
             pid,
             detail: detail.into(),
+            no_cuda_state: Vec::new(),
         };
+        self.send(step);
+    }
+
+    /// Records (and sends) that `pid`'s checkpoint returned: the driver freed its CUDA state. The step also
+    /// names the processes the driver has no CUDA state for (`no_cuda_state`, left alone): the agent's word
+    /// that the files only such processes share hold none.
+    pub fn checkpointed(&mut self, pid: u32, no_cuda_state: &[u32]) {
+        self.send(Step {
+            t_ns: now_monotonic_ns(),
+            container: self.container.clone(),
+            phase: Phase::Checkpointed,
+            pid: Some(pid),
+            detail: String::new(),
+            no_cuda_state: no_cuda_state.to_vec(),
+        });
+    }
+
+    fn send(&mut self, step: Step) {
         if let Some(tx) = &self.tx {
             let _ = tx.send(step.clone());
         }
@@ -204,6 +224,9 @@ impl Container {
     /// `<snapshot_dir>/<namespace>/<id>`: see [`snapshot_image`]). Who asked (`parked_for`, `idle_park`) goes
     /// into the persisted state.
     pub async fn preempt(&self, r: PreemptRequest, steps: &mut Steps) -> Result<PreemptState> {
+        if r.again {
+            return self.park_again(r, steps).await;
+        }
         let PreemptRequest {
             pids,
             mode,
@@ -248,6 +271,7 @@ impl Container {
             host_copy_bytes: vram_bytes.filter(|v| *v > 0),
             raised_limit: raised,
             unfrozen: mode == PreemptMode::Park && !self.settings.park_freezes(idle_park),
+            no_cuda_state: sorted.left_alone.iter().map(|(pid, _)| *pid).collect(),
         };
         self.set_preemption(Some(state.clone()));
         steps.state_entered(Some(state.clone()));
@@ -343,9 +367,10 @@ impl Container {
             format!("{} process(es){}", pids.len(), sorted.note()),
         );
         steps.emit(Phase::CheckpointStarted, None, "");
+        let left_alone: Vec<u32> = sorted.left_alone.iter().map(|(pid, _)| *pid).collect();
         let checkpoints = on_all(cuda, Action::Checkpoint, pids, None, |pid, r| {
             if r.is_ok() {
-                steps.emit(Phase::Checkpointed, Some(pid), "");
+                steps.checkpointed(pid, &left_alone);
             }
         })
         .await;
@@ -449,6 +474,12 @@ impl Container {
         ))
     }
 
+    /// Persists the preemption state `state` and tells the timeline's hook (the agent) at once.
+    fn enter(&self, steps: &Steps, state: Option<PreemptState>) {
+        self.set_preemption(state.clone());
+        steps.state_entered(state);
+    }
+
     /// Gives a parked container its GPU back: thaw, restore every CUDA process, unlock them. A process that
     /// exits meanwhile (a job that finished) is reported as finished, not as a failed restore; its exit
     /// reaches containerd as a TaskExit with its real status.
@@ -468,17 +499,20 @@ impl Container {
             }
         };
         let cuda = self.cuda_checkpoint(self.init_pid().await).await?;
-        self.set_preemption(Some(PreemptState {
-            state: PreemptPhase::Resuming,
-            since_ns: now_monotonic_ns(),
-            ..parked.clone()
-        }));
+        self.enter(
+            steps,
+            Some(PreemptState {
+                state: PreemptPhase::Resuming,
+                since_ns: now_monotonic_ns(),
+                ..parked.clone()
+            }),
+        );
         // The hold, if any, ends; a container left running by a resume that failed part-way is not frozen.
         self.end_hold_for("a resume").await;
         let was_frozen = self.procs.lock().await.init.state == State::Paused;
         if was_frozen {
             if let Err(e) = self.set_paused(false).await {
-                self.set_preemption(Some(parked));
+                self.enter(steps, Some(parked));
                 return Err(e);
             }
             steps.emit(Phase::Thawed, None, "");
@@ -489,7 +523,7 @@ impl Container {
         if failures.is_empty() {
             // Every process was restored: the host copy is freed, the limit a park raised goes back.
             let limit = self.put_back_limit(parked.raised_limit).await;
-            self.set_preemption(None);
+            self.enter(steps, None);
             let detail = limit.map_or_else(|| "resumed".to_owned(), |l| format!("resumed; {l}"));
             steps.emit(Phase::Done, None, detail);
             return Ok(());
@@ -518,12 +552,15 @@ impl Container {
                 ),
             }
         }
-        self.set_preemption(Some(PreemptState {
-            state: PreemptPhase::Parked,
-            pids: failed.clone(),
-            since_ns: now_monotonic_ns(),
-            ..parked
-        }));
+        self.enter(
+            steps,
+            Some(PreemptState {
+                state: PreemptPhase::Parked,
+                pids: failed.clone(),
+                since_ns: now_monotonic_ns(),
+                ..parked
+            }),
+        );
         let detail: Vec<&str> = failures.iter().map(|(_, e)| e.as_str()).collect();
         Err(ShimError::Other(format!(
             "resume {}: {}; still parked: pid(s) {failed:?} (the others run): `baton resume {}` retries them",

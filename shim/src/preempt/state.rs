@@ -69,6 +69,7 @@ mod tests {
                 raised_to_bytes: 3 << 29,
             }),
             unfrozen: true,
+            no_cuda_state: vec![12],
         };
         save(dir.path(), Some(&state)).unwrap();
         assert_eq!(load(dir.path()), Some(state));

@@ -82,14 +82,7 @@ impl TaskService {
 
     async fn preempt(&self, r: PreemptRequest, tx: mpsc::UnboundedSender<Step>) -> Result<Outcome> {
         let c = self.target(&r.target)?;
-        let shared = self.shared.clone();
-        let id = c.id.clone();
-        // An agent that restarts while this runs learns from the re-registration that it is being
-        // preempted (and for whom), so that it neither preempts it again nor loses track of it.
-        let mut steps =
-            Steps::new(self.container_ref(&c.id), Some(tx)).with_state_hook(move |state| {
-                shared.gpu.preemption_changed(&id, &shared.namespace, state)
-            });
+        let mut steps = self.steps_telling_the_agent(&c.id, Some(tx));
         let mode = r.mode;
         let state = c.preempt(r, &mut steps).await?;
         let topic = match mode {
@@ -104,9 +97,24 @@ impl TaskService {
         })
     }
 
+    /// A timeline for container `id` whose preemption states go to the agent as they are entered: an agent
+    /// that restarts while the operation runs learns from the re-registration that it is being preempted
+    /// (and for whom), so that it neither preempts it again nor loses track of it; and a resume is known to
+    /// the agent before the container thaws, so that the GPU state its restore puts back is not taken for
+    /// a parked container's own (which the agent would park again).
+    fn steps_telling_the_agent(&self, id: &str, tx: Option<mpsc::UnboundedSender<Step>>) -> Steps {
+        let shared = self.shared.clone();
+        let owned = id.to_owned();
+        Steps::new(self.container_ref(id), tx).with_state_hook(move |state| {
+            shared
+                .gpu
+                .preemption_changed(&owned, &shared.namespace, state)
+        })
+    }
+
     async fn resume_parked(&self, t: &Target, tx: mpsc::UnboundedSender<Step>) -> Result<Outcome> {
         let c = self.target(t)?;
-        let mut steps = Steps::new(self.container_ref(&c.id), Some(tx));
+        let mut steps = self.steps_telling_the_agent(&c.id, Some(tx));
         c.resume_parked(&mut steps).await?;
         self.publish_steps(RESUMED_TOPIC, &c.id, &steps).await;
         Ok(Outcome {
@@ -185,7 +193,7 @@ impl TaskService {
                 return;
             }
         };
-        let mut steps = Steps::new(self.container_ref(&c.id), None);
+        let mut steps = self.steps_telling_the_agent(&c.id, None);
         let container = c.clone();
         let resume = tokio::spawn(async move {
             let result = container.resume_parked(&mut steps).await;

@@ -64,6 +64,7 @@ impl Request {
                 let memory = [
                     ("gpu_memory", r.gpu_memory),
                     ("gpu_memory_headroom", r.settings.gpu_memory_headroom),
+                    ("gpu_memory_minimum", r.settings.gpu_memory_minimum),
                     (
                         "parked_host_memory_budget",
                         r.settings.parked_host_memory_budget,

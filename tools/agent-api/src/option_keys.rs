@@ -67,9 +67,11 @@ pub const PARK_MEMORY: &str = "park_memory";
 /// The node's budget for the memory limits parks raise (`park_memory = "raise"`), in all (node only; a
 /// quantity, default half the node's memory).
 pub const PARKED_HOST_MEMORY_BUDGET: &str = "parked_host_memory_budget";
-/// Whether a park freezes the container's cgroup after the checkpoint ("true" | "false"; default true, and
-/// false for the agent's idle park, whose servers answer liveness probes): unfrozen, its CPU threads run
-/// and its CUDA calls wait for the resume.
+/// Whether a park freezes the container's cgroup after the checkpoint ("true" | "false"; node only; default
+/// true, and false for the agent's idle park, whose servers answer liveness probes): unfrozen, its CPU
+/// threads run and its CUDA calls wait for the resume. Node only: a tenant that opted out of the freeze of a
+/// park for a server could start a fresh CUDA process beside that server (the agent parks such a process
+/// again, see `park_again.rs`; the freeze is the node's to decide).
 pub const PARK_FREEZE: &str = "park-freeze";
 
 /// The video memory a container needs on each GPU it sees (a quantity, `24Gi`): its Start goes through the
@@ -78,9 +80,12 @@ pub const GPU_MEMORY: &str = "gpu-memory";
 /// The memory the gate keeps free on each GPU beside what the holders have (node only; a quantity,
 /// default none).
 pub const GPU_MEMORY_HEADROOM: &str = "gpu_memory_headroom";
+/// The least need a container's `gpu-memory` counts for (node only; a quantity, default none): a tenant's
+/// `gpu-memory: "1"` then counts as this much at the gate.
+pub const GPU_MEMORY_MINIMUM: &str = "gpu_memory_minimum";
 
 /// Every Baton key, in TOML and (prefixed with [`ANNOTATION_PREFIX`]) in annotations.
-pub const BATON_KEYS: [&str; 25] = [
+pub const BATON_KEYS: [&str; 26] = [
     EBPF,
     CUDA_CHECKPOINT_PATH,
     CUDA_DRIVER_PATH,
@@ -106,15 +111,17 @@ pub const BATON_KEYS: [&str; 25] = [
     PARK_FREEZE,
     GPU_MEMORY,
     GPU_MEMORY_HEADROOM,
+    GPU_MEMORY_MINIMUM,
 ];
 
 /// The keys only the node's TOML may set, as annotations come from whoever writes the pod spec: they name
 /// programs or libraries the shim (root) runs, the agent it trusts or where it writes, or decide what the probes see (a
 /// container that turned `ebpf` off, or moved `trace_prefix` elsewhere, would hold a GPU no other
 /// container's gate sees, and distinct prefixes would use up the probe set's few slots for the whole node), or
-/// bound a preemption (a tiny `cuda_checkpoint_timeout` would make a container impossible to preempt), or
-/// concern every container of the node (gap-fill's rate gate).
-pub const NODE_ONLY_KEYS: [&str; 15] = [
+/// bound a preemption (a tiny `cuda_checkpoint_timeout` would make a container impossible to preempt, and
+/// `park-freeze: "false"` would let a parked co-runner run on beside the server it was parked for), or
+/// concern every container of the node (gap-fill's rate gate, the gate's headroom and least need).
+pub const NODE_ONLY_KEYS: [&str; 17] = [
     CUDA_CHECKPOINT_PATH,
     CUDA_DRIVER_PATH,
     CRIU_PATH,
@@ -130,6 +137,8 @@ pub const NODE_ONLY_KEYS: [&str; 15] = [
     GAP_FILL_MIN_SHARE,
     GAP_FILL_WINDOW,
     GPU_MEMORY_HEADROOM,
+    GPU_MEMORY_MINIMUM,
+    PARK_FREEZE,
 ];
 
 /// runc's `Options` keys (Go spelling) that `baton install` copies from the node's runc runtime, so that

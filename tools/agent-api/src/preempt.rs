@@ -93,6 +93,12 @@ pub struct PreemptRequest {
     /// the budget, fills it before it forwards the request; a client leaves it out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_budget_left_bytes: Option<u64>,
+    /// Park again: the container is parked and acquired GPU state meanwhile (a fresh CUDA process in a
+    /// container parked without freezing); its shim parks the processes of `pids` that run CUDA now beside
+    /// the parked ones, or freezes the container when none can be. Only the agent asks it; it drops it
+    /// from a client's request.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub again: bool,
 }
 
 /// Where snapshot images go when neither the request nor the node's `snapshot_dir` names a place: on disk,
@@ -237,6 +243,12 @@ pub struct Step {
     /// More about it (an error, an exit status, what confirmed a release).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub detail: String,
+    /// On a `checkpointed` step, the shim's word: the container's processes that the driver answered having
+    /// no CUDA state for (CUDA_ERROR_NOT_INITIALIZED: a worker forked after CUDA init), left alone by the
+    /// park. With the process checkpointed (`pid`), they hold no CUDA state now (see the agent's
+    /// `registry::shims_word`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub no_cuda_state: Vec<u32>,
 }
 
 /// A step line, streamed before the reply of `preempt`, `resume`, `start` and `handoff`.
@@ -295,6 +307,10 @@ pub struct PreemptState {
     /// liveness probe is answered), its CUDA calls wait for the resume.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unfrozen: bool,
+    /// The processes the preemption named that the driver answered having no CUDA state for (a worker
+    /// forked after CUDA init): left alone, never checkpointed (host pids).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub no_cuda_state: Vec<u32>,
 }
 
 /// What a `preempt`, `resume`, `start` or `handoff` did.
@@ -333,6 +349,7 @@ mod tests {
                 idle_park: false,
                 vram_bytes: None,
                 host_budget_left_bytes: None,
+                again: false,
             })
         );
         let handoff: RequestLine = serde_json::from_str(
@@ -358,6 +375,7 @@ mod tests {
             phase: Phase::GpuReleased,
             pid: None,
             detail: String::new(),
+            no_cuda_state: Vec::new(),
         };
         let text = serde_json::to_string(&StepLine { v: 1, step }).unwrap();
         assert_eq!(

@@ -240,6 +240,10 @@ pub struct WatchSettings {
     /// sets it: node-wide, the latest registration that carries it wins.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_memory_headroom: Option<u64>,
+    /// The least need a declared `gpu-memory` counts for at the gate (`gpu_memory_minimum`, node only),
+    /// bytes, when the TOML sets it: node-wide, the latest registration that carries it wins.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_memory_minimum: Option<u64>,
     /// What this container's park does when its memory cgroup has no room for the host copy
     /// (`park_memory`, node only): gap-fill never picks a co-runner whose park would be refused.
     #[serde(default, skip_serializing_if = "crate::ParkMemory::is_default")]
@@ -256,6 +260,7 @@ impl Default for WatchSettings {
             trace_prefix: "/dev/nvidia".to_owned(),
             rate_gate: None,
             gpu_memory_headroom: None,
+            gpu_memory_minimum: None,
             park_memory: crate::ParkMemory::Raise,
             parked_host_memory_budget: None,
         }
@@ -385,9 +390,19 @@ pub struct NodeStatus {
     /// Times the agent re-read every traced process from /proc because records were lost.
     #[serde(default)]
     pub resyncs: u64,
-    /// Driver calls whose record was lost because another thread's call took their in-flight slot.
+    /// Calls whose record the probes could not keep (their in-flight slot was another thread's and the
+    /// overflow had no room): each made its container's ledger partial and its process read again from
+    /// /proc once the call returned. (An older agent's `pending_evicted`: records another thread's call
+    /// overwrote.)
+    #[serde(default, alias = "pending_evicted")]
+    pub pending_lost: u64,
+    /// Calls whose in-flight slot another thread's call held, kept in the probes' overflow instead: nothing
+    /// lost.
     #[serde(default)]
-    pub pending_evicted: u64,
+    pub pending_overflowed: u64,
+    /// How full the probes' fd map is (absent while the probes are detached, and from an older agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe_fd_map: Option<ProbeFdMap>,
     /// Removals of NVIDIA files confirmed complete from /proc rather than by a probe (a thread with no
     /// further syscall, a lost record).
     #[serde(default)]
@@ -545,6 +560,21 @@ pub struct ProbeFds {
     pub quota: u64,
     /// It reached the quota (or found the map full): followed through /proc from then on.
     pub over_quota: bool,
+}
+
+/// The probes' fd map for the whole node: `entries` in all, of which `reserve` are kept for each container's
+/// first few hundred fds (a container past those gets no more once only the reserve is left), so that no
+/// tenant's containers, however many, can leave another container unfollowed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProbeFdMap {
+    /// Entries it holds.
+    pub entries: u64,
+    /// Entries in use.
+    pub used: u64,
+    /// Entries kept as the reserve.
+    pub reserve: u64,
+    /// Entries of the reserve still free.
+    pub reserve_free: u64,
 }
 
 /// One process's NVIDIA files.

@@ -11,12 +11,16 @@
 //! mappings (a private mapping of a device node of another name is not seen; see the README).
 use std::{
     collections::{BTreeSet, HashMap},
+    ops::ControlFlow,
     os::unix::fs::MetadataExt,
     path::Path,
 };
 
 use baton_nvidia::fdkind::{self, FdKind};
-use baton_tracer::fdtable::ProcFds;
+use baton_tracer::{
+    fdtable::ProcFds,
+    proc_read::{MapLine, ProcDir, ProcError, base_name, mentions, raw_shared},
+};
 
 use super::gate::DeviceKey;
 
@@ -129,89 +133,106 @@ impl Classifier {
     }
 
     /// [`Classifier::holdings_cached`] that stops at the first holding `enough` says settles the question
-    /// (the fds first, then the mappings): a process with a million device fds or mappings costs a look at
-    /// as many as it takes to find one that counts, not at all of them.
+    /// (the fds first, then the mappings, whose read stops there too): a process with a million device fds
+    /// or mappings costs a look at as many as it takes to find one that counts, not at all of them. Read
+    /// through [`baton_tracer::proc_read`]: a process that is gone holds nothing, one whose entries fail
+    /// otherwise is [`Via::Unreadable`].
     fn holdings_until(
         &self,
         pid: u32,
         cache: &mut HashMap<(u64, u64), Option<(FdKind, DeviceKey)>>,
         enough: &dyn Fn(&Holding) -> bool,
     ) -> Vec<Holding> {
-        let Ok(proc) = procfs::process::Process::new(pid as i32) else {
-            return Vec::new();
-        };
-        // The fd numbers (listing /proc/PID/fd needs no more than root), each link read on its own: reading
-        // a link passes the kernel's ptrace access check, and procfs's own iterator skips those it refused.
-        let numbers: Vec<i32> = match std::fs::read_dir(format!("/proc/{pid}/fd")) {
-            Ok(dir) => dir
-                .flatten()
-                .filter_map(|e| e.file_name().to_str()?.parse().ok())
-                .collect(),
-            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-                return unreadable(pid, "fd", "permission denied");
-            }
-            // Gone, or exiting (its fd table already released).
-            Err(_) => return Vec::new(),
-        };
+        match self.read_holdings(pid, cache, enough) {
+            Ok(out) => out,
+            Err(ProcError::Gone) => Vec::new(),
+            Err(ProcError::Unreadable { what, why, .. }) => unreadable(pid, &what, &why),
+        }
+    }
+
+    fn read_holdings(
+        &self,
+        pid: u32,
+        cache: &mut HashMap<(u64, u64), Option<(FdKind, DeviceKey)>>,
+        enough: &dyn Fn(&Holding) -> bool,
+    ) -> Result<Vec<Holding>, ProcError> {
+        let dir = ProcDir::open(pid)?;
         let mut out = Vec::new();
-        for number in numbers {
-            let fd = match proc.fd_from_fd(number) {
-                Ok(fd) => fd,
-                Err(procfs::ProcError::PermissionDenied(_)) => {
-                    return unreadable(pid, "fd", "permission denied");
-                }
-                // Closed meanwhile.
-                Err(_) => continue,
+        // The fd numbers (listing /proc/PID/fd needs no more than root), each link read on its own: reading
+        // a link passes the kernel's ptrace access check, and a refusal is an unreadable process.
+        for fd in dir.fd_numbers()? {
+            let Some(target) = dir.fd_target(fd)? else {
+                continue;
             };
-            if matches!(&fd.target, procfs::process::FDTarget::AnonInode(a) if a.contains("io_uring"))
-            {
-                out.extend(ring_holdings(pid, fd.fd));
+            let target = target.as_encoded_bytes();
+            if target == b"anon_inode:[io_uring]" {
+                out.extend(ring_holdings(&dir, fd)?);
                 continue;
             }
-            let procfs::process::FDTarget::Path(target) = &fd.target else {
+            if !target.starts_with(b"/") {
+                continue;
+            }
+            let Some(meta) = dir.fd_metadata(fd)? else {
                 continue;
             };
-            let link = format!("/proc/{pid}/fd/{}", fd.fd);
-            if let Some((kind, key)) =
-                DeviceKey::classify(Path::new(&link), &target.to_string_lossy(), self.uvm_major)
-            {
+            if let Some((kind, key)) = DeviceKey::classify_meta(&meta, target, self.uvm_major) {
                 let h = Holding {
                     pid,
                     kind,
                     key,
-                    via: Via::Fd(fd.fd),
+                    via: Via::Fd(fd),
                 };
                 let done = enough(&h);
                 out.push(h);
                 if done {
-                    return out;
+                    return Ok(out);
                 }
             }
         }
-        let maps = match mappings_worth_a_look(pid) {
-            Ok(maps) => maps,
-            Err(e) => return unreadable(pid, "maps", &e.to_string()),
-        };
-        for m in maps {
-            let classified = cache.entry((m.dev, m.inode)).or_insert_with(|| {
-                let link = format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end);
-                DeviceKey::classify(Path::new(&link), &m.path, self.uvm_major)
-            });
-            if let Some((kind, key)) = classified.clone() {
-                let h = Holding {
-                    pid,
-                    kind,
-                    key,
-                    via: Via::Map(m.start),
-                };
-                let done = enough(&h);
-                out.push(h);
-                if done {
-                    return out;
-                }
+        let mut failed = None;
+        // Only shared mappings and those named as an NVIDIA device are parsed (see [`worth_a_look`]).
+        let wanted = |line: &[u8]| raw_shared(line) || mentions(line, b"nvidia");
+        dir.for_each_mapping(wanted, |m| {
+            if !worth_a_look(m) {
+                return ControlFlow::Continue(());
             }
+            let classified = match cache.get(&(m.dev, m.inode)) {
+                Some(c) => c.clone(),
+                None => match dir.mapping_metadata(m.start, m.end) {
+                    Ok(Some(meta)) => {
+                        let c = DeviceKey::classify_meta(&meta, m.path, self.uvm_major);
+                        cache.insert((m.dev, m.inode), c.clone());
+                        c
+                    }
+                    // Unmapped meanwhile.
+                    Ok(None) => None,
+                    Err(e) => {
+                        failed = Some(e);
+                        return ControlFlow::Break(());
+                    }
+                },
+            };
+            let Some((kind, key)) = classified else {
+                return ControlFlow::Continue(());
+            };
+            let h = Holding {
+                pid,
+                kind,
+                key,
+                via: Via::Map(m.start),
+            };
+            let done = enough(&h);
+            out.push(h);
+            if done {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        })?;
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(out),
         }
-        out
     }
 
     /// What the processes `pids` hold.
@@ -223,93 +244,54 @@ impl Classifier {
     }
 }
 
-/// One line of /proc/PID/maps worth classifying.
-#[derive(Debug, PartialEq, Eq)]
-struct MapLine {
-    start: u64,
-    end: u64,
-    /// The mapped file's device (`makedev` of the line's `MM:mm`) and inode.
-    dev: u64,
-    inode: u64,
-    path: String,
+/// Whether a mapping may be NVIDIA device memory: a file's (not anonymous), shared (device memory is mapped
+/// shared) or named as an NVIDIA device (a library's private mappings, most of a process's, cost nothing).
+fn worth_a_look(m: &MapLine<'_>) -> bool {
+    m.inode != 0
+        && m.path.starts_with(b"/")
+        && (m.shared() || fdkind::classify_name(m.base_name()).is_some())
 }
 
-/// The file mappings of `pid` that may be NVIDIA device memory: device memory is mapped shared, and a private
-/// mapping is looked at only when its name is an NVIDIA device's (a library's private mappings, most of a
-/// process's, cost nothing). Read with one read of /proc/PID/maps and a parse of only those lines: on the
-/// release's path (the procfs crate's full parse took about as long as the rest of the check).
-/// Only a read that was refused is an error (a process gone has no mappings).
-fn mappings_worth_a_look(pid: u32) -> Result<Vec<MapLine>, std::io::Error> {
-    match std::fs::read_to_string(format!("/proc/{pid}/maps")) {
-        Ok(text) => Ok(text.lines().filter_map(parse_map_line).collect()),
-        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Err(e),
-        Err(_) => Ok(Vec::new()),
-    }
-}
-
-/// A maps line (`start-end perms offset MM:mm inode path`) if it maps a file and is shared or named as an
-/// NVIDIA device.
-fn parse_map_line(line: &str) -> Option<MapLine> {
-    let mut f = line.splitn(6, ' ');
-    let (range, perms, _offset, dev, inode) =
-        (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
-    let path = f.next()?.trim_start();
-    let inode: u64 = inode.parse().ok()?;
-    if inode == 0 || !path.starts_with('/') {
-        return None;
-    }
-    let shared = perms.as_bytes().get(3) == Some(&b's');
-    let base = path.rsplit('/').next().unwrap_or(path);
-    if !shared && fdkind::classify_name(base.as_bytes()).is_none() {
-        return None;
-    }
-    let (start, end) = range.split_once('-')?;
-    let (major, minor) = dev.split_once(':')?;
-    Some(MapLine {
-        start: u64::from_str_radix(start, 16).ok()?,
-        end: u64::from_str_radix(end, 16).ok()?,
-        dev: nix::sys::stat::makedev(
-            u64::from_str_radix(major, 16).ok()?,
-            u64::from_str_radix(minor, 16).ok()?,
-        ),
-        inode,
-        path: path.to_owned(),
-    })
-}
-
-/// The NVIDIA files registered in io_uring instance `fd` of `pid` (its fdinfo lists them under `UserFiles:`,
-/// one `INDEX: PATH` line each). They are known by name only: the key carries no file identity, and the
-/// gate matches it with any device of that name.
-fn ring_holdings(pid: u32, fd: i32) -> Vec<Holding> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).unwrap_or_default();
-    registered_files(&text)
+/// The NVIDIA files registered in io_uring instance `fd` of the process (its fdinfo lists them under
+/// `UserFiles:`, one `INDEX: PATH` line each, names raw). They are known by name only: the key carries no
+/// file identity, and the gate matches it with any device of that name.
+fn ring_holdings(dir: &ProcDir, fd: i32) -> Result<Vec<Holding>, ProcError> {
+    let Some(text) = dir.fdinfo(fd)? else {
+        return Ok(Vec::new());
+    };
+    Ok(registered_files(&text)
         .filter_map(|path| {
-            let name = path.rsplit('/').next().unwrap_or(path);
-            let (kind, _) = fdkind::classify_name(name.as_bytes())?;
+            let name = base_name(path);
+            let (kind, _) = fdkind::classify_name(name)?;
             (kind != FdKind::Unknown).then(|| Holding {
-                pid,
+                pid: dir.pid(),
                 kind,
                 key: DeviceKey::File {
                     dev: 0,
                     ino: 0,
-                    name: name.to_owned(),
+                    name: String::from_utf8_lossy(name).into_owned(),
                 },
                 via: Via::Ring(fd),
             })
         })
-        .collect()
+        .collect())
 }
 
-/// The paths of the `UserFiles:` section of an io_uring fdinfo.
-fn registered_files(fdinfo: &str) -> impl Iterator<Item = &str> {
+/// The paths of the `UserFiles:` section of an io_uring fdinfo (bytes: a path need not be UTF-8).
+fn registered_files(fdinfo: &[u8]) -> impl Iterator<Item = &[u8]> {
     fdinfo
-        .lines()
-        .skip_while(|l| !l.starts_with("UserFiles:"))
+        .split(|b| *b == b'\n')
+        .skip_while(|l| !l.starts_with(b"UserFiles:"))
         .skip(1)
         .map_while(|l| {
-            let (index, path) = l.split_once(": ")?;
-            index.trim().parse::<u32>().ok().map(|_| path.trim())
+            let at = l.windows(2).position(|w| w == b": ")?;
+            let index = std::str::from_utf8(&l[..at]).ok()?.trim();
+            index.parse::<u32>().ok().map(|_| trim_ascii(&l[at + 2..]))
         })
+}
+
+fn trim_ascii(b: &[u8]) -> &[u8] {
+    b.trim_ascii()
 }
 
 /// The major named `name` in the text of /proc/devices.
@@ -456,8 +438,26 @@ impl ScanRequest {
         let mut cache = HashMap::new();
         let mut pods = HashMap::new();
         let mut holders = Vec::new();
-        for pid in baton_tracer::seed::all_pids() {
-            let pid = pid as u32;
+        let pids = match baton_tracer::seed::all_pids() {
+            Ok(pids) => pids,
+            Err(e) => {
+                // Not one process of the node could be looked at: all of them count as holding.
+                let why = format!("the list of processes: {e}");
+                let h = Holding {
+                    pid: 0,
+                    kind: FdKind::Device,
+                    key: DeviceKey::Unknown,
+                    via: Via::Unreadable(why),
+                };
+                return NodeScan {
+                    asked_ns: self.asked_ns,
+                    devices: self.devices,
+                    holders: vec![(h, None)],
+                    took: began.elapsed(),
+                };
+            }
+        };
+        for pid in pids {
             if self.exempt.is_nodes_own(pid, host_mnt) {
                 continue;
             }
@@ -503,23 +503,20 @@ mod tests {
 
     #[test]
     fn only_shared_or_nvidia_named_file_mappings_are_looked_at() {
-        let shared =
-            "7f00a000-7f00b000 rw-s 00000000 00:2d 42                         /dev/nvidia0";
-        let m = parse_map_line(shared).unwrap();
-        assert_eq!((m.start, m.end, m.inode), (0x7f00_a000, 0x7f00_b000, 42));
-        assert_eq!(m.dev, nix::sys::stat::makedev(0, 0x2d));
-        assert_eq!(m.path, "/dev/nvidia0");
-        let named = "1000-2000 r--p 00000000 00:05 7 /tmp/mock/nvidiactl";
-        assert!(parse_map_line(named).is_some());
-        let library = "1000-2000 r-xp 00000000 fd:00 99 /usr/lib/libc.so.6";
-        assert!(parse_map_line(library).is_none());
-        let anonymous = "1000-2000 ---p 00000000 00:00 0 ";
-        assert!(parse_map_line(anonymous).is_none());
-        let spaced = "1000-2000 rw-s 00000000 00:2d 43 /dev/shm/a name with spaces";
-        assert_eq!(
-            parse_map_line(spaced).unwrap().path,
-            "/dev/shm/a name with spaces"
-        );
+        let look = |line: &[u8]| worth_a_look(&MapLine::parse(line).unwrap());
+        assert!(look(
+            b"7f00a000-7f00b000 rw-s 00000000 00:2d 42          /dev/nvidia0"
+        ));
+        assert!(look(b"1000-2000 r--p 00000000 00:05 7 /tmp/mock/nvidiactl"));
+        assert!(!look(
+            b"1000-2000 r-xp 00000000 fd:00 99 /usr/lib/libc.so.6"
+        ));
+        assert!(!look(b"1000-2000 ---p 00000000 00:00 0 "));
+        assert!(look(
+            b"1000-2000 rw-s 00000000 00:2d 43 /dev/shm/a name with spaces"
+        ));
+        assert!(look(b"1000-2000 rw-s 00000000 00:2d 43 /tmp/\xff\xfe"));
+        assert!(!look(b"1000-2000 r--p 00000000 00:2d 43 /tmp/\xff\xfe"));
     }
 
     #[test]
@@ -533,10 +530,13 @@ mod tests {
 
     #[test]
     fn io_uring_registered_files_are_read_from_its_fdinfo() {
-        let text = "pos:\t0\nflags:\t02000002\nSqMask:\t0x0\nUserFiles:\t2\n    0: /dev/nvidiactl\n    1: /tmp/x\nUserBufs:\t0\n";
-        let files: Vec<&str> = registered_files(text).collect();
-        assert_eq!(files, ["/dev/nvidiactl", "/tmp/x"]);
-        assert_eq!(registered_files("UserFiles:\t0\nUserBufs:\t0\n").count(), 0);
+        let text = b"pos:\t0\nflags:\t02000002\nSqMask:\t0x0\nUserFiles:\t3\n    0: /tmp/\xff\n    1: /dev/nvidiactl\n    2: /tmp/x\nUserBufs:\t0\n";
+        let files: Vec<&[u8]> = registered_files(text).collect();
+        assert_eq!(files, [&b"/tmp/\xff"[..], b"/dev/nvidiactl", b"/tmp/x"]);
+        assert_eq!(
+            registered_files(b"UserFiles:\t0\nUserBufs:\t0\n").count(),
+            0
+        );
     }
 
     #[test]

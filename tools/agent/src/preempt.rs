@@ -93,6 +93,7 @@ impl<'w> Timeline<'w> {
             phase,
             pid,
             detail,
+            no_cuda_state: Vec::new(),
         };
         self.push(step).await
     }
@@ -238,6 +239,7 @@ pub async fn preempt(
         idle_park: false,
         vram_bytes: Some(a.vram_bytes),
         host_budget_left_bytes: Some(a.host_budget_left),
+        again: false,
         ..r.clone()
     });
     let mut call = match ShimCall::start(&a, request) {
@@ -298,13 +300,20 @@ pub async fn run_unattended(
         Request::Preempt(p) => ("preempt", p.mode.label()),
         _ => ("resume", ""),
     };
-    on_step(&Step {
-        t_ns: now_monotonic_ns(),
-        container: r.container.clone(),
-        phase: Phase::Asked,
-        pid: None,
-        detail: [mode, "by", by].join(" ").trim_start().to_owned(),
-    });
+    // A park again is asked on a guess (the container looked parked when it acquired): its shim says
+    // `asked` itself once it parks something, and a refusal (the container was being resumed) shows nothing
+    // and counts as no preemption.
+    let again = matches!(&request, Request::Preempt(p) if p.again);
+    if !again {
+        on_step(&Step {
+            t_ns: now_monotonic_ns(),
+            container: r.container.clone(),
+            phase: Phase::Asked,
+            pid: None,
+            detail: [mode, "by", by].join(" ").trim_start().to_owned(),
+            no_cuda_state: Vec::new(),
+        });
+    }
     let mut call = match ShimCall::start(r, request) {
         Ok(c) => c,
         Err(e) => return (Vec::new(), Err(e)),
@@ -316,7 +325,9 @@ pub async fn run_unattended(
     }
     let outcome = call.outcome().await;
     steps.sort_by_key(|s| s.t_ns);
-    events().preemption(name, mode, outcome.is_ok(), &steps);
+    if !(again && steps.is_empty()) {
+        events().preemption(name, mode, outcome.is_ok(), &steps);
+    }
     (steps, outcome)
 }
 
@@ -587,6 +598,7 @@ pub async fn handoff(
             idle_park: false,
             vram_bytes: Some(a.vram_bytes),
             host_budget_left_bytes: Some(a.host_budget_left),
+            again: false,
         });
         let (b_go, go) = oneshot::channel();
         let b_prepared =

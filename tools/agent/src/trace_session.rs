@@ -164,7 +164,7 @@ impl TraceSession {
             NoteKind::Thawed { latency_ns } => StateKind::Thawed {
                 latency_ns: *latency_ns,
             },
-            NoteKind::Preemption { phase, detail } => StateKind::Preemption {
+            NoteKind::Preemption { phase, detail, .. } => StateKind::Preemption {
                 phase: phase.label(),
                 detail,
             },

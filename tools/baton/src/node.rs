@@ -109,8 +109,8 @@ fn gpu_word(g: GpuHold) -> &'static str {
 /// The table `baton status` prints.
 pub fn render_status(s: &NodeStatus, now_ns: u64) -> String {
     let mut out = format!(
-        "agent pid {}, probes {} ({} programs), {} ring-buffer drops ({} resyncs from /proc), {} calls lost \
-         to in-flight slot collisions\n",
+        "agent pid {}, probes {} ({} programs), {} ring-buffer drops ({} resyncs from /proc), {} calls \
+         sharing an in-flight slot kept in the overflow, {} calls lost (made up for from /proc)\n",
         s.agent_pid,
         if s.probes_attached {
             "attached"
@@ -120,8 +120,19 @@ pub fn render_status(s: &NodeStatus, now_ns: u64) -> String {
         s.programs_attached,
         s.ringbuf_drops,
         s.resyncs,
-        s.pending_evicted
+        s.pending_overflowed,
+        s.pending_lost
     );
+    if let Some(m) = &s.probe_fd_map {
+        out.push_str(&format!(
+            "probe fd map: {} of {} entries free, {} of its reserve of {} (kept for each container's first \
+             fds)\n",
+            m.entries.saturating_sub(m.used),
+            m.entries,
+            m.reserve_free,
+            m.reserve
+        ));
+    }
     out.push_str(&format!(
         "{:<16} {:<10} {:<9} {:>8} {:>4} {:>5} {:>7} {:>12}  {}\n",
         "CONTAINER", "NAMESPACE", "GPU", "SINCE", "FDS", "MAPS", "OBJECTS", "VRAM", "PIDS"
@@ -555,5 +566,38 @@ mod tests {
             "2.500000000 default/trainer nvml_check released_seq=7 asked_after_us=250.0 took_us=7000.0 \
              nvml=\"timed_out\""
         );
+    }
+
+    #[test]
+    fn status_shows_the_calls_kept_and_lost_in_flight_and_what_is_left_of_the_fd_map() {
+        let s: NodeStatus = serde_json::from_value(serde_json::json!({
+            "agent_pid": 1,
+            "probes_attached": true,
+            "programs_attached": 33,
+            "ringbuf_drops": 0,
+            "containers": [],
+            "pending_overflowed": 12,
+            "pending_lost": 3,
+            "probe_fd_map": {"entries": 131072, "used": 100352, "reserve": 32768, "reserve_free": 30720},
+        }))
+        .unwrap();
+        let out = render_status(&s, 0);
+        assert!(
+            out.contains("12 calls sharing an in-flight slot kept in the overflow, 3 calls lost"),
+            "{out}"
+        );
+        assert!(
+            out.contains(
+                "probe fd map: 30720 of 131072 entries free, 30720 of its reserve of 32768"
+            ),
+            "{out}"
+        );
+        // An older agent's count of overwritten records reads as lost ones.
+        let old: NodeStatus = serde_json::from_value(serde_json::json!({
+            "agent_pid": 1, "probes_attached": true, "programs_attached": 33, "ringbuf_drops": 0,
+            "containers": [], "pending_evicted": 5,
+        }))
+        .unwrap();
+        assert_eq!((old.pending_lost, old.probe_fd_map), (5, None));
     }
 }

@@ -114,6 +114,7 @@ pub async fn preempt(a: PreemptArgs) -> anyhow::Result<()> {
         idle_park: false,
         vram_bytes: None,
         host_budget_left_bytes: None,
+        again: false,
     });
     run(&a.agent, request, a.json).await
 }
@@ -234,6 +235,7 @@ mod tests {
             phase: Phase::Checkpointed,
             pid: Some(42),
             detail: String::new(),
+            no_cuda_state: Vec::new(),
         };
         let line = render_step(&s, 1_000_000);
         assert!(line.contains("1.500 ms"), "{line}");

@@ -125,9 +125,17 @@ impl Tracer {
             Body::Fork { child } => self.fork(pid, *child)?,
             Body::Exec => {
                 let prefixes = self.probes.prefixes().to_vec();
-                let still_open = |fd: i32| {
-                    std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
-                        .is_ok_and(|p| seed::classify_path(&p, &prefixes).is_some())
+                // An fd whose link cannot be read stays (what it is is unknown); one closed by the exec goes.
+                let dir = crate::proc_read::ProcDir::open(pid);
+                let still_open = |fd: i32| match &dir {
+                    Ok(dir) => match dir.fd_target(fd) {
+                        Ok(Some(t)) => {
+                            seed::classify_path(t.as_encoded_bytes(), &prefixes).is_some()
+                        }
+                        Ok(None) => false,
+                        Err(e) => e != crate::proc_read::ProcError::Gone,
+                    },
+                    Err(e) => *e != crate::proc_read::ProcError::Gone,
                 };
                 self.launch_libs.forget_pid(pid);
                 let closed = self.fds.exec(pid, &still_open);
@@ -155,8 +163,14 @@ impl Tracer {
                 if self.releases.confirmed(e.tid, *kind, e.ts_ns).is_none() {
                     return Ok(false);
                 }
+                if let Some((lost_pid, _)) = self.lost_calls.remove(&e.tid) {
+                    // The call whose record was lost has returned: /proc shows what it did, read once the
+                    // ring is drained (`resync::resync_if_records_lost`).
+                    self.lost_reseeds.insert(lost_pid);
+                }
                 self.forget_proc_if_done(pid);
             }
+            Body::Lost { call, fd } => self.call_lost(e, *call, *fd),
             Body::Resync { .. } => {}
         }
         Ok(true)
@@ -216,6 +230,32 @@ impl Tracer {
         if let Some((UvmCount::GpusRegistered, delta)) = verdict.uvm {
             self.fds.add_uvm_gpus(file, i64::from(delta));
         }
+    }
+
+    /// The probes lost the record of a call `e`'s thread began (`Body::Lost`): whatever it does the records
+    /// will not say, so the ledger is partial. A driver call may have created anything on its file: that
+    /// file counts as holding GPU state (opaque) until its final release, which frees all it carries. Any
+    /// other call may have opened, mapped or closed something: once the thread is past it (its next traced
+    /// syscall, its death, or /proc) the process is read again from /proc, and until then it holds its
+    /// container's release back.
+    fn call_lost(&mut self, e: &Event, call: baton_probe_common::Sys, fd: i32) {
+        let (pid, cg) = (e.pid, e.cgroup_id);
+        tracing::debug!(
+            pid,
+            tid = e.tid,
+            fd,
+            "the probes lost the record of a {call:?} call: made up for from /proc"
+        );
+        self.ledger.container_mut(cg).partial = true;
+        if call == baton_probe_common::Sys::Ioctl {
+            if let Some(file) = self.fds.file_of(pid, fd) {
+                self.fds.mark_opaque(file);
+            }
+            return;
+        }
+        self.releases
+            .call_lost(e.tid, pid, cg, e.ts_ns, syscalls::of(call));
+        self.lost_calls.insert(e.tid, (pid, cg));
     }
 
     /// `pid` has NVIDIA fd `fd` now (an open or a dup): the kernel map has it, the launch probes look at it.

@@ -1,5 +1,6 @@
 //! The [`Tracer`]: probes, record stream, fd mirror, ledgers and the cgroup index, kept consistent.
 mod apply;
+mod inherit;
 mod quota;
 mod resync;
 mod wait;
@@ -71,6 +72,12 @@ pub enum TracerError {
     /// The ring buffer could not be polled.
     #[error("polling the eBPF ring buffer: {0}")]
     Poll(std::io::Error),
+    /// /proc could not be listed.
+    #[error(
+        "listing /proc: {0}: the tracer reads every process's /proc to follow what they already hold \
+         (run it as root, with /proc mounted)"
+    )]
+    ListProc(std::io::Error),
     /// A kernel map update failed.
     #[error("updating bpf map {map} for pid {pid}: {detail}")]
     MapUpdate {
@@ -171,6 +178,22 @@ pub struct Tracer {
     reads_in_flight: usize,
     /// Which tracer of this process this is (a ticket of another one is refused).
     instance: u64,
+    /// Threads inside a call whose record the probes lost (`Body::Lost`), with their (pid, cgroup): the
+    /// process is read again from /proc once the thread is confirmed past the call.
+    lost_calls: HashMap<u32, (u32, u64)>,
+    /// Processes to read again from /proc once the ring is drained: a call of theirs whose record was lost
+    /// has returned.
+    lost_reseeds: std::collections::BTreeSet<u32>,
+}
+
+/// `pids` in the order they started (a parent before its children); one whose start cannot be read last.
+fn by_start_time(pids: impl IntoIterator<Item = u32>) -> Vec<u32> {
+    let mut pids: Vec<(Option<u64>, u32)> = pids
+        .into_iter()
+        .map(|pid| (cgroups::start_ticks(pid), pid))
+        .collect();
+    pids.sort_by_key(|(start, pid)| (start.is_none(), *start, *pid));
+    pids.into_iter().map(|(_, pid)| pid).collect()
 }
 
 /// Numbers the tracers of this process.
@@ -221,9 +244,11 @@ impl Tracer {
             change_seq: 0,
             reads_in_flight: 0,
             instance: INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            lost_calls: HashMap::new(),
+            lost_reseeds: std::collections::BTreeSet::new(),
         };
         if t.watch_all {
-            for pid in seed::all_pids() {
+            for pid in seed::all_pids().map_err(TracerError::ListProc)? {
                 t.seed_pid(pid)?;
             }
         }
@@ -252,7 +277,9 @@ impl Tracer {
                 detail: e.to_string(),
             })?;
         self.watched.insert(id);
-        for pid in self.cgroup_pids(id) {
+        // Parents before their children, so that a child's inherited files are found in its parent's.
+        let pids = by_start_time(self.cgroup_pids(id));
+        for pid in pids {
             if let Err(e) = self.seed_pid(pid) {
                 // Rolled back: a cgroup half watched would look followed while it is not.
                 self.unwatch_cgroup(id);
@@ -263,7 +290,7 @@ impl Tracer {
     }
 
     /// The processes of watched cgroup `id` now.
-    fn cgroup_pids(&mut self, id: u64) -> Vec<i32> {
+    fn cgroup_pids(&mut self, id: u64) -> Vec<u32> {
         let Some(path) = self.cgroups.path_of(id).map(str::to_owned) else {
             return Vec::new();
         };
@@ -291,13 +318,14 @@ impl Tracer {
         self.forget_cgroup_quota(id);
         self.watched.remove(&id);
         self.releases.forget_cgroup(id);
+        self.lost_calls.retain(|_, (_, cg)| *cg != id);
         self.probes.forget_launches(id);
     }
 
     /// Seeds one process's fds and mappings from /proc into the kernel map and the mirror (as opaque files:
     /// the records never showed what they carry).
-    fn seed_pid(&mut self, pid: i32) -> Result<(), TracerError> {
-        self.reseed_pid(pid as u32).map(drop)
+    fn seed_pid(&mut self, pid: u32) -> Result<(), TracerError> {
+        self.reseed_pid(pid).map(drop)
     }
 
     /// Attaches the launch uprobes to every libcuda file process `pid` maps that is not probed yet (opened
@@ -403,9 +431,16 @@ impl Tracer {
         )
     }
 
-    /// Calls lost because another thread took their `PENDING` slot (see the probes' maps).
-    pub fn pending_evicted(&self) -> u64 {
-        self.probes.counter(Counter::PendingEvicted)
+    /// Calls whose record the probes could not keep (their in-flight slot was another thread's and the
+    /// overflow was full: see the probes' `pending.rs`); each made its container partial and its process
+    /// read again from /proc.
+    pub fn pending_lost(&self) -> u64 {
+        self.probes.counter(Counter::PendingLost)
+    }
+
+    /// Calls whose in-flight slot another thread's call held, kept in the overflow instead (nothing lost).
+    pub fn pending_overflowed(&self) -> u64 {
+        self.probes.counter(Counter::PendingOverflow)
     }
 
     /// Removals confirmed from /proc rather than by a probe.
@@ -427,7 +462,7 @@ impl Tracer {
         self.probes.set_watch_all(on)?;
         self.watch_all = on;
         if on {
-            for pid in seed::all_pids() {
+            for pid in seed::all_pids().map_err(TracerError::ListProc)? {
                 self.seed_pid(pid)?;
             }
         }

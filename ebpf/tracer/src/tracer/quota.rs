@@ -7,7 +7,13 @@
 //! followed by the probes (no records), and the agent follows it through /proc (a holder /proc shows that
 //! the mirror does not account for holds; see the agent's registry). Nothing it does reaches the other
 //! cgroups' entries.
-use baton_probe_common::{FdInfo, FdKey};
+//!
+//! A quota alone let sixteen containers of one tenant fill the map. So the map also keeps a node-wide
+//! reserve (`NV_FDS_RESERVE`): both sides count the entries they make and remove (`NV_FDS_USED`, the
+//! probes' half atomic, this side's written here only), a cgroup's first `NV_FDS_BASE` entries may come out
+//! of the reserve, and its later ones only while the shared part has room (`fd_entry_allowed`). However
+//! many containers at their quota, another container's first few hundred fds are followed.
+use baton_probe_common::{FdInfo, FdKey, NV_FDS_ENTRIES, NV_FDS_RESERVE, fd_entry_allowed};
 
 use super::{BPF_NOEXIST, Tracer, TracerError};
 
@@ -67,9 +73,27 @@ impl Tracer {
         self.probes.cg_fds_user.get(&cg, 0).unwrap_or(0)
     }
 
+    /// Adds `delta` (wrapping) to cgroup `cg`'s entries made by this side, and to the node's.
     fn add_user_fds(&mut self, cg: u64, delta: u64) {
         let n = self.user_fds(cg).wrapping_add(delta);
         let _ = self.probes.cg_fds_user.insert(cg, n, 0);
+        let node = self.probes.nv_fds_used.get(&1, 0).unwrap_or(0);
+        let _ = self.probes.nv_fds_used.set(1, node.wrapping_add(delta), 0);
+    }
+
+    /// Entries in the probes' fd map now (both sides' counts).
+    pub fn fd_map_entries(&self) -> u64 {
+        let side = |i: u32| self.probes.nv_fds_used.get(&i, 0).unwrap_or(0);
+        let n = side(0).wrapping_add(side(1));
+        if (n as i64) < 0 { 0 } else { n }
+    }
+
+    /// The probes' fd map: (entries it holds, entries free, entries of its reserve free). The reserve is
+    /// what only containers within their base may take (`NV_FDS_RESERVE`): the shared part is used first.
+    pub fn fd_map_room(&self) -> (u64, u64, u64) {
+        let used = self.fd_map_entries().min(u64::from(NV_FDS_ENTRIES));
+        let free = u64::from(NV_FDS_ENTRIES) - used;
+        (used, free, free.min(u64::from(NV_FDS_RESERVE)))
     }
 
     /// Marks cgroup `cg` as past its quota.
@@ -164,8 +188,16 @@ impl Tracer {
         }
         let cg = self.fds.get(tgid).map_or(0, |p| p.cgroup_id);
         let quota = u64::from(self.fd_quota());
-        if !there && quota != 0 && self.cgroup_fd_entries(cg) >= quota {
+        let mine = self.cgroup_fd_entries(cg);
+        if !there && quota != 0 && mine >= quota {
             self.mark_over(cg, &format!("has {quota} NVIDIA fds followed (its quota)"));
+            return Ok(false);
+        }
+        if !there && !fd_entry_allowed(self.fd_map_entries(), mine) {
+            self.mark_over(
+                cg,
+                "found the probes' fd map full but for the reserve kept for other containers' first fds",
+            );
             return Ok(false);
         }
         match self.probes.nv_fds.insert(key, info, flags) {
@@ -206,5 +238,31 @@ impl Tracer {
         if self.probes.nv_fds.remove(&key).is_ok() {
             self.add_user_fds(cg, u64::MAX);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use baton_probe_common::{NV_FDS_BASE, NV_FDS_ENTRIES, NV_FDS_RESERVE, fd_entry_allowed};
+
+    #[test]
+    fn a_container_within_its_base_may_take_the_reserve_and_one_past_it_may_not() {
+        let (all, shared, base) = (
+            u64::from(NV_FDS_ENTRIES),
+            u64::from(NV_FDS_ENTRIES - NV_FDS_RESERVE),
+            u64::from(NV_FDS_BASE),
+        );
+        // With room in the shared part, anyone may add.
+        assert!(fd_entry_allowed(0, 0));
+        assert!(fd_entry_allowed(shared - 1, base + 100));
+        // The shared part full: only a container within its base, from the reserve.
+        assert!(!fd_entry_allowed(shared, base));
+        assert!(fd_entry_allowed(shared, base - 1));
+        assert!(fd_entry_allowed(all - 1, 0));
+        // The whole map full: no one.
+        assert!(!fd_entry_allowed(all, 0));
+        // Sixteen containers at the default quota stop at the shared part, leaving the reserve whole.
+        let quota = u64::from(baton_probe_common::DEFAULT_FD_QUOTA);
+        assert!(16 * quota > shared && NV_FDS_RESERVE >= 64 * NV_FDS_BASE);
     }
 }

@@ -10,12 +10,13 @@ use crate::{
 };
 
 impl Tracer {
-    /// If records were dropped since the last look: applies every record still in the ring (older than what
-    /// /proc shows now), then re-reads every traced process from /proc, and returns those records followed by
-    /// a `Resync` event saying how many were lost.
+    /// If records were dropped since the last look, or calls whose record the probes lost have returned:
+    /// applies every record still in the ring (older than what /proc shows now), then re-reads from /proc
+    /// every traced process (records dropped: a `Resync` event, saying how many, follows the records
+    /// returned) or those processes (each once, however many of its calls were lost).
     pub(super) fn resync_if_records_lost(&mut self) -> Result<Vec<Event>, TracerError> {
         let drops = self.dropped();
-        if drops <= self.drops_seen {
+        if drops <= self.drops_seen && self.lost_reseeds.is_empty() {
             return Ok(Vec::new());
         }
         let mut out = Vec::new();
@@ -27,6 +28,14 @@ impl Tracer {
             out.extend(self.apply_all(batch)?);
         }
         let drops = self.dropped();
+        if drops <= self.drops_seen {
+            for pid in std::mem::take(&mut self.lost_reseeds) {
+                self.reseed_pid(pid)?;
+            }
+            self.resyncs += 1;
+            return Ok(out);
+        }
+        self.lost_reseeds.clear();
         let lost = drops - self.drops_seen;
         self.drops_seen = drops;
         self.resync()?;
@@ -50,18 +59,25 @@ impl Tracer {
     pub(super) fn resync(&mut self) -> Result<(), TracerError> {
         let mut pids: BTreeSet<u32> = self.fds.iter().map(|(pid, _)| pid).collect();
         if self.watch_all {
-            pids.extend(seed::all_pids().into_iter().map(|p| p as u32));
+            match seed::all_pids() {
+                Ok(all) => pids.extend(all),
+                // The processes the mirror knows are read again all the same; none is dropped unread.
+                Err(e) => tracing::warn!(
+                    "resync: cannot list /proc ({e}): only the followed processes are read again"
+                ),
+            }
         } else {
             let cgroups: Vec<u64> = self.watched.iter().copied().collect();
             for id in cgroups {
-                pids.extend(self.cgroup_pids(id).into_iter().map(|p| p as u32));
+                pids.extend(self.cgroup_pids(id));
             }
         }
         // Records were lost, whose they were the ring does not say: calls made meanwhile (allocations among
         // them) may be missing from the ledger of every container traced.
         let mut cgroups: BTreeSet<u64> = self.watched.iter().copied().collect();
         cgroups.extend(self.fds.iter().map(|(_, p)| p.cgroup_id));
-        for pid in pids {
+        // Parents before their children, so that a child's inherited files are found in its parent's.
+        for pid in super::by_start_time(pids) {
             self.reseed_pid(pid)?;
         }
         for cg in cgroups {
@@ -155,6 +171,10 @@ impl Tracer {
                 continue;
             }
             let pid = read.pid;
+            if let seed::Shown::Unreadable(why) = &read.shown {
+                out.unreadable.push((pid, why.clone()));
+                continue;
+            }
             let c = self.reseed_with(read)?;
             if !c.is_empty() {
                 out.corrected.push((pid, c));
@@ -171,9 +191,22 @@ impl Tracer {
         }
     }
 
-    /// [`Tracer::reseed_pid`] with what /proc showed (`read`).
+    /// [`Tracer::reseed_pid`] with what /proc showed (`read`). A process whose /proc could not be read whole
+    /// is left as the mirror has it: nothing is dropped on a read that may have missed it, and nothing is
+    /// added (the agent's checks count such a process as holding every GPU).
     fn reseed_with(&mut self, read: seed::ProcRead) -> Result<Corrections, TracerError> {
-        let seed::ProcRead { pid, alive, seen } = read;
+        let pid = read.pid;
+        let (alive, seen) = match read.shown {
+            seed::Shown::Gone => (false, Vec::new()),
+            seed::Shown::Holds(seen) => (true, seen),
+            seed::Shown::Unreadable(why) => {
+                tracing::debug!(
+                    pid,
+                    "/proc of pid {pid} could not be read ({why}): the mirror keeps what it has of it"
+                );
+                return Ok(Corrections::default());
+            }
+        };
         let known = self.fds.get(pid).map(|p| p.cgroup_id);
         if known.is_none() && seen.is_empty() {
             return Ok(Corrections::default());
@@ -185,6 +218,7 @@ impl Tracer {
         if !c.is_empty() {
             self.proc_changed(pid);
         }
+        self.share_with_parent(pid, &c);
         for fd in &c.stale_fds {
             self.kernel_forget(pid, cgroup_id, *fd);
         }
@@ -223,4 +257,6 @@ pub struct ReconciledReads {
     pub corrected: Vec<(u32, Corrections)>,
     /// The processes left as the mirror has them: a record changed them after the read began.
     pub skipped: Vec<u32>,
+    /// The processes left as the mirror has them: their /proc could not be read whole (why).
+    pub unreadable: Vec<(u32, String)>,
 }

@@ -25,8 +25,16 @@
 //! closes all it holds) -> `ok T`; `grab-fd PID FD` (pidfd_getfd of the child's FD) -> `ok NEWFD`; `ring-file FD`
 //! (FD registered as a fixed file of a new io_uring) -> `ok RINGFD`; `clone-files` (a receiver child that
 //! shares this process's fd table) -> `ok PID`; `child-exit-now PID` (the child exits, reaped) -> `ok T`; `exec-map PATH` (re-executes; the new program maps PATH before anything else) ->
-//! `ok T ADDR`; `anon-maps N` (N anonymous mappings of its own that do not merge, as a tenant with a
-//! long /proc maps has; needs `vm.max_map_count` above N) -> `ok LINES` (of its maps now); `race-alloc FD N
+//! `ok T ADDR`; `map-below ADDR HEXNAME` (creates /tmp/NAME, NAME the bytes HEXNAME spells, which need not be
+//! UTF-8, and maps it shared at the lowest free address from 256 MiB up, below ADDR) -> `ok ADDR`; `anon-maps N` (N anonymous mappings of its own that do not merge, as a tenant with a
+//! long /proc maps has; needs `vm.max_map_count` above N) -> `ok LINES` (of its maps now); `munmap-raw ADDR
+//! LEN` (munmap of LEN bytes, failing or not) -> `ok ERRNO T` (0: it succeeded); `ioctl-threads FD N` (N more
+//! threads that make RM_CONTROL calls on FD back to back, as a tenant's busy threads would) -> `ok`, and
+//! `stop-ioctl-threads` (they end) -> `ok CALLS`; `callers TAG N` (N more parked threads in group TAG, made
+//! one after the other) -> `ok`, `go TAG ioctl FD` or `go TAG map FD` (each makes that one call, a mapping
+//! of a page kept; answered once each is inside it or past it) -> `ok INSIDE`, `join TAG` -> `ok MAPPED`;
+//! `close-async FD` (a thread closes FD; answered once it is inside the close) -> `ok` (see
+//! `workload::callers`); `race-alloc FD N
 //! KIB` (a client and a device on FD, then N allocations of KIB KiB of video memory while a second thread
 //! rewrites each, once the driver answered, to read as refused and of 0 bytes: `workload::race`) -> `ok
 //! CLIENT DEVICE REWRITTEN`; `race-free FD CLIENT DEVICE N` (N refused frees rewritten to read as NV_OK
@@ -46,6 +54,7 @@ use anyhow::{Context, anyhow, bail};
 use baton_mock_nvidia::{
     wire::put_u32,
     workload::{
+        callers::{self, Callers},
         calls,
         nvfile::NvFile,
         race,
@@ -80,6 +89,8 @@ struct Holder {
     /// Children from `fork-receiver`, by pid.
     receivers: HashMap<i32, Receiver>,
     spinning: Arc<AtomicBool>,
+    /// Threads that call the driver together (`ioctl-threads`, `callers`).
+    callers: Callers,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -99,6 +110,7 @@ fn main() -> anyhow::Result<()> {
         children: HashMap::new(),
         receivers: HashMap::new(),
         spinning: Arc::new(AtomicBool::new(false)),
+        callers: Callers::default(),
     };
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
@@ -157,6 +169,7 @@ impl Holder {
             }
             "keep-dups" => keep_dups(num(1)? as RawFd, num(2)? as u64)?.to_string(),
             "anon-maps" => anon_maps(num(1)? as usize)?.to_string(),
+            "map-below" => format!("0x{:x}", map_below(num(1)? as usize, arg(2)?)?),
             "reuse-dup" => self
                 .reuse_dup(arg(1)?, arg(2)?, num(3)? as usize, num(4)? as usize)?
                 .to_string(),
@@ -169,6 +182,25 @@ impl Holder {
                     let _ = unsafe { libc::ioctl(fd, cmd as libc::c_ulong, params.as_mut_ptr()) };
                 }
                 String::new()
+            }
+            "ioctl-threads" => {
+                self.callers.start_busy(num(1)? as RawFd, num(2)? as usize);
+                String::new()
+            }
+            "stop-ioctl-threads" => self.callers.stop_busy()?.to_string(),
+            "callers" => {
+                self.callers.park(arg(1)?, num(2)? as usize)?;
+                String::new()
+            }
+            "go" => self.callers.go(arg(1)?, arg(2)?, arg(3)?)?.to_string(),
+            "join" => self.callers.join(arg(1)?)?.to_string(),
+            "close-async" => {
+                callers::close_async(num(1)? as RawFd)?;
+                String::new()
+            }
+            "munmap-raw" => {
+                let errno = munmap_raw(num(1)? as usize, num(2)? as usize);
+                format!("{errno} {}", now_ns())
             }
             "alloc" => {
                 let mib = if words.len() > 2 { num(2)? as u64 } else { 1 };
@@ -614,6 +646,47 @@ fn shm_over(addr: usize, pages: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Creates `/tmp/NAME` (NAME: the bytes `hex_name` spells) and maps its one page shared at the lowest free
+/// page-aligned address from 256 MiB up that is below `below` (`MAP_FIXED_NOREPLACE`, one MiB apart): a
+/// mapping whose line comes before `below`'s in /proc/PID/maps. Returns its address.
+fn map_below(below: usize, hex_name: &str) -> anyhow::Result<usize> {
+    use std::os::unix::ffi::OsStrExt;
+    let name = (0..hex_name.len())
+        .step_by(2)
+        .map(|i| {
+            let pair = hex_name
+                .get(i..i + 2)
+                .context("an odd number of hex digits")?;
+            u8::from_str_radix(pair, 16).with_context(|| format!("{pair:?} is not hex"))
+        })
+        .collect::<anyhow::Result<Vec<u8>>>()?;
+    let path = std::path::Path::new("/tmp").join(std::ffi::OsStr::from_bytes(&name));
+    std::fs::write(&path, vec![0u8; MAP_LEN]).with_context(|| format!("creating {path:?}"))?;
+    let file = std::fs::File::options()
+        .read(true)
+        .write(true)
+        .open(&path)?;
+    let mut at = 256usize << 20;
+    while at + MAP_LEN <= below {
+        // SAFETY: MAP_FIXED_NOREPLACE maps only where nothing is mapped; the mapping is kept until exit.
+        let mapped = unsafe {
+            mman::mmap(
+                std::num::NonZeroUsize::new(at),
+                std::num::NonZeroUsize::new(MAP_LEN).context("length")?,
+                mman::ProtFlags::PROT_READ | mman::ProtFlags::PROT_WRITE,
+                mman::MapFlags::MAP_SHARED | mman::MapFlags::MAP_FIXED_NOREPLACE,
+                &file,
+                0,
+            )
+        };
+        if let Ok(addr) = mapped {
+            return Ok(addr.as_ptr() as usize);
+        }
+        at += 1 << 20;
+    }
+    bail!("no free address below 0x{below:x}")
+}
+
 /// munmap of `pages` pages at `addr`.
 fn unmap_pages(addr: usize, pages: usize) -> anyhow::Result<()> {
     let ptr = std::ptr::NonNull::new(addr as *mut libc::c_void).context("address 0")?;
@@ -663,6 +736,18 @@ fn dont_fork(addr: usize, pages: usize) -> anyhow::Result<()> {
     unsafe { mman::madvise(ptr, pages * MAP_LEN, mman::MmapAdvise::MADV_DONTFORK) }
         .context("madvise")?;
     Ok(())
+}
+
+/// munmap of `len` bytes at `addr` as the script says, whatever they are (an unaligned address, a length
+/// past the address space): the errno it failed with, or 0.
+fn munmap_raw(addr: usize, len: usize) -> i32 {
+    // SAFETY: the script unmaps what it names; a call the kernel refuses changes nothing, and no Rust object
+    // lives in the script's mappings.
+    if unsafe { libc::munmap(addr as *mut libc::c_void, len) } == 0 {
+        0
+    } else {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(-1)
+    }
 }
 
 fn unmap(addr: usize) -> anyhow::Result<()> {

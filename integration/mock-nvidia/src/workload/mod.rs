@@ -10,6 +10,7 @@
 //! (a DataLoader worker). [`launch`] calls kernel launches through a (fake) libcuda for the
 //! launch-telemetry tests. [`race`] rewrites its own params after the driver answered (a hostile tenant).
 
+pub mod callers;
 pub mod calls;
 pub mod control;
 pub mod gate;

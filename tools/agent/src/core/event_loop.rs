@@ -86,17 +86,7 @@ impl Core {
                 acknowledged()
             }
             What::Note(note) => {
-                self.note(&note);
-                // A checkpoint call returned: the kernel's view of the container is checked at once.
-                if matches!(
-                    note.kind,
-                    super::NoteKind::Preemption {
-                        phase: baton_agent_api::Phase::Checkpointed,
-                        ..
-                    }
-                ) {
-                    self.reconcile(std::slice::from_ref(&note.container));
-                }
+                self.preemption_noted(&note);
                 acknowledged()
             }
             What::Metrics(answer) => {

@@ -117,6 +117,11 @@ pub enum NoteKind {
         phase: baton_agent_api::Phase,
         /// What the step says.
         detail: String,
+        /// The process it concerns, if one.
+        pid: Option<u32>,
+        /// On a `checkpointed` step, the processes the shim says have no CUDA state (see
+        /// `registry::shims_word`).
+        no_cuda_state: Vec<u32>,
     },
 }
 
@@ -129,6 +134,8 @@ impl Note {
             kind: NoteKind::Preemption {
                 phase: step.phase,
                 detail: step.detail.clone(),
+                pid: step.pid,
+                no_cuda_state: step.no_cuda_state.clone(),
             },
         }
     }

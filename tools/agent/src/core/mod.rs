@@ -85,6 +85,9 @@ pub struct Core {
     pub fd_quota: u32,
     /// The memory the gate keeps free on each GPU (`gpu_memory_headroom`, from the shims' registrations).
     pub(crate) gpu_headroom: u64,
+    /// The least need a declared `gpu-memory` counts for (`gpu_memory_minimum`, from the shims'
+    /// registrations).
+    pub(crate) gpu_min_need: u64,
     /// The node's budget for the memory limits parks raise (`parked_host_memory_budget`, from the shims'
     /// registrations; `None`: half the node's memory).
     pub(crate) parked_budget: Option<u64>,
@@ -128,6 +131,7 @@ impl Core {
             idle: Default::default(),
             fd_quota: baton_tracer::DEFAULT_FD_QUOTA,
             gpu_headroom: 0,
+            gpu_min_need: 0,
             parked_budget: None,
             mem_total: baton_cgroups::memory::node_total().unwrap_or(0),
             peaks: Default::default(),

@@ -108,6 +108,14 @@ impl Core {
         let before = tracer.gpu_state(cgroup_id);
         match tracer.reconcile_reads(ticket, reads) {
             Ok(done) => {
+                for (pid, why) in &done.unreadable {
+                    tracing::debug!(
+                        id = c.id,
+                        pid,
+                        "agent: /proc of pid {pid} could not be read whole ({why}): the mirror keeps what it \
+                         has of it (the check before a release counts it as holding)"
+                    );
+                }
                 if !done.skipped.is_empty() {
                     tracing::debug!(
                         id = c.id,
@@ -130,7 +138,7 @@ impl Core {
 
     /// Applies the records still in the ring, so that /proc is compared with everything the probes saw.
     /// False when the ring could not be read (the failure is handled as any batch's).
-    fn drain_for_proc(&mut self) -> bool {
+    pub(crate) fn drain_for_proc(&mut self) -> bool {
         let Some(tracer) = self.tracer.as_mut() else {
             return false;
         };

@@ -69,7 +69,9 @@ impl Core {
             programs_attached: self.tracer.as_ref().map_or(0, Tracer::programs_attached),
             ringbuf_drops: self.tracer.as_ref().map_or(0, Tracer::dropped),
             resyncs: self.tracer.as_ref().map_or(0, Tracer::resyncs),
-            pending_evicted: self.tracer.as_ref().map_or(0, Tracer::pending_evicted),
+            pending_lost: self.tracer.as_ref().map_or(0, Tracer::pending_lost),
+            pending_overflowed: self.tracer.as_ref().map_or(0, Tracer::pending_overflowed),
+            probe_fd_map: self.tracer.as_ref().map(probe_fd_map),
             confirmed_by_proc: self.tracer.as_ref().map_or(0, Tracer::confirmed_by_proc),
             containers,
             controller: self.controller_status(),
@@ -134,6 +136,10 @@ impl Core {
             containers,
             probes_attached: self.tracer.is_some(),
             totals: self.retired.with(self.tracer.as_ref()),
+            fd_map_free: self.tracer.as_ref().map(|t| {
+                let (_, free, reserve_free) = t.fd_map_room();
+                (free, reserve_free)
+            }),
             controller: self.controller_status(),
             gap_fill: self.gap_fill_status(),
             parked_host_memory: self.parked_host_memory(),
@@ -178,4 +184,15 @@ fn gpu_memory(containers: &[baton_agent_api::ContainerStatus]) -> Vec<baton_agen
             },
         )
         .collect()
+}
+
+/// How full the probes' fd map is.
+fn probe_fd_map(t: &Tracer) -> baton_agent_api::ProbeFdMap {
+    let (used, _, reserve_free) = t.fd_map_room();
+    baton_agent_api::ProbeFdMap {
+        entries: u64::from(baton_tracer::NV_FDS_ENTRIES),
+        used,
+        reserve: u64::from(baton_tracer::NV_FDS_RESERVE),
+        reserve_free,
+    }
 }

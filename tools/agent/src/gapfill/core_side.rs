@@ -26,7 +26,7 @@ impl Core {
         let holders = self.holders(&w.container, &w.devices);
         let mut picks = self.gapfill.to_preempt(server, &holders);
         for p in &mut picks {
-            p.bytes = self.ledger_bytes(&p.container);
+            p.bytes = self.counted_bytes(&p.container);
         }
         let fit = self.fit_of(w);
         if matches!(fit, crate::gate::room::Fit::Never { .. }) {
@@ -141,11 +141,12 @@ impl Core {
                 }
             }
             Done::Step(step) => {
-                self.note(&Note::of_step(&step));
+                self.preemption_noted(&Note::of_step(&step));
                 return;
             }
             Done::ServerParked { container, result } => self.idle_parked(&container, &result),
             Done::ServerResumed { container, result } => self.idle_resumed(&container, &result),
+            Done::ParkedAgain { container, result } => self.parked_again(&container, &result),
         }
         self.show_rate_gate_changes();
         self.check_gates();

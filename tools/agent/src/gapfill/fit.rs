@@ -17,6 +17,22 @@ impl Core {
         (s.opaque_files == 0).then_some(s.vram_bytes)
     }
 
+    /// The need container `c` declared (`baton.io/gpu-memory`), raised to the node's least need
+    /// (`gpu_memory_minimum`); `None`: it declared none, and needs the whole GPU.
+    pub(crate) fn declared_need(&self, c: &ContainerRef) -> Option<u64> {
+        let declared = self.watched.get(c)?.registration.gpu_memory?;
+        Some(declared.max(self.gpu_min_need))
+    }
+
+    /// What container `c` counts for on a GPU it holds, beside others: its ledger's video memory when it
+    /// declared a need; the whole GPU (`None`) when it declared none (room is among declarers: a container
+    /// that never said what it needs may grow to the whole GPU, so nothing starts beside it on room), or
+    /// when the ledger cannot measure it.
+    pub(crate) fn counted_bytes(&self, c: &ContainerRef) -> Option<u64> {
+        self.declared_need(c)?;
+        self.ledger_bytes(c)
+    }
+
     /// The fewest of `picks`, lowest priority first, whose memory frees `deficit` beside what the co-runners
     /// already being preempted off these GPUs will free (none when those do); all of them when even all
     /// would not (then the server waits for the other holders, as for the whole GPU). A co-runner whose
@@ -31,7 +47,7 @@ impl Core {
         for h in holders {
             let c = &h.registration.container;
             if self.gapfill.is_being_preempted(c) {
-                freed = freed.saturating_add(self.ledger_bytes(c).unwrap_or(u64::MAX));
+                freed = freed.saturating_add(self.counted_bytes(c).unwrap_or(u64::MAX));
             }
         }
         if freed >= deficit {

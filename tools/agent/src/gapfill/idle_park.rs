@@ -134,6 +134,7 @@ impl Core {
             idle_park: true,
             vram_bytes: Some(r.vram_bytes),
             host_budget_left_bytes: Some(r.host_budget_left),
+            again: false,
         });
         let done = self.gapfill.done_sender();
         let container = c.clone();
@@ -247,7 +248,7 @@ impl Core {
             hidden_logged: false,
             clear_since_ns: None,
             devices: gate::devices_seen(w.registration.init_pid, &w.registration.devices),
-            need: w.registration.gpu_memory,
+            need: self.declared_need(c),
             asked_ns: now_monotonic_ns(),
             deadline: Instant::now() + within,
             reply,
@@ -277,6 +278,7 @@ impl Core {
                     phase: Phase::StillParked,
                     pid: None,
                     detail: detail.clone(),
+                    no_cuda_state: Vec::new(),
                 }));
                 let _ = done.send(Done::ServerResumed {
                     container,

@@ -31,6 +31,7 @@ use tokio::{sync::mpsc, time::Instant};
 mod core_side;
 mod fit;
 mod idle_park;
+mod park_again;
 mod rate_gate;
 mod rate_store;
 mod stop;
@@ -89,6 +90,13 @@ pub enum Done {
     /// The resume of a server the agent parked for idleness, on a request for it.
     ServerResumed {
         /// The server.
+        container: ContainerRef,
+        /// The outcome, or why it failed.
+        result: Result<Outcome, String>,
+    },
+    /// A park-again of a parked container that acquired GPU state (`park_again.rs`).
+    ParkedAgain {
+        /// The container.
         container: ContainerRef,
         /// The outcome, or why it failed.
         result: Result<Outcome, String>,
@@ -170,6 +178,8 @@ pub struct GapFill {
     done_rx: mpsc::UnboundedReceiver<Done>,
     /// Whether the agent fills each GPU.
     pub rate: RateGate,
+    /// Parked containers being parked again (`park_again.rs`).
+    parking_again: BTreeSet<ContainerRef>,
 }
 
 impl Default for GapFill {
@@ -184,6 +194,7 @@ impl Default for GapFill {
             done_tx,
             done_rx,
             rate: RateGate::default(),
+            parking_again: BTreeSet::new(),
         }
     }
 }
@@ -283,6 +294,7 @@ impl GapFill {
             idle_park: false,
             vram_bytes: Some(r.vram_bytes),
             host_budget_left_bytes: Some(r.host_budget_left),
+            again: false,
         });
         let done = self.done_tx.clone();
         let container = pick.container.clone();

@@ -36,6 +36,7 @@ fn step(phase: Phase, detail: &str) -> Step {
         phase,
         pid: Some(42),
         detail: detail.into(),
+        no_cuda_state: Vec::new(),
     }
 }
 
@@ -137,6 +138,7 @@ async fn a_failed_preemption_is_told_once_and_a_co_runner_that_finishes_at_its_r
             host_copy_bytes: None,
             raised_limit: None,
             unfrozen: false,
+            no_cuda_state: Vec::new(),
         }),
         steps: vec![],
     };

@@ -62,20 +62,31 @@ impl DeviceKey {
     /// the dynamic UVM major, 0 when unknown), else by its name `name` (the FUSE mock), then known by its
     /// file system and inode. The one classification of a device file, for the gate and the /proc checks.
     pub fn classify(path: &Path, name: &str, uvm_major: u32) -> Option<(FdKind, Self)> {
-        let base = name.rsplit('/').next().unwrap_or(name);
         let meta = std::fs::metadata(path).ok()?;
+        Self::classify_meta(&meta, name.as_bytes(), uvm_major)
+    }
+
+    /// [`DeviceKey::classify`] of a file already looked at (`meta`, its link followed), named `name` (raw
+    /// bytes: a path as /proc prints it).
+    pub fn classify_meta(
+        meta: &std::fs::Metadata,
+        name: &[u8],
+        uvm_major: u32,
+    ) -> Option<(FdKind, Self)> {
+        let base = baton_tracer::proc_read::base_name(name);
         let (kind, key) = if meta.file_type().is_char_device() {
             let dev = meta.rdev();
             let (major, minor) = (nix::sys::stat::major(dev), nix::sys::stat::minor(dev));
             let (kind, _) = classify_chrdev(major as u32, minor as u32, uvm_major)
-                .or_else(|| classify_name(base.as_bytes()))?;
+                .or_else(|| classify_name(base))?;
             (kind, Self::Number(major, minor))
         } else {
-            let (kind, _) = classify_name(base.as_bytes())?;
+            let (kind, _) = classify_name(base)?;
             let key = Self::File {
                 dev: meta.dev(),
                 ino: meta.ino(),
-                name: base.to_owned(),
+                // Every NVIDIA device name is ASCII.
+                name: String::from_utf8_lossy(base).into_owned(),
             };
             (kind, key)
         };

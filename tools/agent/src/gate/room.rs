@@ -2,10 +2,15 @@
 //! once that much is free on every GPU it sees, beside the holders, instead of waiting for an empty GPU.
 //! Free is the GPU's capacity (NVML's total; without NVML, or before it answered, only an empty GPU lets a
 //! Start through, as before) less the node's headroom (`gpu_memory_headroom`) less what each holder has there:
-//! - a watched holder: its ledger's video memory. One whose ledger cannot say (open NVIDIA files whose
-//!   contents the probes never saw: a container past its fd quota, a ledger rebuilt after an agent restart)
-//!   counts as the whole GPU;
+//! - a watched holder that declared a need: its ledger's video memory. One whose ledger cannot say (open
+//!   NVIDIA files whose contents the probes never saw: a container past its fd quota, a ledger rebuilt after
+//!   an agent restart) counts as the whole GPU;
+//! - a watched holder that declared none: the whole GPU. Room is among declarers: a container that never
+//!   said what it needs may grow to the whole GPU (a tenant's `gpu-memory: "1"` must not start beside a
+//!   container that expected the GPU alone);
 //! - a container let through the gate that has not allocated yet: its need (the whole GPU without one);
+//!
+//! A declared need counts for at least the node's `gpu_memory_minimum`.
 //! - a process only /proc shows: not counted here, it keeps the gate shut as before (the gate's hidden
 //!   holders), since nothing measures it.
 //!
@@ -128,7 +133,7 @@ impl Core {
             let c = &h.registration.container;
             held.push(HeldMemory {
                 container: c.clone(),
-                bytes: self.ledger_bytes(c),
+                bytes: self.counted_bytes(c),
             });
         }
         for (c, on) in self.gapfill.claims() {
@@ -136,7 +141,7 @@ impl Core {
             if c == *me || !here || held.iter().any(|h| h.container == c) {
                 continue;
             }
-            let need = self.watched.get(&c).and_then(|w| w.registration.gpu_memory);
+            let need = self.declared_need(&c);
             held.push(HeldMemory {
                 container: c,
                 bytes: need,
@@ -194,6 +199,27 @@ impl Core {
                 free: tightest,
             }
         }
+    }
+
+    /// Why each holder of waiter `w`'s GPUs that counts as the whole GPU does (`"C counts as the whole GPU:
+    /// it declared no baton.io/gpu-memory"`), for the gate's messages.
+    pub(crate) fn whole_gpu_holders(&self, w: &Waiter) -> Vec<String> {
+        let mut seen = BTreeSet::new();
+        let mut out = Vec::new();
+        for key in &w.devices {
+            for h in self.held_on(key, &w.container) {
+                if h.bytes.is_some() || !seen.insert(h.container.clone()) {
+                    continue;
+                }
+                let why = if self.declared_need(&h.container).is_none() {
+                    "it declared no baton.io/gpu-memory (room is among containers that say what they need)"
+                } else {
+                    "the ledger cannot measure its memory (NVIDIA files whose contents the probes never saw)"
+                };
+                out.push(format!("{} counts as the whole GPU: {why}", h.container.id));
+            }
+        }
+        out
     }
 
     /// GPU `key`'s room as `status` shows it, with the needs of the Starts waiting for it.

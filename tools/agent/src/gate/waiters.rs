@@ -32,7 +32,7 @@ impl Core {
         let timeout = std::time::Duration::from_millis(request.timeout_ms)
             .min(baton_agent_api::MAX_WAIT_GPU_FREE);
         let cgroup = w.registration.cgroup.clone();
-        let need = w.registration.gpu_memory;
+        let need = self.declared_need(&request.container);
         self.waiters.push(Waiter {
             container: request.container,
             cgroup,
@@ -389,11 +389,17 @@ impl Core {
                 }
                 _ => String::new(),
             };
-            let unparkable: String = w
+            let mut unparkable: String = w
                 .unparkable
                 .iter()
                 .map(|(c, why)| format!("; {} was not parked: {why}", c.id))
                 .collect();
+            if w.need.is_some() {
+                for whole in self.whole_gpu_holders(w) {
+                    unparkable.push_str("; ");
+                    unparkable.push_str(&whole);
+                }
+            }
             format!(
                 "the GPU is still held by {} after {waited:?}{room}{unparkable}",
                 watched.join(", ")

@@ -351,8 +351,40 @@ fn node(r: &mut Registry, s: &Snapshot) {
     map_full.inc_by(s.totals.fds_map_full);
     r.register(
         "probe_fds_map_full",
-        "NVIDIA fds the probes did not follow because their fd map was full",
+        "NVIDIA fds the probes did not follow because their fd map was full (or all but its reserve, for a \
+         container past its base)",
         map_full,
+    );
+    if let Some((free, reserve_free)) = s.fd_map_free {
+        let g: Gauge = Gauge::default();
+        g.set(gauge(free));
+        r.register(
+            "probe_fd_map_free_entries",
+            "Free entries of the probes' fd map (for the whole node)",
+            g,
+        );
+        let g: Gauge = Gauge::default();
+        g.set(gauge(reserve_free));
+        r.register(
+            "probe_fd_map_reserve_free_entries",
+            "Free entries of the fd map's reserve, which only each container's first fds may take",
+            g,
+        );
+    }
+    let overflowed: Counter = Counter::default();
+    overflowed.inc_by(s.totals.pending_overflowed);
+    r.register(
+        "probe_pending_overflowed",
+        "Calls whose in-flight slot another thread's call held, kept in the probes' overflow (nothing lost)",
+        overflowed,
+    );
+    let pending_lost: Counter = Counter::default();
+    pending_lost.inc_by(s.totals.pending_lost);
+    r.register(
+        "probe_pending_lost",
+        "Calls whose record the probes could not keep: their container's ledger was marked partial and its \
+         process read again from /proc once the call returned",
+        pending_lost,
     );
 }
 

@@ -213,6 +213,7 @@ mod tests {
             phase,
             pid: None,
             detail: String::new(),
+            no_cuda_state: Vec::new(),
         }
     }
 

@@ -109,8 +109,13 @@ pub struct TracerTotals {
     pub resyncs: u64,
     /// NVIDIA fds the probes did not follow: their cgroup was at its quota.
     pub fds_over_quota: u64,
-    /// NVIDIA fds the probes did not follow: their fd map was full.
+    /// NVIDIA fds the probes did not follow: their fd map was full (or all but its reserve, for a container
+    /// past its base).
     pub fds_map_full: u64,
+    /// Calls kept in the probes' overflow because another thread's call held their in-flight slot.
+    pub pending_overflowed: u64,
+    /// Calls whose record the probes could not keep (made up for from /proc).
+    pub pending_lost: u64,
 }
 
 impl TracerTotals {
@@ -122,6 +127,8 @@ impl TracerTotals {
             resyncs: self.resyncs + t.map_or(0, Tracer::resyncs),
             fds_over_quota: self.fds_over_quota + refused.0,
             fds_map_full: self.fds_map_full + refused.1,
+            pending_overflowed: self.pending_overflowed + t.map_or(0, Tracer::pending_overflowed),
+            pending_lost: self.pending_lost + t.map_or(0, Tracer::pending_lost),
         }
     }
 }
@@ -220,6 +227,8 @@ pub struct Snapshot {
     pub probes_attached: bool,
     /// The tracer's counters, summed over its probe sets.
     pub totals: TracerTotals,
+    /// The probes' fd map: (entries free, entries of its reserve free); `None` while they are detached.
+    pub fd_map_free: Option<(u64, u64)>,
     /// The co-runner controller's view (freezes).
     pub controller: ControllerStatus,
     /// Gap-fill's view (per GPU: the rate gate).

@@ -5,6 +5,7 @@
 mod checks;
 pub mod peaks;
 mod publish;
+pub mod shims_word;
 pub mod watched;
 
 use baton_agent_api::{
@@ -48,6 +49,9 @@ impl Core {
         }
         if let Some(headroom) = reg.settings.gpu_memory_headroom {
             self.gpu_headroom = headroom;
+        }
+        if let Some(minimum) = reg.settings.gpu_memory_minimum {
+            self.gpu_min_need = minimum;
         }
         if let Some(budget) = reg.settings.parked_host_memory_budget {
             self.parked_budget = Some(budget);
@@ -97,6 +101,8 @@ impl Core {
         self.idle.adopt(&w);
         self.watched.insert(key.clone(), w);
         self.publish(&key, owner, body);
+        // A container parked before this agent started: its shim's word on what its processes hold.
+        self.preemption_state_changed(&key);
         Ok(status)
     }
 
@@ -222,36 +228,48 @@ impl Core {
         }
     }
 
-    /// The processes of cgroup `cgroup_id` that own CUDA state (its CUDA processes), sorted; none without
-    /// probes: those that allocated the clients holding GPU state (the ledger's), and those holding files
-    /// whose contents the records never showed (followed only from /proc). A process that only inherited
-    /// NVIDIA files (a forked DataLoader worker) owns none: it is frozen with the cgroup, never checkpointed
-    /// (the driver answers CUDA_ERROR_NOT_INITIALIZED for it: /work/shared/gpu/580.159.04/README.md, point 5).
+    /// The processes of cgroup `cgroup_id` a preemption names to the shim, sorted (none without probes): those
+    /// that allocated the clients holding GPU state (the ledger's), those holding files whose contents the
+    /// records never showed (followed only from /proc), and those that share a file with a process of the
+    /// first kind (a worker forked after CUDA init). The shim asks the driver which of them own CUDA state and
+    /// leaves the others alone, frozen with the cgroup, never checkpointed (the driver answers
+    /// CUDA_ERROR_NOT_INITIALIZED for a forked worker: /work/shared/gpu/580.159.04/README.md, point 5); and
+    /// it says which those are, the word an agent started after the park began needs to release it
+    /// (`shims_word`): a worker left unnamed would keep its files, which that agent sees as opaque, held.
     fn cuda_pids(&self, cgroup_id: u64) -> Vec<u32> {
         let Some(t) = self.tracer.as_ref() else {
             return Vec::new();
         };
         let table = t.fd_table();
-        let mut pids: std::collections::BTreeSet<u32> = t
+        let mine: Vec<(u32, &baton_tracer::fdtable::ProcFds)> = table
+            .iter()
+            .filter(|(_, p)| p.cgroup_id == cgroup_id)
+            .collect();
+        let files_of = |p: &baton_tracer::fdtable::ProcFds| -> Vec<baton_tracer::files::FileId> {
+            let fds = p.fds.values().map(|nv| nv.file);
+            fds.chain(p.maps.values().map(|m| m.file)).collect()
+        };
+        let owners = t
             .ledger()
             .container(cgroup_id)
             .map(|l| l.state_owners())
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|pid| table.get(*pid).is_some_and(|p| p.cgroup_id == cgroup_id))
+            .unwrap_or_default();
+        let owners_files: std::collections::HashSet<baton_tracer::files::FileId> = mine
+            .iter()
+            .filter(|(pid, _)| owners.contains(pid))
+            .flat_map(|(_, p)| files_of(p))
             .collect();
-        for (pid, p) in table.iter().filter(|(_, p)| p.cgroup_id == cgroup_id) {
-            let opaque = p
-                .fds
-                .values()
-                .map(|nv| nv.file)
-                .chain(p.maps.values().map(|m| m.file))
-                .any(|f| table.files().get(f).is_some_and(|f| f.opaque));
-            if opaque {
-                pids.insert(pid);
-            }
-        }
-        pids.into_iter().collect()
+        mine.iter()
+            .filter(|(pid, p)| {
+                owners.contains(pid)
+                    || files_of(p).iter().any(|f| {
+                        owners_files.contains(f) || table.files().get(*f).is_some_and(|f| f.opaque)
+                    })
+            })
+            .map(|(pid, _)| *pid)
+            .collect::<std::collections::BTreeSet<u32>>()
+            .into_iter()
+            .collect()
     }
 
     /// The shim that registered a container pushes its preemption state (it owns it): kept as it says.
@@ -275,6 +293,7 @@ impl Core {
         );
         w.preemption = update.state;
         self.gapfill.adopt(w);
+        self.preemption_state_changed(&update.container);
         Reply::Unregistered { found: true }
     }
 
@@ -284,6 +303,7 @@ impl Core {
         match self.watched.get_mut(c) {
             Some(w) => {
                 w.preemption = state;
+                self.preemption_state_changed(c);
                 true
             }
             None => false,

@@ -27,6 +27,7 @@ impl Core {
         match &body {
             EventBody::Acquired(a) => {
                 tracing::info!(id = c.id, pid = a.pid, "agent: container acquired the GPU");
+                self.park_again_if_parked(c);
             }
             EventBody::Released(r) => {
                 tracing::info!(

@@ -54,6 +54,8 @@ pub struct Watched {
     drained: bool,
     /// Its last periodic check against /proc (see `core::reconcile`).
     pub proc_check: Option<baton_agent_api::ProcCheck>,
+    /// What its shim said of its processes' CUDA state during its current preemption.
+    pub shims_word: super::shims_word::ShimsWord,
 }
 
 impl Watched {
@@ -109,6 +111,7 @@ impl Watched {
             suspected: false,
             drained: false,
             proc_check: None,
+            shims_word: Default::default(),
         };
         if tracer.gpu_state(cgroup_id).holds_state() {
             w.gpu = GpuHold::Held;

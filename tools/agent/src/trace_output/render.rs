@@ -125,6 +125,11 @@ pub fn line(e: &Event, container: &str, t0_ns: u64) -> String {
             format!("{head} close_range({first}, {last}, 0x{flags:x})")
         }
         Body::Exec => format!("{head} exec"),
+        Body::Lost { call, fd } => format!(
+            "{head} {}({fd}): record lost (no room in flight): its file counts as holding, or the process is \
+             re-read from /proc once the call returns",
+            call.name()
+        ),
         Body::Resync { lost } => {
             format!(
                 "{head} {lost} records lost (ring buffer full): fds and mappings re-read from /proc"
