@@ -16,6 +16,7 @@ pub mod option_keys;
 pub mod preempt;
 pub mod protocol;
 pub mod room;
+pub mod status;
 
 pub use client::{Client, ClientError, Endpoint, connect_or_start};
 pub use control::*;
@@ -30,6 +31,7 @@ pub use host_copy::{
 pub use lines::{BoundedLines, MAX_REPLY_LINE, MAX_REQUEST_LINE};
 pub use preempt::*;
 pub use protocol::*;
+pub use status::*;
 
 /// Where the agent listens unless configured otherwise (TOML `agent_socket`, `BATON_AGENT_SOCKET`).
 pub const DEFAULT_SOCKET: &str = "/run/baton/agent.sock";
