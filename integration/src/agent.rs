@@ -50,17 +50,6 @@ impl AgentProcess {
         Self::start_program_with_env(baton, socket, log, flags, &[])
     }
 
-    /// [`AgentProcess::start_with`] with more variables in the agent's environment (the fake NVML's).
-    pub fn start_with_env(
-        socket: &Path,
-        log: &Path,
-        flags: &[&str],
-        env: &[(&str, std::ffi::OsString)],
-    ) -> anyhow::Result<Self> {
-        let baton = workspace_binary("baton", "baton")?;
-        Self::start_program_with_env(&baton, socket, log, flags, env)
-    }
-
     /// [`AgentProcess::start_program_with`] with more variables in the agent's environment.
     pub fn start_program_with_env(
         baton: &Path,

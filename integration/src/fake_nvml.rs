@@ -7,7 +7,10 @@ use std::{
     time::Duration,
 };
 
-use crate::shim_binary::{build_package, target_dir};
+use crate::{
+    shim_binary::{build_package, target_dir},
+    trace_env::workspace_binary,
+};
 
 /// The fake library in a test's folder, and how it answers.
 pub struct FakeNvml {
@@ -64,13 +67,8 @@ impl FakeNvml {
         log: &Path,
         flags: &[&str],
     ) -> anyhow::Result<crate::agent::AgentProcess> {
-        let library = self
-            .library
-            .to_str()
-            .ok_or_else(|| anyhow::anyhow!("{} is not UTF-8", self.library.display()))?;
-        let mut all = vec!["--nvml-library", library];
-        all.extend_from_slice(flags);
-        crate::agent::AgentProcess::start_with_env(socket, log, &all, &self.env())
+        let baton = workspace_binary("baton", "baton")?;
+        self.start_agent_program(&baton, socket, log, flags)
     }
 
     /// [`FakeNvml::start_agent`] with the `baton` binary at `baton` (a release build, for benchmarks).
