@@ -93,6 +93,17 @@ fn a_hand_back_whose_gate_fails_leaves_the_server_parked_and_the_next_request_ha
     assert_eq!(rig.task_status("server").as_deref(), Some("RUNNING"));
 }
 
+/// A request event for the server: the agent hands it the GPU back (its preemption state goes).
+fn expect_handed_back(rig: &CudaRig) {
+    let reply = tell_agent(rig, REQUEST);
+    assert!(reply.contains("\"ok\":true"), "{reply}");
+    assert!(
+        wait_until(WITHIN, || rig.preemption("server").is_null()),
+        "the server was handed the GPU back: {}",
+        rig.gpu.status("server")
+    );
+}
+
 #[test]
 fn an_idle_parked_server_is_handed_the_gpu_back_by_an_agent_started_since() {
     let Some(rig) = CudaRig::start("hand-back-restart") else {
@@ -122,13 +133,7 @@ fn an_idle_parked_server_is_handed_the_gpu_back_by_an_agent_started_since() {
 
     // A request for the server: the new agent hands the GPU back (before, it ignored the request, and the
     // server stayed parked for good).
-    let reply = tell_agent(&rig, REQUEST);
-    assert!(reply.contains("\"ok\":true"), "{reply}");
-    assert!(
-        wait_until(WITHIN, || rig.preemption("server").is_null()),
-        "the server was handed the GPU back: {}",
-        rig.gpu.status("server")
-    );
+    expect_handed_back(&rig);
     rig.wait_held("server");
     assert_eq!(rig.preemption("trainer")["state"], json!("parked"));
 }
@@ -177,13 +182,7 @@ fn a_parked_server_that_puts_gpu_state_back_by_itself_is_parked_again_and_resume
     );
 
     // A request hands the GPU back: every process of the server is restored, the fresh one too.
-    let reply = tell_agent(&rig, REQUEST);
-    assert!(reply.contains("\"ok\":true"), "{reply}");
-    assert!(
-        wait_until(WITHIN, || rig.preemption("server").is_null()),
-        "the server was handed the GPU back: {}",
-        rig.gpu.status("server")
-    );
+    expect_handed_back(&rig);
     assert_eq!(CudaRig::cuda_state(late), "running");
 }
 

@@ -45,15 +45,17 @@ fn expect_still_held_by_another(rig: &Rig, w: &mut AgentWatch, id: &str, not: u6
         rig.status(id)
     );
     assert_eq!(rig.status(id)["gpu"], json!("held"), "{}", rig.status(id));
+    assert_no_release(w, Duration::ZERO, "released while a holder remains");
+}
+
+/// No `released` event arrives on `w` within `within` (`why`: what still holds, for the failure message).
+fn assert_no_release(w: &mut AgentWatch, within: Duration, why: &str) {
     let early: Vec<Value> = w
-        .drain_for(Duration::ZERO)
+        .drain_for(within)
         .into_iter()
         .filter(|e| e["kind"] == json!("released"))
         .collect();
-    assert!(
-        early.is_empty(),
-        "released while a holder remains: {early:?}"
-    );
+    assert!(early.is_empty(), "{why}: {early:?}");
 }
 
 /// The release that follows the hidden holder's last close, made between `before` and `returned_at`.
@@ -148,14 +150,10 @@ fn a_file_registered_in_io_uring_keeps_the_container_held_until_the_ring_goes() 
     h.num(&format!("close {fd}")).unwrap();
     // The close is applied (no fd left in the mirror) and still no release: the ring holds the file.
     assert!(wait_until(WITHIN, || rig.status("ring")["nvidia_fds"] == json!(0)));
-    let early: Vec<Value> = w
-        .drain_for(Duration::from_millis(300))
-        .into_iter()
-        .filter(|e| e["kind"] == json!("released"))
-        .collect();
-    assert!(
-        early.is_empty(),
-        "released while io_uring holds the file: {early:?}"
+    assert_no_release(
+        &mut w,
+        Duration::from_millis(300),
+        "released while io_uring holds the file",
     );
     assert_eq!(rig.status("ring")["gpu"], json!("held"));
     h.num(&format!("close {ring}")).unwrap();
@@ -382,14 +380,10 @@ fn still_held_after_a_check(rig: &Rig, w: &mut AgentWatch, id: &str, after: u64)
         "the agent checks {id} against /proc: {}",
         rig.status(id)
     );
-    let early: Vec<Value> = w
-        .drain_for(Duration::ZERO)
-        .into_iter()
-        .filter(|e| e["kind"] == json!("released"))
-        .collect();
-    assert!(
-        early.is_empty(),
-        "released while its device mapping holds the client: {early:?}"
+    assert_no_release(
+        w,
+        Duration::ZERO,
+        "released while its device mapping holds the client",
     );
     let status = rig.status(id);
     assert_eq!(status["gpu"], json!("held"), "{status}");

@@ -7,7 +7,8 @@
     reason = "test helpers fail the test by panicking"
 )]
 use baton_integration::{
-    cuda::{CudaRig, Trainer, WITHIN},
+    agent::AgentWatch,
+    cuda::{CudaRig, Running, Trainer, WITHIN},
     trace_env::{BatonTrace, workspace_binary},
 };
 use serde_json::{Value, json};
@@ -1036,25 +1037,12 @@ fn a_forked_worker_is_left_alone_and_the_park_releases_the_gpu_while_it_keeps_it
         let released = w.next_transition(id, WITHIN).unwrap();
         assert_eq!(released["kind"], json!("released"), "{released}");
         let status = rig.gpu.status(id);
-        let worker_fds = status["processes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|p| p["pid"] == json!(worker))
-            .map(|p| p["fds"].as_u64().unwrap())
-            .unwrap_or(0);
+        let worker_fds = fds_of(&status, worker);
         assert!(worker_fds > 0, "the worker keeps its fds: {status}");
         assert_eq!(status["gpu"], json!("released"), "{status}");
         assert_eq!(rig.task_status(id).as_deref(), Some("PAUSED"));
 
-        let (steps, outcome) = rig.baton_json(&["resume", id]);
-        assert_eq!(outcome["preemption"], Value::Null, "{outcome}: {steps:?}");
-        let line = trainer.wait_line("restored checksum");
-        assert!(line.ends_with("intact"), "{line}");
-        assert_eq!(
-            w.next_transition(id, WITHIN).unwrap()["kind"],
-            json!("acquired")
-        );
+        resume_intact(&rig, &mut trainer, &mut w, id);
         assert_eq!(rig.task_status(id).as_deref(), Some("RUNNING"));
     }
 }
@@ -1099,12 +1087,7 @@ fn a_park_after_an_agent_restart_is_released_while_the_forked_worker_keeps_its_f
     assert_eq!(released["kind"], json!("released"), "{released}");
     let status = rig.gpu.status(id);
     assert_eq!(status["gpu"], json!("released"), "{status}");
-    let worker_fds = status["processes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["pid"] == json!(worker))
-        .map_or(0, |p| p["fds"].as_u64().unwrap());
+    let worker_fds = fds_of(&status, worker);
     assert!(worker_fds > 0, "the worker keeps its fds: {status}");
     assert_eq!(
         outcome["preemption"]["no_cuda_state"],
@@ -1112,6 +1095,21 @@ fn a_park_after_an_agent_restart_is_released_while_the_forked_worker_keeps_its_f
         "the shim says the worker was left alone: {outcome}"
     );
 
+    resume_intact(&rig, &mut trainer, &mut w, id);
+}
+
+/// The NVIDIA fds process `pid` holds in container status `status` (0 when it is not listed).
+fn fds_of(status: &Value, pid: u32) -> u64 {
+    status["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["pid"] == json!(pid))
+        .map_or(0, |p| p["fds"].as_u64().unwrap())
+}
+
+/// Resumes parked trainer `id` through `baton resume`: its weights come back intact and it acquires the GPU.
+fn resume_intact(rig: &CudaRig, trainer: &mut Running, w: &mut AgentWatch, id: &str) {
     let (steps, outcome) = rig.baton_json(&["resume", id]);
     assert_eq!(outcome["preemption"], Value::Null, "{outcome}: {steps:?}");
     let line = trainer.wait_line("restored checksum");

@@ -31,6 +31,18 @@ fn expect_transition(w: &mut AgentWatch, id: &str, kind: &str) -> Value {
     e
 }
 
+/// Holder container `id`, watched, with a client and 1 MiB of video memory on its nvidiactl fd (returned):
+/// it has acquired the GPU.
+fn holding_state(rig: &Rig, id: &str) -> (HolderContainer, AgentWatch, u64) {
+    let mut h = rig.holder(id);
+    let mut w = rig.watch(id);
+    let ctl = h.num("open nvidiactl").unwrap();
+    let alloc = h.cmd(&format!("alloc {ctl}")).unwrap();
+    assert_eq!(alloc[1], "0", "{alloc:?}");
+    expect_transition(&mut w, id, "acquired");
+    (h, w, ctl)
+}
+
 /// The next transition of `id` is a release timed by the removal made between `before` and `returned_at`
 /// (by the holder's clock), confirmed past the kernel's release: nothing released it earlier, and the
 /// removal was seen by the probes (a container followed through /proc is released by a later look, not at
@@ -170,12 +182,7 @@ fn a_flood_of_threads_sharing_the_victims_in_flight_slot_loses_none_of_its_calls
         return;
     };
     let _pid_max = RaisedPidMax::to_systemds();
-    let mut victim = rig.holder("victim");
-    let mut w = rig.watch("victim");
-    let ctl = victim.num("open nvidiactl").unwrap();
-    let alloc = victim.cmd(&format!("alloc {ctl}")).unwrap();
-    assert_eq!(alloc[1], "0", "{alloc:?}");
-    expect_transition(&mut w, "victim", "acquired");
+    let (mut victim, mut w, ctl) = holding_state(&rig, "victim");
     // The victim's calls come from its main thread, whose tid is its pid.
     let victim_tid = holder_pid(&rig, "victim");
 
@@ -238,12 +245,7 @@ fn calls_that_find_no_room_in_flight_are_made_up_for_from_proc_not_only_counted(
         return;
     };
     let _pid_max = RaisedPidMax::to_systemds();
-    let mut h = rig.holder("crowd");
-    let mut w = rig.watch("crowd");
-    let ctl = h.num("open nvidiactl").unwrap();
-    let alloc = h.cmd(&format!("alloc {ctl}")).unwrap();
-    assert_eq!(alloc[1], "0", "{alloc:?}");
-    expect_transition(&mut w, "crowd", "acquired");
+    let (mut h, _w, ctl) = holding_state(&rig, "crowd");
     let slow = h.num("open nvidia0").unwrap();
     holder_pid(&rig, "crowd");
 
@@ -307,12 +309,7 @@ fn sixteen_containers_at_their_fd_quota_leave_another_container_followed_exactly
     )
     .unwrap();
     let url = metrics::url_from_log(&log, WITHIN).unwrap();
-    let mut victim = rig.holder("victim");
-    let mut w = rig.watch("victim");
-    let ctl = victim.num("open nvidiactl").unwrap();
-    let alloc = victim.cmd(&format!("alloc {ctl}")).unwrap();
-    assert_eq!(alloc[1], "0", "{alloc:?}");
-    expect_transition(&mut w, "victim", "acquired");
+    let (mut victim, mut w, ctl) = holding_state(&rig, "victim");
 
     // Sixteen containers of one tenant, each with 9,010 NVIDIA fds (900 dups of nvidia0 in a process and
     // nine forks of it), past their quota of 8,192: together more than the whole map (131,072).
