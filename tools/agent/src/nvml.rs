@@ -125,12 +125,8 @@ fn devices() -> Option<Vec<(u32, nvml_wrapper::Device<'static>)>> {
 
 /// Each device's used memory by its minor number (N of `/dev/nvidiaN`); `None` without NVML.
 pub fn used_by_minor() -> Option<BTreeMap<u32, u64>> {
-    Some(
-        devices()?
-            .iter()
-            .filter_map(|(_, d)| Some((d.minor_number().ok()?, d.memory_info().ok()?.used)))
-            .collect(),
-    )
+    let memory = memory_by_minor()?;
+    Some(memory.into_iter().map(|(m, mem)| (m, mem.used)).collect())
 }
 
 /// Each device's total and used memory by its minor number; `None` without NVML (a device whose memory
@@ -154,14 +150,22 @@ pub fn memory_by_minor() -> Option<BTreeMap<u32, crate::gate::floor::Memory>> {
 /// Asks NVML for [`memory_by_minor`] on a blocking thread; the answer goes to the core (`What::NvmlMemory`,
 /// with `asked_ns`). False when no checker runs (a core in a unit test).
 pub fn ask_memory(asked_ns: u64) -> bool {
+    ask_core(move || What::NvmlMemory {
+        asked_ns,
+        memory: memory_by_minor(),
+    })
+}
+
+/// Runs `answer` (NVML's calls) on a blocking thread and sends what it says to the core. False when no
+/// checker runs (a core in a unit test).
+fn ask_core(answer: impl FnOnce() -> What + Send + 'static) -> bool {
     let Some(core) = CORE.get().cloned() else {
         return false;
     };
     tokio::task::spawn_blocking(move || {
-        let memory = memory_by_minor();
         let (reply, _) = oneshot::channel();
         let _ = core.blocking_send(Command {
-            what: What::NvmlMemory { asked_ns, memory },
+            what: answer(),
             peer_pid: 0,
             reply,
         });
@@ -221,19 +225,10 @@ static CORE: OnceLock<mpsc::Sender<Command>> = OnceLock::new();
 /// Asks NVML for [`gpu_users`] on a blocking thread; the answer goes to the core (`What::GpuUsers`, with
 /// `asked_ns`). False when no checker runs (a core in a unit test).
 pub fn ask_gpu_users(asked_ns: u64) -> bool {
-    let Some(core) = CORE.get().cloned() else {
-        return false;
-    };
-    tokio::task::spawn_blocking(move || {
-        let users = gpu_users();
-        let (reply, _) = oneshot::channel();
-        let _ = core.blocking_send(Command {
-            what: What::GpuUsers { asked_ns, users },
-            peer_pid: 0,
-            reply,
-        });
-    });
-    true
+    ask_core(move || What::GpuUsers {
+        asked_ns,
+        users: gpu_users(),
+    })
 }
 
 /// A published release whose cross-check is to come.
