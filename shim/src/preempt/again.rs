@@ -7,7 +7,7 @@
 //! frozen instead: the node owns the freeze, never the tenant, and nothing of it runs on beside the server.
 //! GPU state no checkpoint can take (a process the driver has no CUDA state for: raw RM calls) is refused
 //! here and left to the gate, where the container counts as a holder until that state goes.
-use baton_agent_api::{Phase, PreemptMode, PreemptPhase, PreemptRequest, PreemptState};
+use baton_agent_api::{Phase, PreemptRequest, PreemptState};
 use baton_nvidia::cuda_checkpoint::CudaState;
 
 use super::{Steps, presence::Sorted, rollback::states_of};
@@ -25,19 +25,7 @@ impl Container {
         steps: &mut Steps,
     ) -> Result<PreemptState> {
         let mut op = self.begin_op()?;
-        let mut parked = match self.preemption() {
-            Some(s) if s.state == PreemptPhase::Parked && s.mode == PreemptMode::Park => s,
-            other => {
-                return Err(ShimError::FailedPrecondition {
-                    id: self.id.clone(),
-                    action: "park again",
-                    state: match other {
-                        None => "not parked (it runs: nothing to park again)".into(),
-                        Some(s) => format!("{:?}, not parked", s.state).to_lowercase(),
-                    },
-                });
-            }
-        };
+        let mut parked = self.parked_or_refuse("park again")?;
         let cuda = self.cuda_checkpoint(self.init_pid().await).await?;
         let fresh: Vec<u32> = states_of(&cuda, &r.pids)
             .await

@@ -474,6 +474,22 @@ impl Container {
         ))
     }
 
+    /// The container's preemption state when it is parked (only a park parks: its mode is `park`); else
+    /// `action` is refused, saying where it is.
+    fn parked_or_refuse(&self, action: &'static str) -> Result<PreemptState> {
+        match self.preemption() {
+            Some(s) if s.state == PreemptPhase::Parked => Ok(s),
+            other => Err(ShimError::FailedPrecondition {
+                id: self.id.clone(),
+                action,
+                state: match other {
+                    None => format!("not parked (it runs: nothing to {action})"),
+                    Some(s) => format!("{:?}, not parked", s.state).to_lowercase(),
+                },
+            }),
+        }
+    }
+
     /// Persists the preemption state `state` and tells the timeline's hook (the agent) at once.
     fn enter(&self, steps: &Steps, state: Option<PreemptState>) {
         self.set_preemption(state.clone());
@@ -485,19 +501,7 @@ impl Container {
     /// reaches containerd as a TaskExit with its real status.
     pub async fn resume_parked(&self, steps: &mut Steps) -> Result<()> {
         let _op = self.begin_op()?;
-        let parked = match self.preemption() {
-            Some(s) if s.state == PreemptPhase::Parked => s,
-            other => {
-                return Err(ShimError::FailedPrecondition {
-                    id: self.id.clone(),
-                    action: "resume",
-                    state: match other {
-                        None => "not parked (it runs: nothing to resume)".into(),
-                        Some(s) => format!("{:?}, not parked", s.state).to_lowercase(),
-                    },
-                });
-            }
-        };
+        let parked = self.parked_or_refuse("resume")?;
         let cuda = self.cuda_checkpoint(self.init_pid().await).await?;
         self.enter(
             steps,
