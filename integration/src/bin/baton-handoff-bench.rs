@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use baton_integration::{
-    cuda::{CudaRig, Trainer, step_t_ns},
+    cuda::{CudaRig, Running, Trainer, step_t_ns},
     fake_nvml::FakeNvml,
     trace_env::workspace_binary,
 };
@@ -81,13 +81,7 @@ fn main() -> Result<()> {
     let Some(rig) = CudaRig::start("handoff-bench") else {
         bail!("cannot benchmark: a prerequisite is missing (see above)");
     };
-    let trainer = Trainer {
-        vram_mib: mib,
-        copy_mib_per_s: rate,
-        ..Trainer::default()
-    };
-    let _trainer = rig.run("trainer", &trainer, &[]);
-    rig.wait_gpu("trainer", "held", WITHIN)?;
+    let _trainer = run_trainer(&rig, mib, rate)?;
     println!(
         "handoff on the mock GPU: the trainer's {mib} MiB copied at {rate} MiB/s, {rounds} rounds per arm \
          (medians)"
@@ -109,14 +103,26 @@ fn main() -> Result<()> {
     snapshots(&rig, rounds, snap_mib, rate)
 }
 
-/// The snapshot handoffs (overlapped, sequential) and restores from a checkpoint image, each round with a
-/// fresh trainer of `mib` MiB; a restore against a park resume of the same trainer.
-fn snapshots(rig: &CudaRig, rounds: u64, mib: u64, rate: u64) -> Result<()> {
-    let trainer = Trainer {
+/// A trainer of `mib` MiB whose checkpoints copy at `rate` MiB/s.
+fn trainer_of(mib: u64, rate: u64) -> Trainer {
+    Trainer {
         vram_mib: mib,
         copy_mib_per_s: rate,
         ..Trainer::default()
-    };
+    }
+}
+
+/// Runs [`trainer_of`] as container `trainer` on `rig`, once it holds the GPU.
+fn run_trainer(rig: &CudaRig, mib: u64, rate: u64) -> Result<Running> {
+    let trainer = rig.run("trainer", &trainer_of(mib, rate), &[]);
+    rig.wait_gpu("trainer", "held", WITHIN)?;
+    Ok(trainer)
+}
+
+/// The snapshot handoffs (overlapped, sequential) and restores from a checkpoint image, each round with a
+/// fresh trainer of `mib` MiB; a restore against a park resume of the same trainer.
+fn snapshots(rig: &CudaRig, rounds: u64, mib: u64, rate: u64) -> Result<()> {
+    let trainer = trainer_of(mib, rate);
     println!(
         "snapshot (real CRIU, {}) on the mock GPU: a fresh trainer of {mib} MiB per round, {rounds} rounds \
          per arm (medians)",
@@ -327,13 +333,7 @@ fn floor_costs(rounds: u64, mib: u64, rate: u64) -> Result<()> {
         let socket = rig.gpu.env.containerd().agent_socket();
         let log = dir.path().join("agent.log");
         let _agent = nvml.start_agent_program(&baton, &socket, &log, flags)?;
-        let trainer = Trainer {
-            vram_mib: mib,
-            copy_mib_per_s: rate,
-            ..Trainer::default()
-        };
-        let _trainer = rig.run("trainer", &trainer, &[]);
-        rig.wait_gpu("trainer", "held", WITHIN)?;
+        let _trainer = run_trainer(&rig, mib, rate)?;
         let mut rs = Vec::new();
         for i in 0..rounds {
             let server = format!("server-{i}");
